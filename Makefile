@@ -1,0 +1,39 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both set up what is missing first.
+VENV := .venv
+FLYWHEEL := $(VENV)/bin/flywheel
+PYTEST := $(VENV)/bin/python -m pytest
+DEMO_MINUTES ?= 20
+
+.PHONY: setup demo test test-unit test-integration up down status model clean
+
+setup:
+	@bash infra/setup.sh
+
+model: setup
+	@$(FLYWHEEL) model init
+
+demo: setup
+	@$(FLYWHEEL) demo --minutes $(DEMO_MINUTES)
+
+# The test command CI runs. Integration tests start the real Kafka, MLflow and vLLM themselves
+# (once per session, through infra/) and stop what they started.
+test: setup
+	@$(PYTEST) tests/unit tests/integration tests/gpu
+
+test-unit: setup
+	@$(PYTEST) tests/unit
+
+test-integration: setup
+	@$(PYTEST) tests/integration
+
+up: setup
+	@$(FLYWHEEL) infra up
+
+down:
+	@$(FLYWHEEL) infra down
+
+status:
+	@$(FLYWHEEL) status
+
+clean: down
+	rm -rf var/lake var/mlflow var/policies var/report var/kafka/data var/run

@@ -1,0 +1,1 @@
+"""agent-flywheel: local stack, tiny model, the flywheel command line, demo."""

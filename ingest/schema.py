@@ -1,0 +1,329 @@
+"""The one definition of every record that crosses a process boundary.
+
+Events (what a production agent did), outcomes (what happened afterwards) and episodes
+(what the learner trains on) are each declared once here as a tuple of `Col`s. From that
+one declaration come:
+
+* validation of a decoded JSON record (`validate_event`, `validate_outcome`), with an error
+  that names the field and the problem, used by the lake writer before anything lands;
+* the Arrow schema of the lake tables (`EVENT_ARROW_SCHEMA` ...), built lazily so that the
+  SDK's import path never imports pyarrow.
+
+Evolution rule. `schema_version` is carried on every event and outcome. Within one version
+the set of fields is closed: an unknown field is an error (it would otherwise be silently
+lost in the lake). A new version may only ADD optional fields or event types, never
+remove, rename or retype one, so the lake tables of all versions union into one schema
+(missing columns read as null). Readers accept every version in SUPPORTED_SCHEMA_VERSIONS;
+a record of any other version goes to the dead-letter topic, never half-parsed.
+
+This module imports only the standard library: it is on the SDK's hot import path.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+
+# Kafka topics (the transport contract); every process takes them from its config, these are the defaults.
+EVENTS_TOPIC = "flywheel.events"
+OUTCOMES_TOPIC = "flywheel.outcomes"
+DLQ_TOPIC = "flywheel.dlq"
+
+# Upper bounds the SDK enforces before an event leaves the host; the lake writer rejects larger records.
+MAX_TEXT_CHARS = 64 * 1024  # tool output, completion text: longer values are cut and flagged in `truncated`
+MAX_RECORD_BYTES = 4 * 1024 * 1024  # one serialised event, after truncation
+
+EVENT_TYPES = (
+    "session_start",
+    "llm_call",
+    "tool_call",
+    "tool_result",
+    "subagent_spawn",
+    "subagent_finish",
+    "context_edit",
+    "session_end",
+)
+CONTEXT_EDIT_KINDS = ("summarize", "prune")
+
+
+class SchemaError(ValueError):
+    """A record does not match the schema; the message names the field and the problem."""
+
+
+@dataclass(frozen=True)
+class Col:
+    """One column. `kind` is one of: str, int, float, bool, ts, ints, floats, strs, json.
+
+    `ts` is an ISO-8601 UTC string on the wire and timestamp[us, UTC] in the lake; `json` is any
+    JSON value on the wire, stored as its JSON text (free-form maps such as tags and tool
+    arguments stay queryable with DuckDB's json functions without widening the schema).
+    """
+
+    name: str
+    kind: str
+    required: bool
+    doc: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Events
+# ---------------------------------------------------------------------------------------------
+EVENT_COMMON: tuple[Col, ...] = (
+    Col("schema_version", "int", True, "schema version of this record"),
+    Col("event_id", "str", True, "uuid4 hex; the idempotency key (replays are de-duplicated by it)"),
+    Col("session_id", "str", True, "one production session (the Kafka key, so a session stays ordered)"),
+    Col("agent_id", "str", True, "the agent inside the session that emitted the event (main agent or sub-agent)"),
+    Col("parent_agent_id", "str", False, "the spawning agent for a sub-agent, null for the main agent"),
+    Col("seq", "int", True, "monotonic per agent_id, from 0"),
+    Col("ts", "ts", True, "when the event happened, UTC, microseconds"),
+    Col("type", "str", True, "one of EVENT_TYPES"),
+    Col("truncated", "strs", False, "names of fields the SDK cut to size (their values are prefixes)"),
+)
+
+EVENT_FIELDS: dict[str, tuple[Col, ...]] = {
+    "session_start": (
+        Col("task_type", "str", True, "the task family, e.g. code_edit; baselines and rubrics are per task_type"),
+        Col("tags", "json", False, "free-form string map"),
+    ),
+    "llm_call": (
+        Col("model", "str", True, "the served model name the request was routed to, e.g. policy-v3"),
+        Col("policy_version", "int", True, "integer version of the policy that produced the completion"),
+        Col("prompt_token_ids", "ints", True, "the exact prompt token ids the server saw"),
+        Col("completion_token_ids", "ints", True, "the exact sampled token ids"),
+        Col("completion_logprobs", "floats", True, "behaviour logprob of each completion token"),
+        Col("finish_reason", "str", False, "stop, length, tool_calls ..."),
+        Col("latency_s", "float", False, "wall time of the call"),
+        Col("sampling", "json", False, "sampling parameters (temperature, top_p, max_tokens ...)"),
+        Col("prompt_text", "str", False, "optional rendered prompt (redacted)"),
+        Col("completion_text", "str", False, "optional completion text (redacted)"),
+        Col("group_id", "str", False, "samples sharing a group id get group-relative advantages"),
+        Col("request_id", "str", False, "the serving request id, for tracing"),
+    ),
+    "tool_call": (
+        Col("call_id", "str", True, "pairs the call with its result"),
+        Col("name", "str", True, "tool name"),
+        Col("arguments", "json", False, "tool arguments as given by the model"),
+        Col("malformed", "bool", False, "the model's tool call did not parse or did not match the tool's signature"),
+    ),
+    "tool_result": (
+        Col("call_id", "str", True, "the tool_call this answers"),
+        Col("name", "str", False, "tool name"),
+        Col("ok", "bool", True, "whether the tool succeeded"),
+        Col("output", "str", False, "tool output (size-capped, redacted)"),
+    ),
+    "subagent_spawn": (
+        Col("child_agent_id", "str", True, "agent_id the child will log under"),
+        Col("subtask", "str", False, "what the child was asked to do"),
+    ),
+    "subagent_finish": (
+        Col("child_agent_id", "str", True, "the child that finished"),
+        Col("ok", "bool", True, "whether the child finished its sub-task successfully"),
+    ),
+    "context_edit": (
+        Col("edit_kind", "str", True, "summarize or prune"),
+        Col("tokens_removed", "int", True, "how many context tokens the edit removed"),
+        Col("summary_token_ids", "ints", False, "token ids of the summary that replaced them"),
+    ),
+    "session_end": (Col("status", "str", True, "how the session ended: ok, error, abandoned, timeout ..."),),
+}
+
+# Every per-type column, in declaration order, de-duplicated (ok is shared by two types).
+_EVENT_TYPE_COLS: tuple[Col, ...] = tuple(
+    {c.name: Col(c.name, c.kind, False, c.doc) for cols in EVENT_FIELDS.values() for c in cols}.values()
+)
+EVENT_COLUMNS: tuple[Col, ...] = EVENT_COMMON + _EVENT_TYPE_COLS
+
+# ---------------------------------------------------------------------------------------------
+# Outcomes
+# ---------------------------------------------------------------------------------------------
+OUTCOME_COLUMNS: tuple[Col, ...] = (
+    Col("schema_version", "int", True, "schema version of this record"),
+    Col("outcome_id", "str", True, "uuid4 hex; the idempotency key"),
+    Col("session_id", "str", True, "the session this outcome is about"),
+    Col("agent_id", "str", False, "the agent it is about, when narrower than the session"),
+    Col("kind", "str", True, "outcome kind, e.g. task_success, tests_passed, accepted; rewards map kinds to values"),
+    Col("value", "float", True, "the signal, e.g. 1.0 / 0.0"),
+    Col("ts", "ts", True, "when the outcome was observed, UTC"),
+    Col("source", "str", False, "who reported it (verifier, user, ci ...)"),
+)
+
+# Columns the lake writer adds to every event and outcome row (provenance and exactly-once bookkeeping).
+LAKE_META_COLUMNS: tuple[Col, ...] = (
+    Col("_topic", "str", True, "Kafka topic the record came from"),
+    Col("_partition", "int", True, "Kafka partition"),
+    Col("_offset", "int", True, "Kafka offset"),
+    Col("_ingest_ts", "ts", True, "when the lake writer read it"),
+)
+# Hive partition column (the directory `date=YYYY-MM-DD`), derived from the record's ts.
+LAKE_PARTITION_COLUMN = "date"
+
+# ---------------------------------------------------------------------------------------------
+# Episodes (written by rewards/, read by learner/ and serving/)
+# ---------------------------------------------------------------------------------------------
+EPISODE_COLUMNS: tuple[Col, ...] = (
+    Col("episode_id", "str", True, "stable id of the trained sample: the llm_call's event_id"),
+    Col("label_version", "int", True, "1 for the first label; a later outcome appends version 2, 3 ..."),
+    Col("session_id", "str", True, "trace back to the session"),
+    Col("agent_id", "str", True, "agent that made the call"),
+    Col("parent_agent_id", "str", False, "parent agent for sub-agent calls"),
+    Col("task_type", "str", True, "task family"),
+    Col("group_id", "str", False, "group for group-relative advantages"),
+    Col("model", "str", True, "served model name"),
+    Col("policy_version", "int", True, "behaviour policy version"),
+    Col("prompt_token_ids", "ints", True, "exact prompt ids as served"),
+    Col("completion_token_ids", "ints", True, "exact completion ids as served"),
+    Col("completion_logprobs", "floats", True, "behaviour logprobs, one per completion token"),
+    Col("loss_mask", "ints", True, "1 where a completion token is trained, 0 where masked; same length"),
+    Col("reward", "float", True, "the total scalar reward of this sample"),
+    Col("r_outcome", "float", True, "verifiable outcome component"),
+    Col("r_judge", "float", False, "generative judge component (null when not judged)"),
+    Col("r_parallel", "float", True, "PARL parallelism shaping (already multiplied by its lambda)"),
+    Col("r_finish", "float", True, "PARL sub-agent finish shaping (already multiplied by its lambda)"),
+    Col("r_penalty", "float", True, "penalties, e.g. malformed tool calls (<= 0)"),
+    Col("reward_detail", "json", False, "per outcome kind values, judge status, lambdas in force"),
+    Col("critical_steps", "int", True, "longest chain of steps through the session's sub-agents"),
+    Col("call_ts", "ts", True, "when the llm_call happened"),
+    Col("session_end_ts", "ts", False, "when the session ended"),
+    Col("last_outcome_ts", "ts", False, "arrival of the newest outcome in this label"),
+    Col("emitted_ts", "ts", True, "when the builder wrote this row"),
+)
+
+# ---------------------------------------------------------------------------------------------
+# Validation (pure Python, no third-party imports)
+# ---------------------------------------------------------------------------------------------
+_KIND_CHECK = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "ts": lambda v: isinstance(v, str) and _parse_ts(v) is not None,
+    "ints": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    "floats": lambda v: isinstance(v, list)
+    and all(isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) for x in v),
+    "strs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "json": lambda v: True,
+}
+
+
+def _parse_ts(value: str) -> _dt.datetime | None:
+    try:
+        parsed = _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else None
+
+
+def parse_ts(value: str) -> _dt.datetime:
+    """Parse a wire timestamp into an aware UTC datetime (raises SchemaError)."""
+    parsed = _parse_ts(value) if isinstance(value, str) else None
+    if parsed is None:
+        raise SchemaError(f"ts: {value!r} is not an ISO-8601 timestamp with a UTC offset")
+    return parsed.astimezone(_dt.timezone.utc)
+
+
+def now_ts() -> str:
+    """The current time as a wire timestamp (ISO-8601, UTC, microseconds)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
+
+
+def _check(record: Mapping[str, Any], cols: tuple[Col, ...], what: str) -> None:
+    for col in cols:
+        value = record.get(col.name)
+        if value is None:
+            if col.required:
+                raise SchemaError(f"{what}: missing required field {col.name!r}")
+            continue
+        if not _KIND_CHECK[col.kind](value):
+            raise SchemaError(f"{what}: field {col.name!r} should be {col.kind}, got {type(value).__name__} {_short(value)}")
+    known = {c.name for c in cols}
+    unknown = [k for k in record if k not in known]
+    if unknown:
+        raise SchemaError(f"{what}: unknown field(s) {sorted(unknown)} (schema v{record.get('schema_version')} is closed; add fields in a new version)")
+
+
+def _check_version(record: Mapping[str, Any]) -> None:
+    version = record.get("schema_version")
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise SchemaError(f"unsupported schema_version {version!r} (supported: {sorted(SUPPORTED_SCHEMA_VERSIONS)})")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_event(record: Any) -> dict[str, Any]:
+    """Check a decoded event; return it unchanged or raise SchemaError naming the problem."""
+    if not isinstance(record, dict):
+        raise SchemaError(f"event is a JSON {type(record).__name__}, expected an object")
+    _check_version(record)
+    etype = record.get("type")
+    if etype not in EVENT_FIELDS:
+        raise SchemaError(f"unknown event type {etype!r} (known: {', '.join(EVENT_TYPES)})")
+    _check(record, EVENT_COMMON + EVENT_FIELDS[etype], f"{etype} event")
+    if record["seq"] < 0:
+        raise SchemaError(f"{etype} event: seq must be >= 0, got {record['seq']}")
+    if etype == "llm_call" and len(record["completion_logprobs"]) != len(record["completion_token_ids"]):
+        raise SchemaError(
+            "llm_call event: completion_logprobs has "
+            f"{len(record['completion_logprobs'])} values for {len(record['completion_token_ids'])} completion tokens"
+        )
+    if etype == "context_edit" and record["edit_kind"] not in CONTEXT_EDIT_KINDS:
+        raise SchemaError(f"context_edit event: edit_kind {record['edit_kind']!r} not in {CONTEXT_EDIT_KINDS}")
+    return record
+
+
+def validate_outcome(record: Any) -> dict[str, Any]:
+    """Check a decoded outcome; return it unchanged or raise SchemaError naming the problem."""
+    if not isinstance(record, dict):
+        raise SchemaError(f"outcome is a JSON {type(record).__name__}, expected an object")
+    _check_version(record)
+    _check(record, OUTCOME_COLUMNS, "outcome")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrow schemas, derived from the columns above (pyarrow imported only when asked for)
+# ---------------------------------------------------------------------------------------------
+def arrow_type(kind: str) -> Any:
+    import pyarrow as pa
+
+    return {
+        "str": pa.string(),
+        "int": pa.int64(),
+        "float": pa.float64(),
+        "bool": pa.bool_(),
+        "ts": pa.timestamp("us", tz="UTC"),
+        "ints": pa.list_(pa.int32()),
+        "floats": pa.list_(pa.float32()),
+        "strs": pa.list_(pa.string()),
+        "json": pa.string(),
+    }[kind]
+
+
+def arrow_schema(cols: tuple[Col, ...]) -> Any:
+    import pyarrow as pa
+
+    return pa.schema(
+        [pa.field(c.name, arrow_type(c.kind), nullable=not c.required, metadata={"doc": c.doc}) for c in cols]
+    )
+
+
+def event_arrow_schema() -> Any:
+    """Lake schema of lake/events (without the hive `date` column, which is the directory)."""
+    return arrow_schema(EVENT_COLUMNS + LAKE_META_COLUMNS)
+
+
+def outcome_arrow_schema() -> Any:
+    """Lake schema of lake/outcomes."""
+    return arrow_schema(OUTCOME_COLUMNS + LAKE_META_COLUMNS)
+
+
+def episode_arrow_schema() -> Any:
+    """Lake schema of lake/episodes."""
+    return arrow_schema(EPISODE_COLUMNS)

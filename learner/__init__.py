@@ -1,0 +1,1 @@
+"""agent-flywheel: the continuous learner (off-policy policy gradient on logged tokens)."""

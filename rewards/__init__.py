@@ -1,0 +1,1 @@
+"""agent-flywheel: episodes from the lake, outcome rewards, LLM judge, PARL shaping."""
