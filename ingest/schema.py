@@ -79,7 +79,7 @@ EVENT_COMMON: tuple[Col, ...] = (
     Col("session_id", "str", True, "one production session (the Kafka key, so a session stays ordered)"),
     Col("agent_id", "str", True, "the agent inside the session that emitted the event (main agent or sub-agent)"),
     Col("parent_agent_id", "str", False, "the spawning agent for a sub-agent, null for the main agent"),
-    Col("seq", "int", True, "monotonic per agent_id, from 0"),
+    Col("seq", "int", True, "monotonic per (agent_id, emitting process); order inside an agent is (ts, seq)"),
     Col("ts", "ts", True, "when the event happened, UTC, microseconds"),
     Col("type", "str", True, "one of EVENT_TYPES"),
     Col("truncated", "strs", False, "names of fields the SDK cut to size (their values are prefixes)"),

@@ -1,0 +1,25 @@
+"""`flywheel bench NAME`: each benchmark is bench/NAME.py with a main(argv)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "sidecar": "hot-path cost of the SDK vs an OpenTelemetry span, and during a broker outage",
+    "ingest": "lake writer rate vs raw kafka-python consume rate, produce-to-visible latency",
+    "episodes": "episode builder: full build and incremental passes at lake sizes 1x and 10x",
+    "learner": "learner step tokens/s vs a bare torch loop, step-to-served publish time",
+    "weights": "LoRA and full-weight push into a running vLLM vs a plain file copy",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] not in BENCHMARKS:
+        print("usage: flywheel bench NAME [ARGS]\n\nbenchmarks:")
+        for name, text in BENCHMARKS.items():
+            print(f"  {name:<9} {text}")
+        return 0 if not args or args[0] in ("-h", "--help") else 2
+    module = importlib.import_module(f"bench.{args[0]}")
+    return int(module.main(args[1:]) or 0)

@@ -1,0 +1,81 @@
+"""Session fixtures for the real services: one Kafka broker, one MLflow store, one vLLM server.
+
+They are started once per test session through infra.stack (the same code as `flywheel infra
+up`), reused when already running, and only what this session started is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from infra import stack as stack_mod
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[stack_mod.StackConfig]:
+    cfg = stack_mod.load_stack_config([])
+    started = stack_mod.ensure_up(cfg)
+    yield cfg
+    if os.environ.get("FLYWHEEL_KEEP_STACK") != "1":
+        stack_mod.down(cfg, parts=started)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(stack: stack_mod.StackConfig) -> str:
+    return stack.kafka_bootstrap
+
+
+@pytest.fixture(scope="session")
+def vllm_url(stack: stack_mod.StackConfig) -> str:
+    return stack.vllm_url
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(stack: stack_mod.StackConfig) -> str:
+    return stack.mlflow_tracking_uri
+
+
+@pytest.fixture(scope="session")
+def base_model_dir(stack: stack_mod.StackConfig) -> Path:
+    return Path(stack.base_model)
+
+
+@pytest.fixture
+def new_topic(kafka_bootstrap: str) -> Callable[..., str]:
+    """Create a fresh topic (unique name) and return its name: new_topic("events", partitions=4)."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="tests")
+    created: list[str] = []
+
+    def make(stem: str = "t", partitions: int = 1) -> str:
+        name = f"test.{stem}.{uuid.uuid4().hex[:10]}"
+        admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+        created.append(name)
+        return name
+
+    yield make
+    try:
+        admin.delete_topics(created)
+    except Exception:  # a topic left behind is harmless: names are unique
+        pass
+    admin.close()
+
+
+@pytest.fixture
+def vllm_weights_lock(stack: stack_mod.StackConfig) -> Iterator[None]:
+    """Serialise tests (and test runs) that reload the shared vLLM server's full weights."""
+    path = Path(stack.var_dir) / "run" / "vllm-weights.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
