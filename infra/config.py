@@ -199,3 +199,5 @@ def setup_logging(level: str = "INFO") -> None:
         format="%(asctime)s %(levelname)-5s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    # kafka-python logs every connection at INFO; keep its warnings and errors only
+    logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -1,0 +1,221 @@
+"""`flywheel model init`: build the tiny base model locally, with no network.
+
+No model can be downloaded here, so tests and the demo use a model the project builds
+itself: a byte-level BPE tokenizer trained on a generated corpus, a ChatML chat template,
+and a small Qwen2-style causal LM (head_dim 64, because vLLM's CPU attention rejects 16;
+untied embeddings, because vLLM's in-place `reload_weights` is only exact for untied
+models), saved in Hugging Face format so that vLLM, transformers and peft all load it.
+Real deployments skip this and pass their own model directory (`--base-model`).
+
+    flywheel model init                 # var/models/tiny-base (random weights)
+    flywheel model init --warm-start    # also var/models/tiny-warm (briefly supervised on the demo task)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra import defaults
+from infra.config import ConfigError, load_config, setting, setup_logging, write_resolved
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, the format of Qwen2 chat models: vLLM's chat endpoint renders prompts with it.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+WARM_MODEL_DIR = "var/models/tiny-warm"
+
+
+@dataclass
+class ModelInitConfig:
+    """Build the tiny base model (tokenizer + Qwen2-style causal LM) under var/models/."""
+
+    action: str = setting("init", "what to do; only 'init' exists")
+    out: Path = setting(Path(defaults.BASE_MODEL_DIR), "directory of the base model to write")
+    force: bool = setting(False, "rebuild even if the directory already holds a model")
+    vocab_size: int = setting(512, "BPE vocabulary size, special tokens included")
+    hidden_size: int = setting(256, "model width")
+    num_layers: int = setting(4, "decoder layers")
+    num_heads: int = setting(4, "attention heads; head_dim = hidden_size / num_heads must be 64 for vLLM on CPU")
+    num_kv_heads: int = setting(4, "key/value heads (grouped-query attention when fewer than num_heads)")
+    intermediate_size: int = setting(768, "MLP width")
+    max_position_embeddings: int = setting(2048, "context length")
+    corpus_lines: int = setting(20000, "lines of generated text the tokenizer is trained on")
+    seed: int = setting(0, "seed of the corpus and the initial weights (same seed, same model)")
+    warm_start: bool = setting(False, "also write a warm-started copy, briefly supervised on the demo task")
+    warm_out: Path = setting(Path(WARM_MODEL_DIR), "directory of the warm-started model")
+
+    def check(self) -> None:
+        if self.action != "init":
+            raise ConfigError(f"action: unknown action {self.action!r}; use `flywheel model init`")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError("hidden_size must be a multiple of num_heads")
+        if self.hidden_size // self.num_heads != 64:
+            raise ConfigError(
+                f"hidden_size / num_heads = {self.hidden_size // self.num_heads}; vLLM's CPU attention needs head_dim 64"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("num_heads must be a multiple of num_kv_heads")
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ConfigError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (all bytes + special tokens)")
+
+
+_WORDS = (
+    "the a an of to and in is it you that for on with as are be this was have or at by not from but what all "
+    "were when we there can more if no out so said do up about who which their will how many file test code "
+    "function return value result answer question tool call user assistant system error ok true false none "
+    "list add sum multiply lookup weather city number name price stock capital country search read write edit "
+    "python json data model train reward agent session task please thanks compute find get set plan step done"
+).split()
+
+
+def _generated_corpus(n: int, rng: random.Random) -> list[str]:
+    """Text with the shapes the model will see: prose, numbers, JSON tool calls, ChatML turns."""
+    lines: list[str] = []
+    for i in range(n):
+        kind = i % 4
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14)))
+        if kind == 0:
+            lines.append(words.capitalize() + rng.choice([".", "?", "!"]))
+        elif kind == 1:
+            a, b = rng.randint(0, 9999), rng.randint(0, 9999)
+            lines.append(f"{words} {a} + {b} = {a + b}; {a} * {b % 100} = {a * (b % 100)}")
+        elif kind == 2:
+            args = {rng.choice(_WORDS): rng.choice([rng.randint(0, 999), rng.choice(_WORDS)]) for _ in range(2)}
+            lines.append('<tool_call>{"name": "%s", "arguments": %s}</tool_call>' % (rng.choice(_WORDS), json.dumps(args)))
+        else:
+            lines.append(f"<|im_start|>user\n{words}<|im_end|>\n<|im_start|>assistant\n{words[::-1]}<|im_end|>")
+    return lines
+
+
+def _task_corpus(n: int) -> list[str]:
+    """The demo task family's own texts, when infra.tasks provides them (so the BPE merges fit the task)."""
+    try:
+        from infra import tasks
+    except ImportError:
+        return []
+    corpus_lines = getattr(tasks, "corpus_lines", None)
+    return list(corpus_lines(n)) if callable(corpus_lines) else []
+
+
+def build_tokenizer(cfg: ModelInitConfig, out: Path) -> "object":
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(cfg.seed)
+    corpus = _generated_corpus(cfg.corpus_lines, rng) + _task_corpus(cfg.corpus_lines)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=cfg.max_position_embeddings,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    log.info("model init: tokenizer with %d tokens trained on %d lines", len(fast), len(corpus))
+    return fast
+
+
+def build_model(cfg: ModelInitConfig, tokenizer: "object", out: Path) -> int:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,  # vLLM's in-place reload is exact only for untied models (design.md)
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=pad)
+    model.save_pretrained(str(out), safe_serialization=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model init: Qwen2 %d layers, hidden %d, %d heads of 64, %.2fM parameters",
+             cfg.num_layers, cfg.hidden_size, cfg.num_heads, n_params / 1e6)
+    return n_params
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+
+
+def init_model(cfg: ModelInitConfig) -> Path:
+    """Write the base model (atomically: a half-built directory is never left under the final name)."""
+    out = Path(cfg.out)
+    if is_model_dir(out) and not cfg.force:
+        log.info("model init: %s already holds a model (use --force to rebuild)", out)
+        return out
+    tmp = out.with_name(out.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = build_tokenizer(cfg, tmp)
+    build_model(cfg, tokenizer, tmp)
+    write_resolved(cfg, tmp / "flywheel-model-init.toml")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log.info("model init: base model ready at %s", out)
+    return out
+
+
+def ensure_base_model(path: str | Path = defaults.BASE_MODEL_DIR) -> Path:
+    """Build the default tiny model at `path` if it is not there (used by infra up, tests, demo)."""
+    path = Path(path)
+    if not is_model_dir(path):
+        init_model(ModelInitConfig(out=path))
+    return path
+
+
+def run(cfg: ModelInitConfig) -> int:
+    base = init_model(cfg)
+    if cfg.warm_start:
+        from infra import warm_start
+
+        if is_model_dir(Path(cfg.warm_out)) and not cfg.force:
+            log.info("model init: %s already holds a warm-started model (use --force to rebuild)", cfg.warm_out)
+        else:
+            warm_start.run(base, Path(cfg.warm_out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    # `flywheel model init [flags]`: the positional action maps onto the typed config
+    if args and not args[0].startswith("-"):
+        args = ["--action", args[0]] + args[1:]
+    cfg = load_config(ModelInitConfig, args, prog="flywheel model")
+    setup_logging()
+    return run(cfg)

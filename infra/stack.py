@@ -1,0 +1,605 @@
+"""`flywheel infra up|down|status`: the local stack on loopback — Apache Kafka, MLflow, vLLM on CPU.
+
+    flywheel infra up      # start what is not running; idempotent
+    flywheel infra status  # each part with its address and health
+    flywheel infra down    # stop what `up` started (by pid file), nothing else
+
+Each part runs as its own process session with a pid file under var/run/ and a log under
+var/log/. `up` checks health before starting anything (a healthy part is left alone), refuses
+a busy port with one line naming it, and stops what it started if a later part fails.
+
+- Kafka: a single-node KRaft broker from the jars infra/setup.sh fetched from Maven Central,
+  storage formatted on first start, topics created with the configured partitions.
+- MLflow: the embedded default store is a sqlite file and a local artifact folder under var/,
+  usable with no server at all; `up` also starts `mlflow server` on the same store for its UI.
+- vLLM: the OpenAI-compatible server on CPU serving the base model as `policy-v0`, with
+  runtime LoRA loading and the dev-mode endpoints (reload_weights, pause/resume, weight version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from infra import defaults
+from infra.config import ConfigError, load_config, setting, setup_logging
+
+log = logging.getLogger(__name__)
+
+PARTS = ("kafka", "mlflow", "vllm")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StackError(RuntimeError):
+    """One part of the stack could not be brought up; the message says what and what to do."""
+
+
+@dataclass
+class StackConfig:
+    """The local stack: ports, paths and limits of Kafka, MLflow and vLLM."""
+
+    action: str = setting("status", "up, down or status")
+    parts: list[str] = setting(list(PARTS), "which parts to act on (comma-separated): kafka, mlflow, vllm")
+    var_dir: Path = setting(Path(defaults.VAR_DIR), "state directory (data, logs, pid files)")
+    kafka_host: str = setting("127.0.0.1", "address the broker listens on")
+    kafka_port: int = setting(9092, "broker port")
+    kafka_controller_port: int = setting(9093, "KRaft controller port")
+    kafka_partitions: int = setting(4, "partitions of the topics flywheel.events, flywheel.outcomes, flywheel.dlq")
+    kafka_topics: list[str] = setting(["flywheel.events", "flywheel.outcomes", "flywheel.dlq"], "topics created by up")
+    kafka_heap: str = setting("512m", "broker JVM heap (-Xmx)")
+    kafka_libs: Path = setting(REPO_ROOT / "var" / "kafka" / "libs", "Kafka broker jars (fetched by make setup)")
+    kafka_timeout_s: float = setting(90.0, "how long to wait for the broker to answer")
+    mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "tracking store every process uses (sqlite file by default)")
+    mlflow_artifacts_dir: Path = setting(Path(defaults.MLFLOW_ARTIFACTS_DIR), "local artifact folder of the embedded store")
+    mlflow_host: str = setting("127.0.0.1", "address of the MLflow UI server")
+    mlflow_port: int = setting(defaults.MLFLOW_PORT, "port of the MLflow UI server")
+    mlflow_timeout_s: float = setting(120.0, "how long to wait for the MLflow server")
+    vllm_host: str = setting("127.0.0.1", "address vLLM listens on")
+    vllm_port: int = setting(8000, "vLLM port")
+    base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "model directory vLLM serves (built by `flywheel model init` when it is the default)")
+    served_model_name: str = setting(defaults.policy_name(0), "name vLLM serves the base model under")
+    vllm_max_model_len: int = setting(2048, "context length vLLM allocates for")
+    vllm_max_loras: int = setting(4, "LoRA adapters resident at once (--max-loras)")
+    vllm_max_lora_rank: int = setting(32, "largest LoRA rank vLLM accepts (--max-lora-rank)")
+    vllm_kv_cache_gib: int = setting(1, "VLLM_CPU_KVCACHE_SPACE, GiB of KV cache on CPU")
+    vllm_dtype: str = setting("float32", "weights dtype; float32 keeps learner and server logprobs within 1e-4")
+    vllm_extra_args: list[str] = setting([], "extra vLLM server flags, comma-separated")
+    vllm_timeout_s: float = setting(300.0, "how long to wait for vLLM to serve")
+
+    def check(self) -> None:
+        unknown = sorted(set(self.parts) - set(PARTS))
+        if unknown:
+            raise ConfigError(f"parts: unknown {unknown}; choose from {list(PARTS)}")
+        if self.action not in ("up", "down", "status", "restart"):
+            raise ConfigError(f"action: {self.action!r} is not up, down, restart or status")
+        ports = {"kafka_port": self.kafka_port, "kafka_controller_port": self.kafka_controller_port,
+                 "mlflow_port": self.mlflow_port, "vllm_port": self.vllm_port}
+        if len(set(ports.values())) != len(ports):
+            raise ConfigError(f"kafka_port, kafka_controller_port, mlflow_port and vllm_port must differ: {ports}")
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return f"{self.kafka_host}:{self.kafka_port}"
+
+    @property
+    def vllm_url(self) -> str:
+        return f"http://{self.vllm_host}:{self.vllm_port}"
+
+    @property
+    def mlflow_ui_url(self) -> str:
+        return f"http://{self.mlflow_host}:{self.mlflow_port}"
+
+    def port_of(self, part: str) -> int:
+        return {"kafka": self.kafka_port, "mlflow": self.mlflow_port, "vllm": self.vllm_port}[part]
+
+    def address_of(self, part: str) -> str:
+        return {"kafka": self.kafka_bootstrap, "mlflow": f"{self.mlflow_tracking_uri} (UI {self.mlflow_ui_url})",
+                "vllm": self.vllm_url}[part]
+
+
+def load_stack_config(argv: list[str] | None) -> StackConfig:
+    return load_config(StackConfig, argv, prog="flywheel infra")
+
+
+# ---------------------------------------------------------------------------------------------
+# process bookkeeping
+# ---------------------------------------------------------------------------------------------
+def _run_dir(cfg: StackConfig) -> Path:
+    return Path(cfg.var_dir) / "run"
+
+
+def _log_path(cfg: StackConfig, part: str) -> Path:
+    path = Path(cfg.var_dir) / "log" / f"{part}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _pid_path(cfg: StackConfig, part: str) -> Path:
+    return _run_dir(cfg) / f"{part}.pid.json"
+
+
+def _read_pid(cfg: StackConfig, part: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(_pid_path(cfg, part).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if _alive_and_ours(record) else None
+
+
+def _alive_and_ours(record: dict[str, Any]) -> bool:
+    """The pid is alive and still runs our command (pids are reused after a reboot)."""
+    try:
+        cmdline = Path(f"/proc/{record['pid']}/cmdline").read_bytes().decode(errors="replace")
+    except (OSError, KeyError):
+        return False
+    return record.get("marker", "") in cmdline
+
+
+def _spawn(cfg: StackConfig, part: str, cmd: list[str], env: dict[str, str], marker: str) -> dict[str, Any]:
+    log_file = open(_log_path(cfg, part), "ab")
+    log_file.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {part}: {' '.join(cmd)}\n".encode())
+    log_file.flush()
+    # A process session of its own: it outlives `infra up`, and `down` can stop its whole group
+    # (vLLM and mlflow start worker processes).
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True, cwd=str(REPO_ROOT))
+    record = {"pid": proc.pid, "part": part, "marker": marker, "cmd": cmd, "started": time.time(),
+              "port": cfg.port_of(part), "log": str(_log_path(cfg, part))}
+    _run_dir(cfg).mkdir(parents=True, exist_ok=True)
+    _pid_path(cfg, part).write_text(json.dumps(record))
+    return record
+
+
+def _stop_record(record: dict[str, Any], timeout_s: float = 20.0) -> None:
+    pid = int(record["pid"])
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        _reap(pid)
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    _reap(pid)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _port_busy(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _http_get(url: str, timeout: float = 3.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return 0, ""
+
+
+def _wait(what: str, check: Callable[[], bool], timeout_s: float, record: dict[str, Any], log_path: Path) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if check():
+            return
+        if not _alive_and_ours(record):
+            tail = _tail(log_path)
+            raise StackError(f"{what} exited during start-up; last lines of {log_path}:\n{tail}")
+        time.sleep(0.5)
+    raise StackError(f"{what} did not become healthy within {timeout_s:.0f}s; see {log_path}")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    """The last lines the current start wrote (the log is appended to across starts)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    current = text.rsplit("\n==== ", 1)[-1]
+    return "\n".join(current.splitlines()[-lines:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Kafka
+# ---------------------------------------------------------------------------------------------
+def _kafka_dir(cfg: StackConfig) -> Path:
+    return (Path(cfg.var_dir) / "kafka").resolve()
+
+
+def _write_kafka_config(cfg: StackConfig) -> Path:
+    kdir = _kafka_dir(cfg)
+    kdir.mkdir(parents=True, exist_ok=True)
+    props = f"""# written by infra/stack.py; regenerated on every start
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@{cfg.kafka_host}:{cfg.kafka_controller_port}
+listeners=PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port},CONTROLLER://{cfg.kafka_host}:{cfg.kafka_controller_port}
+advertised.listeners=PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port}
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs={kdir / 'data'}
+num.partitions={cfg.kafka_partitions}
+# A single node: without these three the group coordinator never becomes available
+# (reported against Kafka 4.0 in kafkajs issue 1752).
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+offsets.topic.num.partitions=4
+group.initial.rebalance.delay.ms=0
+message.max.bytes=8388608
+auto.create.topics.enable=false
+log.retention.hours=168
+"""
+    path = kdir / "server.properties"
+    path.write_text(props)
+    (kdir / "log4j2.properties").write_text(
+        "status = error\nappender.console.type = Console\nappender.console.name = STDOUT\n"
+        "appender.console.layout.type = PatternLayout\nappender.console.layout.pattern = [%d] %p %m (%c)%n\n"
+        "rootLogger.level = WARN\nrootLogger.appenderRef.stdout.ref = STDOUT\n"
+        "logger.kafka.name = kafka\nlogger.kafka.level = WARN\n"
+        "logger.server.name = kafka.server.KafkaRaftServer\nlogger.server.level = INFO\n"
+    )
+    return path
+
+
+def _kafka_classpath(cfg: StackConfig) -> str:
+    libs = Path(cfg.kafka_libs)
+    if not (libs / ".complete").exists() and not any(libs.glob("kafka_2.13-*.jar")):
+        raise StackError(f"Kafka jars missing in {libs}; run `make setup` (it fetches them from Maven Central with Maven)")
+    return f"{libs}/*"
+
+
+def _java() -> str:
+    java = shutil.which("java")
+    if java is None:
+        raise StackError("java not found; install a JDK 17+ (apt-get install openjdk-17-jre-headless): the Kafka broker needs it")
+    return java
+
+
+def kafka_healthy(cfg: StackConfig, timeout_s: float = 5.0) -> bool:
+    """The broker answers a metadata request (not only an open port)."""
+    if not _port_busy(cfg.kafka_host, cfg.kafka_port):
+        return False  # nothing listens: skip kafka-python's bootstrap retries and their error logs
+    try:
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, request_timeout_ms=int(timeout_s * 1000),
+                                 client_id="flywheel-health")
+    except Exception:  # kafka-python raises several types while a broker starts
+        return False
+    try:
+        admin.list_topics()
+        return True
+    except Exception:
+        return False
+    finally:
+        admin.close()
+
+
+def ensure_topics(cfg: StackConfig) -> None:
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, client_id="flywheel-infra")
+    try:
+        existing = set(admin.list_topics())
+        missing = [t for t in cfg.kafka_topics if t not in existing]
+        if missing:
+            try:
+                admin.create_topics([NewTopic(t, num_partitions=cfg.kafka_partitions, replication_factor=1) for t in missing])
+            except TopicAlreadyExistsError:
+                pass
+            log.info("kafka: created topics %s with %d partitions", missing, cfg.kafka_partitions)
+    finally:
+        admin.close()
+
+
+def start_kafka(cfg: StackConfig) -> dict[str, Any]:
+    """Start the broker (formatting its storage on first start) and wait until it answers."""
+    java = _java()
+    classpath = _kafka_classpath(cfg)
+    props = _write_kafka_config(cfg)
+    kdir = _kafka_dir(cfg)
+    if not (kdir / "data" / "meta.properties").exists():
+        cluster_id = _kafka_cluster_id(kdir)
+        out = subprocess.run([java, "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id,
+                              "-c", str(props), "--ignore-formatted"], capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise StackError(f"kafka: formatting storage in {kdir / 'data'} failed: {out.stderr.strip() or out.stdout.strip()}")
+        log.info("kafka: formatted storage %s (cluster %s)", kdir / "data", cluster_id)
+    marker = f"flywheel-kafka-{cfg.kafka_port}"
+    cmd = [java, f"-Xmx{cfg.kafka_heap}", f"-Xms{cfg.kafka_heap}", f"-Dflywheel.marker={marker}",
+           f"-Dlog4j2.configurationFile={kdir / 'log4j2.properties'}", "-cp", classpath, "kafka.Kafka", str(props)]
+    record = _spawn(cfg, "kafka", cmd, dict(os.environ), marker)
+    _wait("kafka broker", lambda: kafka_healthy(cfg), cfg.kafka_timeout_s, record, _log_path(cfg, "kafka"))
+    ensure_topics(cfg)
+    return record
+
+
+def _kafka_cluster_id(kdir: Path) -> str:
+    path = kdir / "cluster.id"
+    if not path.exists():
+        import base64
+
+        path.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))
+    return path.read_text().strip()
+
+
+def stop_kafka(cfg: StackConfig) -> None:
+    stop_part(cfg, "kafka")
+
+
+# ---------------------------------------------------------------------------------------------
+# MLflow
+# ---------------------------------------------------------------------------------------------
+def _abs_sqlite_uri(uri: str) -> str:
+    """sqlite:///relative/path -> sqlite:////absolute/path, so every process opens the same file."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str((REPO_ROOT / uri[len(prefix):]).resolve())
+    return uri
+
+
+def init_mlflow_store(cfg: StackConfig) -> None:
+    """Create the sqlite store and run its migrations once, before several processes open it."""
+    uri = _abs_sqlite_uri(cfg.mlflow_tracking_uri)
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.mlflow_artifacts_dir).mkdir(parents=True, exist_ok=True)
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
+def mlflow_healthy(cfg: StackConfig) -> bool:
+    status, _ = _http_get(f"{cfg.mlflow_ui_url}/health")
+    return status == 200
+
+
+def start_mlflow(cfg: StackConfig) -> dict[str, Any]:
+    init_mlflow_store(cfg)
+    marker = "mlflow"  # with the pid, enough to tell our server from a reused pid
+    artifacts = Path(cfg.mlflow_artifacts_dir).resolve()
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", _abs_sqlite_uri(cfg.mlflow_tracking_uri),
+           "--default-artifact-root", artifacts.as_uri(), "--host", cfg.mlflow_host, "--port", str(cfg.mlflow_port),
+           "--workers", "1"]
+    record = _spawn(cfg, "mlflow", cmd, dict(os.environ), marker)
+    _wait("mlflow server", lambda: mlflow_healthy(cfg), cfg.mlflow_timeout_s, record, _log_path(cfg, "mlflow"))
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM
+# ---------------------------------------------------------------------------------------------
+def vllm_models(cfg: StackConfig) -> list[dict[str, Any]] | None:
+    status, body = _http_get(f"{cfg.vllm_url}/v1/models")
+    if status != 200:
+        return None
+    try:
+        return list(json.loads(body).get("data", []))
+    except json.JSONDecodeError:
+        return None
+
+
+def vllm_healthy(cfg: StackConfig) -> bool:
+    models = vllm_models(cfg)
+    return models is not None and any(m.get("id") == cfg.served_model_name for m in models)
+
+
+def vllm_serves_base(cfg: StackConfig) -> bool:
+    """The running server serves cfg.base_model (its `root`) under the configured name."""
+    models = vllm_models(cfg) or []
+    want = str(Path(cfg.base_model).resolve())
+    return any(m.get("id") == cfg.served_model_name and str(Path(m.get("root", "")).resolve()) == want for m in models)
+
+
+def start_vllm(cfg: StackConfig) -> dict[str, Any]:
+    base = Path(cfg.base_model)
+    if base.resolve() == (REPO_ROOT / defaults.BASE_MODEL_DIR).resolve() or base == Path(defaults.BASE_MODEL_DIR):
+        from infra.model_init import ensure_base_model
+
+        ensure_base_model(base)
+    if not (base / "config.json").exists():
+        raise StackError(f"vllm: {base} is not a model directory (no config.json); pass --base-model or run `flywheel model init`")
+    marker = "vllm.entrypoints.openai.api_server"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(base.resolve()), "--served-model-name", cfg.served_model_name,
+           "--host", cfg.vllm_host, "--port", str(cfg.vllm_port), "--dtype", cfg.vllm_dtype,
+           "--max-model-len", str(cfg.vllm_max_model_len), "--enable-lora",
+           "--max-loras", str(cfg.vllm_max_loras), "--max-lora-rank", str(cfg.vllm_max_lora_rank),
+           "--disable-log-stats", *cfg.vllm_extra_args]
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib),
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # POST /v1/load_lora_adapter
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc reload_weights, /pause, /resume, /update_weight_version
+        "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    })
+    record = _spawn(cfg, "vllm", cmd, env, marker)
+    _wait("vllm server", lambda: vllm_healthy(cfg), cfg.vllm_timeout_s, record, _log_path(cfg, "vllm"))
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# the stack as a whole
+# ---------------------------------------------------------------------------------------------
+_HEALTH: dict[str, Callable[[StackConfig], bool]] = {"kafka": kafka_healthy, "mlflow": mlflow_healthy, "vllm": vllm_healthy}
+_START: dict[str, Callable[[StackConfig], dict[str, Any]]] = {"kafka": start_kafka, "mlflow": start_mlflow, "vllm": start_vllm}
+
+
+def stop_part(cfg: StackConfig, part: str) -> bool:
+    """Stop a part this stack started (by its pid file); anything else is left alone."""
+    record = _read_pid(cfg, part)
+    if record is None:
+        _pid_path(cfg, part).unlink(missing_ok=True)
+        return False
+    log.info("%s: stopping pid %s", part, record["pid"])
+    _stop_record(record)
+    _pid_path(cfg, part).unlink(missing_ok=True)
+    return True
+
+
+@contextlib.contextmanager
+def _stack_lock(cfg: StackConfig):
+    """Serialise `up`/`down` across processes: two test runs starting the stack at once must not race."""
+    _run_dir(cfg).mkdir(parents=True, exist_ok=True)
+    with open(_run_dir(cfg) / "stack.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_up(cfg: StackConfig, parts: Iterable[str] | None = None) -> list[str]:
+    """Start every requested part that is not healthy; return the parts this call started.
+
+    A failure stops what this call started and raises StackError with one clear line.
+    """
+    with _stack_lock(cfg):
+        return _ensure_up_locked(cfg, parts)
+
+
+def _ensure_up_locked(cfg: StackConfig, parts: Iterable[str] | None) -> list[str]:
+    wanted = [p for p in PARTS if p in set(parts if parts is not None else cfg.parts)]
+    started: list[str] = []
+    try:
+        for part in wanted:
+            if _HEALTH[part](cfg):
+                if part == "vllm" and not vllm_serves_base(cfg):
+                    if _read_pid(cfg, "vllm") is None:
+                        raise StackError(f"vllm on port {cfg.vllm_port} serves another model than {cfg.base_model} "
+                                         "and was not started by this stack; stop it or pass --vllm-port")
+                    log.info("vllm: serves another base model; restarting it on %s", cfg.base_model)
+                    stop_part(cfg, "vllm")
+                else:
+                    if part == "kafka":
+                        ensure_topics(cfg)
+                    log.info("%s: already healthy at %s", part, cfg.address_of(part))
+                    continue
+            if _read_pid(cfg, part) is not None:
+                # ours but unhealthy (still starting, or hung): give it a fresh start
+                stop_part(cfg, part)
+            port = cfg.port_of(part)
+            host = {"kafka": cfg.kafka_host, "mlflow": cfg.mlflow_host, "vllm": cfg.vllm_host}[part]
+            if _port_busy(host, port):
+                raise StackError(f"{part}: port {port} is already in use by another process; "
+                                 f"stop it or choose another port (--{part}-port / FLYWHEEL_{part.upper()}_PORT)")
+            if part == "kafka" and _port_busy(cfg.kafka_host, cfg.kafka_controller_port):
+                raise StackError(f"kafka: controller port {cfg.kafka_controller_port} is already in use; "
+                                 "choose another with --kafka-controller-port")
+            log.info("%s: starting (log %s)", part, _log_path(cfg, part))
+            t0 = time.time()
+            started.append(part)
+            _START[part](cfg)
+            log.info("%s: healthy at %s after %.1fs", part, cfg.address_of(part), time.time() - t0)
+    except BaseException:
+        for part in reversed(started):
+            stop_part(cfg, part)
+        raise
+    return started
+
+
+def down(cfg: StackConfig, parts: Iterable[str] | None = None) -> list[str]:
+    wanted = [p for p in reversed(PARTS) if p in set(parts if parts is not None else cfg.parts)]
+    with _stack_lock(cfg):
+        return [p for p in wanted if stop_part(cfg, p)]
+
+
+def health(cfg: StackConfig) -> dict[str, tuple[bool, str]]:
+    out: dict[str, tuple[bool, str]] = {}
+    for part in PARTS:
+        ok = _HEALTH[part](cfg)
+        record = _read_pid(cfg, part)
+        owner = f"pid {record['pid']}" if record else ("not started by this stack" if ok else "-")
+        out[part] = (ok, owner)
+    return out
+
+
+def status_table(cfg: StackConfig) -> Any:
+    from rich.table import Table
+
+    table = Table(title="flywheel stack")
+    table.add_column("part")
+    table.add_column("address")
+    table.add_column("health")
+    table.add_column("process")
+    for part, (ok, owner) in health(cfg).items():
+        detail = ""
+        if part == "vllm" and ok:
+            names = [m.get("id") for m in vllm_models(cfg) or []]
+            detail = f" serving {', '.join(map(str, names))}"
+        table.add_row(part, cfg.address_of(part), ("[green]healthy[/green]" if ok else "[red]down[/red]") + detail, owner)
+    return table
+
+
+def run(cfg: StackConfig) -> int:
+    from rich.console import Console
+
+    console = Console()
+    if cfg.action in ("down", "restart"):
+        stopped = down(cfg)
+        console.print(f"stopped: {', '.join(stopped) or 'nothing (no part of ours was running)'}")
+    if cfg.action in ("up", "restart"):
+        try:
+            started = ensure_up(cfg)
+        except StackError as exc:
+            console.print(f"[red]infra up failed:[/red] {exc}")
+            return 1
+        console.print(f"started: {', '.join(started) or 'nothing (all healthy already)'}")
+    if cfg.action in ("up", "status", "restart"):
+        console.print(status_table(cfg))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and not args[0].startswith("-"):
+        args = ["--action", args[0]] + args[1:]
+    cfg = load_stack_config(args)
+    setup_logging()
+    return run(cfg)
+
+
+def replace_config(cfg: StackConfig, **changes: Any) -> StackConfig:
+    """A copy of cfg with some fields changed (for private stacks in tests)."""
+    return replace(cfg, **changes)
