@@ -1,0 +1,955 @@
+"""The SessionLogger SDK and the OutcomeReporter: what a production agent imports to log its sessions.
+
+    log = SessionLogger(bootstrap="127.0.0.1:9092")
+    with log.session(task_type="code_edit") as s:
+        s.llm_call(model="policy-v3", policy_version=3, prompt_token_ids=[...],
+                   completion_token_ids=[...], completion_logprobs=[...])
+        call = s.tool_call("run_tests", {"path": "tests/"})
+        s.tool_result(call, ok=True, output="3 passed")
+        child = s.spawn_subagent(subtask="fix the lint errors")
+        ...
+        child.finish(ok=True)
+    OutcomeReporter(bootstrap="127.0.0.1:9092").report(s.session_id, kind="tests_passed", value=1.0)
+
+It runs on the agent's hot path, so it must never slow it down, block it, crash it, or lose
+what it was given (style.md rule 5, modelled on the Langfuse SDK):
+
+* A call builds a dict and appends it to a bounded in-memory queue (no I/O, no JSON, no
+  locks); a background thread does the rest: event id, redaction, size caps, JSON encoding,
+  full schema validation, and batching into an idempotent kafka-python producer (acks=all,
+  lz4, keyed by session_id so a session stays ordered in one partition).
+* When the broker is down or does not acknowledge, events spill to an append-only bounded
+  spool on disk (ingest/spool.py) and are replayed in order once it answers again; while
+  the spool holds anything, new events queue behind it so order is kept. Records that may
+  have reached Kafka are replayed anyway: downstream de-duplicates by event_id.
+* Bad input (missing fields, wrong types, unknown fields, non-JSON values, oversized text)
+  logs one warning per kind of problem, is counted, and never raises into the host: text is
+  cut to schema.MAX_TEXT_CHARS and named in `truncated`; non-JSON values are stored as
+  their repr(); an event that still fails schema validation is dropped and counted.
+* No bootstrap (argument None and no FLYWHEEL_KAFKA_BOOTSTRAP): one warning, then a no-op.
+* `flush(timeout)`, `close()`, atexit, and fork safety (a forked child gets a fresh queue,
+  thread, producer and spool of its own).
+
+Imports only the standard library and kafka-python (lazily, in the background thread).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+import weakref
+import zlib
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, Sequence
+
+from ingest import schema
+from ingest.redact import Redactor, redact_json, redact_text
+from ingest.spool import Spool, SpoolLocked
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_ENV = "FLYWHEEL_KAFKA_BOOTSTRAP"
+DEFAULT_SPOOL_ROOT = Path("var/spool")
+MAIN_AGENT = "main"
+
+# Free-text fields: redacted and capped at MAX_TEXT_CHARS. JSON fields: strings inside are redacted,
+# and the whole value is capped by its JSON length.
+_TEXT_FIELDS = ("prompt_text", "completion_text", "output", "subtask")
+_JSON_FIELDS = ("arguments", "tags")
+_REQUIRED = {
+    etype: tuple(c.name for c in cols if c.required) for etype, cols in schema.EVENT_FIELDS.items()
+}
+_OUTCOME_REQUIRED = tuple(c.name for c in schema.OUTCOME_COLUMNS if c.required)
+_SEQUENCE_FIELDS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "summary_token_ids")
+
+
+def _resolve_bootstrap(bootstrap: str | None) -> str | None:
+    return bootstrap if bootstrap else (os.environ.get(BOOTSTRAP_ENV) or None)
+
+
+def _sampled(session_id: str, rate: float) -> bool:
+    """Per-session sampling by a hash of the id, so every process logging a session agrees."""
+    if rate >= 1.0:
+        return True
+    return zlib.crc32(session_id.encode()) / 2**32 < rate
+
+
+def _json_default(value: Any) -> Any:
+    """Turn the array-likes agents commonly pass (numpy, torch, tuples, sets) into JSON."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _json_default_or_repr(value: Any) -> Any:
+    try:
+        return _json_default(value)
+    except TypeError:
+        return repr(value)
+
+
+class _WarnOnce:
+    """One warning per kind of problem; later ones are only counted (shown in the metrics log)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def __call__(self, key: str, message: str, *args: Any) -> None:
+        n = self._seen.get(key, 0)
+        self._seen[key] = n + 1
+        if n == 0:
+            log.warning(message + " (further ones of this kind are only counted)", *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline: bounded queue -> background thread -> Kafka, spilling to the spool
+# ---------------------------------------------------------------------------------------------
+_LIVE: "weakref.WeakSet[_Pipeline]" = weakref.WeakSet()  # for the one atexit and at-fork hook
+_HOOKS_INSTALLED = False
+_FORK_ORPHANS: list[Any] = []  # producers inherited through fork(): never used, never closed in the child
+
+
+def _install_process_hooks() -> None:
+    # One process-wide hook each instead of one per pipeline: register_at_fork cannot be undone.
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    atexit.register(lambda: [p.close(timeout=p.exit_timeout_s) for p in list(_LIVE)])
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=lambda: [p._reset_in_child() for p in list(_LIVE)])
+
+
+class _Pipeline:
+    """Non-blocking, loss-avoiding delivery of dict records to one Kafka topic."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        encode: Callable[[dict[str, Any]], tuple[bytes, bytes] | None],
+        *,
+        name: str,
+        spool_dir: str | Path | None,
+        max_queue: int,
+        batch_max: int,
+        linger_s: float,
+        spool_max_bytes: int,
+        compression: str | None,
+        outage_after_s: float,
+        retry_s: float,
+        metrics_interval_s: float,
+        exit_timeout_s: float,
+        producer_config: dict[str, Any] | None,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.name = name
+        self._encode = encode
+        self._spool_dir = Path(spool_dir) if spool_dir is not None else DEFAULT_SPOOL_ROOT / name
+        self.max_queue = max_queue
+        self.batch_max = batch_max
+        self.linger_s = linger_s
+        self.spool_max_bytes = spool_max_bytes
+        self.compression = compression
+        self.outage_after_s = outage_after_s
+        self.retry_s = retry_s
+        self.metrics_interval_s = metrics_interval_s
+        self.exit_timeout_s = exit_timeout_s
+        self.producer_config = dict(producer_config or {})
+        self.warn = _WarnOnce()
+        self._init_state()
+        _install_process_hooks()
+        _LIVE.add(self)
+        self._start()
+
+    def _init_state(self) -> None:
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._idle = threading.Event()  # set by the thread when it has nothing left to do
+        self._stopping = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._needs_start = False
+        self._producer: Any = None
+        self._producer_tried = 0.0
+        self._spool: Spool | None = None
+        self._failed: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._pending: dict[int, tuple[bytes, bytes, bool]] = {}  # send id -> (key, value, from_spool)
+        self._send_ids = itertools.count()
+        self._progress_ts = time.monotonic()
+        self._down = False
+        self._down_since = 0.0
+        self._next_replay = 0.0
+        self._last_metrics = time.monotonic()
+        self._last_logged: dict[str, int] = {}
+        self._stopping_deadline = float("inf")
+        # Counters. Each is written by one thread only (dropped_full by host threads: approximate
+        # under contention, which is acceptable for a counter whose every increment is also warned).
+        self.popped = 0
+        self.sent = 0
+        self.spilled = 0
+        self.replayed = 0
+        self.dropped_full = 0
+        self.dropped_spool = 0
+        self.invalid = 0
+        self.coerced = 0
+        self.truncated = 0
+        self.send_errors = 0
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"flywheel-sdk-{self.name}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- host side (hot path)
+    def put(self, record: dict[str, Any]) -> bool:
+        """Enqueue without blocking; False (counted, warned) when the queue is full or closed."""
+        if self._needs_start:
+            self._needs_start = False
+            self._start()
+        if len(self._queue) >= self.max_queue or self._closed:
+            self.dropped_full += 1
+            self.warn("full", "sdk %s: queue full (%d records) or closed; record dropped", self.name, self.max_queue)
+            return False
+        self._queue.append(record)
+        if len(self._queue) >= self.batch_max:
+            self._wake.set()
+        return True
+
+    def metrics(self) -> dict[str, Any]:
+        spool = self._spool
+        return {
+            "enqueued": self.popped + len(self._queue),
+            "sent": self.sent,
+            "spilled": self.spilled,
+            "replayed": self.replayed,
+            "dropped": self.dropped_full + self.dropped_spool,
+            "dropped_queue_full": self.dropped_full,
+            "dropped_spool_full": self.dropped_spool,
+            "invalid": self.invalid,
+            "coerced": self.coerced,
+            "truncated": self.truncated,
+            "send_errors": self.send_errors,
+            "queue_depth": len(self._queue),
+            "inflight": len(self._pending),
+            "spool_records": len(spool) if spool is not None else 0,
+            "spool_bytes": spool.size_bytes if spool is not None else 0,
+            "broker_down": self._down,
+        }
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything enqueued so far was acknowledged by Kafka (True) or timeout (False).
+
+        With the broker down, records spilled to disk count as not yet delivered.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._queue and not self._pending and not self._failed and not self._spool_pending():
+                return True
+            if self._thread is None or not self._thread.is_alive():
+                return False
+            self._wake.set()
+            time.sleep(0.005)
+        return False
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Deliver what can be delivered within timeout, spill the rest to disk, stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping_deadline = time.monotonic() + timeout
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None and self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout + 5.0)
+        _LIVE.discard(self)
+
+    def _reset_in_child(self) -> None:
+        # The parent owns the queue's contents, the producer's sockets and the spool directory:
+        # the child must neither send the parent's records nor unlock the parent's spool.
+        if self._spool is not None:
+            try:
+                os.close(self._spool._lock_fh.fileno())
+            except OSError:
+                pass
+        if self._producer is not None:
+            # Dropping it would run its __del__ -> close -> flush on the parent's sockets; keep it unreferenced-but-alive.
+            _FORK_ORPHANS.append(self._producer)
+        self._init_state()
+        self._spool_dir = self._spool_dir.with_name(f"{self._spool_dir.name}-{os.getpid()}")
+        self._needs_start = True
+
+    # ---------------------------------------------------------------- background thread
+    def _run(self) -> None:
+        try:
+            self._open_existing_spool()
+            while True:
+                self._wake.wait(self.linger_s)
+                self._wake.clear()
+                self._cycle()
+                if self._stopping:
+                    self._finish()
+                    return
+        except Exception:  # the host must never see this thread die silently, nor be affected by it
+            log.exception("sdk %s: background thread failed; records stay queued and are not sent", self.name)
+
+    def _cycle(self) -> None:
+        self._ensure_producer()
+        self._respool_failures()
+        self._drain_queue()
+        self._check_health()
+        if self._spool_pending() and time.monotonic() >= self._next_replay:
+            self._replay()
+        self._maybe_log_metrics()
+
+    def _drain_queue(self) -> None:
+        queue = self._queue
+        while queue:
+            batch: list[tuple[bytes, bytes]] = []
+            while queue and len(batch) < self.batch_max:
+                record = queue.popleft()
+                self.popped += 1
+                encoded = self._encode_safely(record)
+                if encoded is not None:
+                    batch.append(encoded)
+            self._route(batch)
+            time.sleep(0)  # hand the GIL back to the host between batches: its calls must not wait on us
+
+    def _encode_safely(self, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
+        try:
+            return self._encode(record)
+        except Exception as exc:  # an encoder bug must cost one record, not the thread
+            self.invalid += 1
+            self.warn(f"encode:{type(exc).__name__}", "sdk %s: record could not be encoded (%s); dropped", self.name, exc)
+            return None
+
+    def _route(self, batch: list[tuple[bytes, bytes]]) -> None:
+        if not batch:
+            return
+        if self._down or self._producer is None or self._spool_pending():
+            self._spill(batch)
+            return
+        for key, value in batch:
+            self._send(key, value, from_spool=False)
+
+    def _send(self, key: bytes, value: bytes, from_spool: bool) -> Any:
+        send_id = next(self._send_ids)
+        if not self._pending:
+            self._progress_ts = time.monotonic()
+        self._pending[send_id] = (key, value, from_spool)
+        try:
+            future = self._producer.send(self.topic, key=key, value=value)
+        except Exception as exc:  # metadata timeout, producer closed ...: the broker is unusable now
+            self._pending.pop(send_id, None)
+            self.send_errors += 1
+            self._mark_down(f"send failed: {exc}")
+            if not from_spool:
+                self._spill([(key, value)])
+            return None
+        future.add_callback(self._on_ack, send_id)
+        future.add_errback(self._on_error, send_id)
+        return future
+
+    # Callbacks run on kafka-python's I/O thread.
+    def _on_ack(self, send_id: int, _metadata: Any) -> None:
+        entry = self._pending.pop(send_id, None)
+        self._progress_ts = time.monotonic()
+        if entry is not None:
+            if entry[2]:
+                self.replayed += 1
+            self.sent += 1
+
+    def _on_error(self, send_id: int, exc: BaseException) -> None:
+        entry = self._pending.pop(send_id, None)
+        self.send_errors += 1
+        if entry is not None and not entry[2]:  # spool records stay in the spool until acknowledged
+            self._failed.append((entry[0], entry[1]))
+        self.warn(f"send:{type(exc).__name__}", "sdk %s: Kafka did not take a batch (%s); records go to the spool", self.name, exc)
+
+    def _respool_failures(self) -> None:
+        if self._failed:
+            batch = []
+            while self._failed:
+                batch.append(self._failed.popleft())
+            self._mark_down("records failed")
+            self._spill(batch)
+
+    def _check_health(self) -> None:
+        if self._pending and not self._down and time.monotonic() - self._progress_ts > self.outage_after_s:
+            self._mark_down(f"no acknowledgement for {self.outage_after_s:.1f}s")
+
+    def _mark_down(self, why: str) -> None:
+        if not self._down:
+            self._down = True
+            self._down_since = time.monotonic()
+            self._next_replay = time.monotonic() + self.retry_s
+            log.warning("sdk %s: Kafka at %s unavailable (%s); spilling to %s until it answers",
+                        self.name, self.bootstrap, why, self._spool_dir)
+
+    def _spool_pending(self) -> bool:
+        return self._spool is not None and len(self._spool) > 0
+
+    # ---------------------------------------------------------------- spool
+    def _open_existing_spool(self) -> None:
+        # A named spool left behind by an earlier process is replayed by this one.
+        if any(self._spool_dir.glob("*.seg")):
+            self._open_spool()
+            if self._spool is not None and len(self._spool):
+                log.info("sdk %s: found %d spooled records in %s from an earlier run; replaying them",
+                         self.name, len(self._spool), self._spool_dir)
+
+    def _open_spool(self) -> Spool | None:
+        if self._spool is not None:
+            return self._spool
+        segment = max(1024 * 1024, min(8 * 1024 * 1024, self.spool_max_bytes // 8))
+        for directory in (self._spool_dir, self._spool_dir.with_name(f"{self._spool_dir.name}-{os.getpid()}")):
+            try:
+                self._spool = Spool(directory, max_bytes=self.spool_max_bytes, segment_bytes=segment)
+                self._spool_dir = directory
+                return self._spool
+            except SpoolLocked:
+                continue
+            except OSError as exc:
+                self.warn("spool-open", "sdk %s: cannot open spool %s (%s); records that cannot be sent are dropped",
+                          self.name, directory, exc)
+                return None
+        return None
+
+    def _spill(self, batch: list[tuple[bytes, bytes]]) -> None:
+        spool = self._open_spool()
+        if spool is None:
+            self.dropped_spool += len(batch)
+            return
+        try:
+            dropped = spool.append([value for _key, value in batch])
+        except OSError as exc:
+            self.dropped_spool += len(batch)
+            self.warn("spool-write", "sdk %s: spool write failed (%s); %d records dropped", self.name, exc, len(batch))
+            return
+        self.spilled += len(batch)
+        if dropped:
+            self.dropped_spool += dropped
+            log.warning("sdk %s: spool %s over its %d bytes bound; dropped the %d oldest records (%d dropped in all)",
+                        self.name, self._spool_dir, self.spool_max_bytes, dropped, self.dropped_spool)
+
+    def _replay(self, chunk: int = 2000, ack_timeout_s: float = 10.0) -> None:
+        """Send spooled records oldest first; commit each chunk only once Kafka acknowledged it."""
+        self._next_replay = time.monotonic() + self.retry_s
+        if self._producer is None or not self._broker_reachable():
+            return
+        if self._pending:  # records sent before the outage: wait until the producer resolves them
+            if time.monotonic() - self._progress_ts > self.outage_after_s:
+                return
+        spool = self._spool
+        assert spool is not None
+        while len(spool) and not (self._stopping and time.monotonic() > self._stopping_deadline):
+            records = spool.peek(chunk)
+            futures = [self._send(self._key_of(value), value, from_spool=True) for value in records]
+            if any(f is None for f in futures):
+                return
+            deadline = time.monotonic() + ack_timeout_s
+            while not all(f.is_done for f in futures) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ok = 0
+            for f in futures:
+                if not f.succeeded():
+                    break
+                ok += 1
+            spool.commit(ok)
+            if ok < len(records):
+                self._mark_down(f"replay: {len(records) - ok} of {len(records)} records not acknowledged")
+                return
+            self._drain_into_spool()
+        if self._down:
+            log.info("sdk %s: Kafka answers again after %.1fs; spool replayed (%d records so far)",
+                     self.name, time.monotonic() - self._down_since, self.replayed)
+        self._down = False
+
+    def _drain_into_spool(self) -> None:
+        # New records keep arriving during a long replay: park them behind the spool to keep order
+        # and keep the in-memory queue short.
+        batch = []
+        while self._queue and len(batch) < 50_000:
+            self.popped += 1
+            encoded = self._encode_safely(self._queue.popleft())
+            if encoded is not None:
+                batch.append(encoded)
+        if batch:
+            self._spill(batch)
+
+    @staticmethod
+    def _key_of(value: bytes) -> bytes:
+        try:
+            return str(json.loads(value).get("session_id", "")).encode()
+        except (ValueError, AttributeError):
+            return b""
+
+    def _broker_reachable(self) -> bool:
+        for server in self.bootstrap.split(","):
+            host, _, port = server.strip().rpartition(":")
+            try:
+                with socket.create_connection((host or "127.0.0.1", int(port or 9092)), timeout=0.5):
+                    return True
+            except (OSError, ValueError):
+                continue
+        return False
+
+    # ---------------------------------------------------------------- producer
+    def _ensure_producer(self) -> None:
+        if self._producer is not None or time.monotonic() - self._producer_tried < self.retry_s:
+            return
+        self._producer_tried = time.monotonic()
+        if not self._broker_reachable():  # fail in milliseconds instead of blocking for bootstrap_timeout_ms
+            self._mark_down("no broker listening")
+            return
+        try:
+            from kafka import KafkaProducer
+        except ImportError as exc:
+            self.warn("import", "sdk %s: kafka-python is not installed (%s); records are spooled", self.name, exc)
+            self._mark_down("kafka-python missing")
+            return
+        config: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap.split(","),
+            "client_id": f"flywheel-sdk-{self.name}",
+            "acks": "all",
+            "enable_idempotence": True,  # broker-side de-duplication of producer retries
+            "compression_type": self.compression,
+            "linger_ms": 10,
+            "batch_size": 256 * 1024,
+            "max_request_size": schema.MAX_RECORD_BYTES + 64 * 1024,
+            "bootstrap_timeout_ms": 2000,  # creation happens here, in the background, and is retried
+            "max_block_ms": 2000,  # a send must never stall this thread for long (the host is not waiting, the queue is)
+            "request_timeout_ms": 5000,
+            "delivery_timeout_ms": 30_000,  # after this a record fails and goes to the spool
+            "reconnect_backoff_max_ms": 1000,
+        }
+        config.update(self.producer_config)
+        try:
+            self._producer = KafkaProducer(**config)
+        except Exception as exc:  # NoBrokersAvailable, KafkaTimeoutError, config errors
+            self._mark_down(f"cannot connect: {type(exc).__name__}: {exc}")
+            return
+        # kafka-python registers its own atexit close, which would run before ours (atexit is LIFO) and
+        # close the producer while our queue still holds records; our hook closes it after draining.
+        unregister = getattr(self._producer, "_unregister_cleanup", None)
+        if callable(unregister):
+            unregister()
+        log.info("sdk %s: connected to Kafka at %s (topic %s, compression %s)", self.name, self.bootstrap, self.topic, self.compression)
+
+    # ---------------------------------------------------------------- shutdown and metrics
+    def _finish(self) -> None:
+        deadline = getattr(self, "_stopping_deadline", time.monotonic() + self.exit_timeout_s)
+        self._respool_failures()
+        self._drain_queue()
+        if self._spool_pending() and not self._down:
+            self._replay()
+        if self._producer is not None and self._pending:
+            remaining = 0.0 if self._down else max(0.0, deadline - time.monotonic())
+            try:
+                self._producer.flush(timeout=remaining)
+            except Exception:
+                pass
+        self._respool_failures()
+        # Whatever Kafka has not acknowledged goes to disk: it may arrive twice, never zero times.
+        leftovers = [(k, v) for k, v, from_spool in list(self._pending.values()) if not from_spool]
+        self._pending.clear()
+        if leftovers:
+            self._spill(leftovers)
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=0)
+            except Exception:
+                pass
+            self._producer = None
+        if self._spool is not None:
+            if len(self._spool):
+                log.warning("sdk %s: %d records remain in spool %s; a process with the same name replays them",
+                            self.name, len(self._spool), self._spool_dir)
+            self._spool.close()
+            self._spool = None
+        self._log_metrics(force=True)
+
+    def _maybe_log_metrics(self) -> None:
+        if time.monotonic() - self._last_metrics >= self.metrics_interval_s:
+            self._log_metrics()
+
+    def _log_metrics(self, force: bool = False) -> None:
+        self._last_metrics = time.monotonic()
+        metrics = self.metrics()
+        counters = {k: v for k, v in metrics.items() if isinstance(v, int) and not isinstance(v, bool)}
+        if counters != self._last_logged or force:
+            self._last_logged = counters
+            log.info("sdk %s: %s", self.name, ", ".join(f"{k}={v}" for k, v in metrics.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding (background thread): event id, redaction, caps, JSON, validation
+# ---------------------------------------------------------------------------------------------
+class _Encoder:
+    def __init__(self, pipeline_ref: Callable[[], _Pipeline | None], redact: Redactor | None, validate: Callable[[Any], Any],
+                 id_field: str) -> None:
+        self._pipe = pipeline_ref
+        self._redact = redact
+        self._validate = validate
+        self._id_field = id_field
+
+    def __call__(self, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
+        pipe = self._pipe()
+        assert pipe is not None, "encoder outlived its pipeline"
+        record.setdefault(self._id_field, uuid.uuid4().hex)
+        what = record.get("type", "outcome")
+        for name in _SEQUENCE_FIELDS:
+            value = record.get(name)
+            if value is not None and not isinstance(value, list):
+                record[name] = value.tolist() if hasattr(value, "tolist") else list(value)
+        truncated: list[str] = list(record.get("truncated") or [])
+        for name, value in list(record.items()):
+            if isinstance(value, str):
+                if self._redact is not None and name in _TEXT_FIELDS:
+                    value = self._redact(value)
+                if len(value) > schema.MAX_TEXT_CHARS:
+                    value = value[: schema.MAX_TEXT_CHARS]
+                    truncated.append(name)
+                record[name] = value
+        for name in _JSON_FIELDS:
+            value = record.get(name)
+            if value is None:
+                continue
+            try:
+                text = json.dumps(value, default=_json_default)
+            except (TypeError, ValueError) as exc:
+                pipe.coerced += 1
+                pipe.warn(f"json:{what}:{name}", "sdk: %s %s is not JSON serialisable (%s); such values are stored "
+                          "as their repr() text", what, name, exc)
+                try:  # keep the structure, replace only the values JSON cannot hold
+                    text = json.dumps(value, default=_json_default_or_repr)
+                except ValueError:  # circular reference: nothing structured to keep
+                    text = json.dumps(repr(value))
+            value = json.loads(text)
+            if self._redact is not None:
+                value = redact_json(value, self._redact)
+            if text is not None and len(text) > schema.MAX_TEXT_CHARS:
+                value = text[: schema.MAX_TEXT_CHARS]  # a prefix of its JSON text, flagged as cut
+                truncated.append(name)
+            record[name] = value
+        if truncated:
+            pipe.truncated += 1
+            record["truncated"] = sorted(set(truncated))
+        try:
+            self._validate(record)
+            payload = json.dumps(record, default=_json_default, separators=(",", ":")).encode()
+        except (schema.SchemaError, TypeError, ValueError) as exc:
+            pipe.invalid += 1
+            pipe.warn(f"invalid:{what}:{str(exc)[:40]}", "sdk: %s dropped: %s", what, exc)
+            return None
+        if len(payload) > schema.MAX_RECORD_BYTES:
+            pipe.invalid += 1
+            pipe.warn(f"size:{what}", "sdk: %s dropped: %d bytes after truncation exceeds MAX_RECORD_BYTES %d",
+                      what, len(payload), schema.MAX_RECORD_BYTES)
+            return None
+        return str(record.get("session_id", "")).encode(), payload
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+class _Client:
+    """What SessionLogger and OutcomeReporter share: bootstrap resolution and the pipeline."""
+
+    _topic_default = schema.EVENTS_TOPIC
+
+    def __init__(
+        self,
+        bootstrap: str | None = None,
+        topic: str | None = None,
+        *,
+        name: str | None = None,
+        spool_dir: str | Path | None = None,
+        max_queue: int = 100_000,
+        batch_max: int = 500,
+        linger_s: float = 0.05,
+        spool_max_bytes: int = 256 * 1024 * 1024,
+        compression: str | None = "lz4",
+        outage_after_s: float = 2.0,
+        retry_s: float = 1.0,
+        metrics_interval_s: float = 60.0,
+        exit_timeout_s: float = 5.0,
+        redact: Redactor | None = redact_text,
+        producer_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.topic = topic or self._topic_default
+        self.bootstrap = _resolve_bootstrap(bootstrap)
+        self.name = name or f"{Path(sys.argv[0] or 'python').stem or 'python'}-{os.getpid()}"
+        self._pipe: _Pipeline | None = None
+        if self.bootstrap is None:
+            log.warning("sdk: no Kafka bootstrap given (argument or %s); %s logs nothing", BOOTSTRAP_ENV, type(self).__name__)
+            return
+        if compression == "lz4":
+            try:
+                import lz4.frame  # noqa: F401  (kafka-python needs it for lz4)
+            except ImportError:
+                compression = "gzip"  # stdlib; slower, but never a reason not to log
+        encoder = _Encoder(lambda: self._pipe, redact, self._validate, self._id_field)
+        self._pipe = _Pipeline(
+            self.bootstrap, self.topic, encoder, name=self.name, spool_dir=spool_dir, max_queue=max_queue,
+            batch_max=batch_max, linger_s=linger_s, spool_max_bytes=spool_max_bytes, compression=compression,
+            outage_after_s=outage_after_s, retry_s=retry_s, metrics_interval_s=metrics_interval_s,
+            exit_timeout_s=exit_timeout_s, producer_config=producer_config,
+        )
+
+    _id_field = "event_id"
+
+    @staticmethod
+    def _validate(record: Any) -> Any:
+        return schema.validate_event(record)
+
+    @property
+    def enabled(self) -> bool:
+        return self._pipe is not None
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters: enqueued, sent, spilled, replayed, dropped, invalid ... (all zero when disabled)."""
+        if self._pipe is None:
+            return {"enabled": False}
+        return self._pipe.metrics()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Block until everything logged so far reached Kafka (True) or timeout (False)."""
+        return True if self._pipe is None else self._pipe.flush(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Deliver what can be delivered within timeout, spill the rest to disk; later calls are dropped."""
+        if self._pipe is not None:
+            self._pipe.close(timeout)
+
+    def __enter__(self) -> "_Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class SessionLogger(_Client):
+    """Logs agent sessions to Kafka (flywheel.events). Thread-safe; one per process is enough.
+
+    Options (keyword): name (spool name; give a stable one so a restarted process replays what
+    an earlier one spooled), spool_dir (default var/spool/<name>), max_queue, batch_max,
+    linger_s, spool_max_bytes, compression, outage_after_s, retry_s, metrics_interval_s,
+    redact (Callable[[str], str] or None), sample_rate (share of sessions logged),
+    producer_config (extra KafkaProducer settings).
+    """
+
+    def __init__(self, bootstrap: str | None = None, topic: str | None = None, *, sample_rate: float = 1.0, **options: Any) -> None:
+        super().__init__(bootstrap, topic, **options)
+        self.sample_rate = sample_rate
+        self._seqs: dict[str, itertools.count[int]] = {}
+        self._seq_lock = threading.Lock()
+
+    def _seq_for(self, agent_id: str) -> Any:
+        counter = self._seqs.get(agent_id)
+        if counter is None:
+            with self._seq_lock:
+                counter = self._seqs.setdefault(agent_id, itertools.count())
+        return counter
+
+    def session(self, task_type: str = "unknown", tags: dict[str, Any] | None = None, session_id: str | None = None,
+                agent_id: str = MAIN_AGENT) -> "Session":
+        """Start a session (emits session_start); use as `with log.session(...) as s:` to emit session_end."""
+        s = Session(self, session_id or uuid.uuid4().hex, agent_id, None, owns_lifecycle=True)
+        s.start(task_type, tags)
+        return s
+
+    def attach(self, session_id: str, agent_id: str = MAIN_AGENT, parent_agent_id: str | None = None) -> "Session":
+        """Log into an existing session (started by another process or thread); emits nothing by itself."""
+        return Session(self, session_id, agent_id, parent_agent_id, owns_lifecycle=False)
+
+
+class Session:
+    """One agent (main or sub-agent) inside one session. Every method is non-blocking and never raises."""
+
+    def __init__(self, logger: SessionLogger, session_id: Any, agent_id: Any, parent_agent_id: str | None,
+                 owns_lifecycle: bool, parent: "Session | None" = None) -> None:
+        self.session_id = str(session_id)
+        self.agent_id = str(agent_id)
+        self.parent_agent_id = parent_agent_id
+        self._logger = logger
+        self._pipe = logger._pipe if _sampled(self.session_id, logger.sample_rate) else None
+        self._seq = logger._seq_for(self.agent_id)
+        self._owns_lifecycle = owns_lifecycle
+        self._parent = parent
+        self._ended = False
+
+    @property
+    def sampled(self) -> bool:
+        return self._pipe is not None
+
+    # ---------------------------------------------------------------- hot path
+    def _emit(self, etype: str, fields: dict[str, Any]) -> None:
+        pipe = self._pipe
+        if pipe is None:
+            return
+        try:
+            unknown = fields.pop("_extra", None)
+            if unknown:
+                pipe.warn(f"unknown:{etype}:{sorted(unknown)}", "sdk: %s got unknown field(s) %s; they are not logged "
+                          "(schema v%d is closed)", etype, sorted(unknown), schema.SCHEMA_VERSION)
+            for name in _REQUIRED[etype]:
+                if fields.get(name) is None:
+                    pipe.invalid += 1
+                    pipe.warn(f"missing:{etype}:{name}", "sdk: %s without required %r; event dropped", etype, name)
+                    return
+            record = {
+                "schema_version": schema.SCHEMA_VERSION,
+                "session_id": self.session_id,
+                "agent_id": self.agent_id,
+                "parent_agent_id": self.parent_agent_id,
+                "seq": next(self._seq),
+                "ts": schema.now_ts(),
+                "type": etype,
+            }
+            for key, value in fields.items():
+                if value is not None:
+                    record[key] = value
+            pipe.put(record)
+        except Exception as exc:  # the SDK's own bug must never reach the agent
+            pipe.invalid += 1
+            pipe.warn(f"emit:{etype}", "sdk: %s could not be enqueued (%s); event dropped", etype, exc)
+
+    def start(self, task_type: str = "unknown", tags: dict[str, Any] | None = None, **extra: Any) -> None:
+        """Emit session_start (done by SessionLogger.session(); call it yourself after attach())."""
+        self._emit("session_start", {"task_type": task_type, "tags": tags, "_extra": extra})
+
+    def end(self, status: str = "ok", **extra: Any) -> None:
+        """Emit session_end once (later calls are ignored)."""
+        if self._ended:
+            return
+        self._ended = True
+        self._emit("session_end", {"status": status, "_extra": extra})
+
+    def llm_call(
+        self,
+        model: str | None = None,
+        policy_version: int | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        completion_token_ids: Sequence[int] | None = None,
+        completion_logprobs: Sequence[float] | None = None,
+        *,
+        finish_reason: str | None = None,
+        latency_s: float | None = None,
+        sampling: dict[str, Any] | None = None,
+        prompt_text: str | None = None,
+        completion_text: str | None = None,
+        group_id: str | None = None,
+        request_id: str | None = None,
+        **extra: Any,
+    ) -> None:
+        """One model call with the exact token ids the server saw and sampled, and their behaviour logprobs."""
+        self._emit("llm_call", {
+            "model": model, "policy_version": policy_version, "prompt_token_ids": prompt_token_ids,
+            "completion_token_ids": completion_token_ids, "completion_logprobs": completion_logprobs,
+            "finish_reason": finish_reason, "latency_s": latency_s, "sampling": sampling, "prompt_text": prompt_text,
+            "completion_text": completion_text, "group_id": group_id, "request_id": request_id, "_extra": extra,
+        })
+
+    def tool_call(self, name: str | None = None, arguments: Any = None, call_id: str | None = None,
+                  malformed: bool | None = None, **extra: Any) -> str:
+        """Log a tool call; returns its call_id (pass it to tool_result)."""
+        call_id = call_id or uuid.uuid4().hex[:16]
+        self._emit("tool_call", {"call_id": call_id, "name": name, "arguments": arguments, "malformed": malformed,
+                                 "_extra": extra})
+        return call_id
+
+    def tool_result(self, call_id: str | None = None, ok: bool | None = None, output: str | None = None,
+                    name: str | None = None, **extra: Any) -> None:
+        """Log a tool's result (output is redacted and capped at schema.MAX_TEXT_CHARS)."""
+        if output is not None and not isinstance(output, str):
+            output = repr(output)  # a tool returned an object: keep what it looked like
+        self._emit("tool_result", {"call_id": call_id, "ok": ok, "output": output, "name": name, "_extra": extra})
+
+    def spawn_subagent(self, subtask: str | None = None, agent_id: str | None = None, **extra: Any) -> "Session":
+        """Emit subagent_spawn here and return the child's Session (its own agent_id, this agent as parent).
+
+        Call child.finish(ok) when it is done (or use it as a context manager).
+        """
+        child_id = agent_id or f"sub-{uuid.uuid4().hex[:10]}"
+        self._emit("subagent_spawn", {"child_agent_id": child_id, "subtask": subtask, "_extra": extra})
+        return Session(self._logger, self.session_id, child_id, self.agent_id, owns_lifecycle=False, parent=self)
+
+    def finish(self, ok: bool = True) -> None:
+        """For a sub-agent: emit subagent_finish on the parent (once)."""
+        if self._parent is None or self._ended:
+            return
+        self._ended = True
+        self._parent._emit("subagent_finish", {"child_agent_id": self.agent_id, "ok": bool(ok)})
+
+    def context_edit(self, edit_kind: str | None = None, tokens_removed: int | None = None,
+                     summary_token_ids: Sequence[int] | None = None, **extra: Any) -> None:
+        """The agent summarised or pruned its context (edit_kind summarize | prune)."""
+        self._emit("context_edit", {"edit_kind": edit_kind, "tokens_removed": tokens_removed,
+                                    "summary_token_ids": summary_token_ids, "_extra": extra})
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._parent is not None:
+            self.finish(ok=exc_type is None)
+        elif self._owns_lifecycle:
+            self.end("error" if exc_type is not None else "ok")
+
+
+class OutcomeReporter(_Client):
+    """Reports outcomes (flywheel.outcomes) from any process, at any later time; same non-blocking machinery."""
+
+    _topic_default = schema.OUTCOMES_TOPIC
+    _id_field = "outcome_id"
+
+    @staticmethod
+    def _validate(record: Any) -> Any:
+        return schema.validate_outcome(record)
+
+    def report(self, session_id: str, kind: str, value: float, agent_id: str | None = None,
+               source: str | None = None, ts: str | None = None) -> str:
+        """Enqueue one outcome; returns its outcome_id. Never raises (bad input is warned and counted)."""
+        outcome_id = uuid.uuid4().hex
+        pipe = self._pipe
+        if pipe is None:
+            return outcome_id
+        try:
+            record = {"schema_version": schema.SCHEMA_VERSION, "outcome_id": outcome_id, "session_id": session_id,
+                      "kind": kind, "value": value, "ts": ts or schema.now_ts()}
+            if agent_id is not None:
+                record["agent_id"] = agent_id
+            if source is not None:
+                record["source"] = source
+            for name in _OUTCOME_REQUIRED:
+                if record.get(name) is None:
+                    pipe.invalid += 1
+                    pipe.warn(f"missing:outcome:{name}", "sdk: outcome without required %r; dropped", name)
+                    return outcome_id
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                try:
+                    record["value"] = float(value)
+                except (TypeError, ValueError):
+                    pipe.invalid += 1
+                    pipe.warn("outcome:value", "sdk: outcome value %r is not a number; dropped", value)
+                    return outcome_id
+            pipe.put(record)
+        except Exception as exc:
+            pipe.invalid += 1
+            pipe.warn("outcome:emit", "sdk: outcome could not be enqueued (%s); dropped", exc)
+        return outcome_id

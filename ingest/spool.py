@@ -1,0 +1,215 @@
+"""The SDK's on-disk spill spool: an append-only, bounded, segmented FIFO of encoded records.
+
+When the broker is down or slow, the SDK's background thread appends encoded events here
+instead of holding them in memory; when the broker answers again it replays them from the
+head, in the order they were written, and only advances the head after Kafka acknowledged
+them. A crash between send and commit replays a record twice, which is fine: every event
+carries an event_id and the lake writer de-duplicates by it.
+
+Layout of a spool directory:
+
+    000000000001.seg  000000000002.seg ...   records, one per line (JSON text never holds a raw newline)
+    head.json                                {"segment": N, "offset": BYTES}: the next record to replay
+    lock                                     flock'ed by the one process that owns the directory
+
+Bounded: when the segments together exceed `max_bytes`, the OLDEST segment is deleted and its
+unreplayed records are counted as dropped (the caller logs and reports them); the newest data
+is kept because it is what the learner wants most. Stdlib only (the SDK's import path).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SEGMENT_SUFFIX = ".seg"
+
+
+class SpoolLocked(RuntimeError):
+    """Another live process owns this spool directory."""
+
+
+@dataclass
+class _Segment:
+    index: int
+    path: Path
+    size: int  # bytes on disk
+    records: int  # records in the whole file
+
+
+class Spool:
+    """A FIFO of byte records on disk. Single-threaded: the SDK's background thread owns it."""
+
+    def __init__(self, directory: str | Path, max_bytes: int = 256 * 1024 * 1024, segment_bytes: int = 8 * 1024 * 1024) -> None:
+        assert segment_bytes * 2 <= max_bytes, f"segment_bytes {segment_bytes} must be at most half of max_bytes {max_bytes}"
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fh = open(self.directory / "lock", "a+")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            self._lock_fh.close()
+            raise SpoolLocked(f"spool {self.directory} is owned by another process") from exc
+        self._segments: list[_Segment] = []
+        self._head_segment = 0
+        self._head_offset = 0
+        self._head_consumed = 0  # records of the head segment before _head_offset
+        self._writer = None  # open append handle of the tail segment
+        self._peeked: list[tuple[int, int]] = []  # (segment index, offset after the record) per peeked record
+        self._load()
+
+    # ---------------------------------------------------------------- state on disk
+    def _load(self) -> None:
+        for path in sorted(self.directory.glob(f"*{SEGMENT_SUFFIX}")):
+            try:
+                index = int(path.stem)
+            except ValueError:
+                continue
+            data = path.read_bytes()
+            complete = data.rfind(b"\n") + 1
+            if complete < len(data):  # a torn last line from a crash mid-write: it was never acknowledged to anyone
+                with open(path, "r+b") as fh:
+                    fh.truncate(complete)
+                data = data[:complete]
+            self._segments.append(_Segment(index, path, len(data), data.count(b"\n")))
+        try:
+            head = json.loads((self.directory / "head.json").read_text())
+            self._head_segment, self._head_offset = int(head["segment"]), int(head["offset"])
+        except (OSError, ValueError, KeyError, TypeError):
+            self._head_segment, self._head_offset = 0, 0
+        # Segments before the head were fully replayed (their deletion may not have happened before a crash).
+        while self._segments and self._segments[0].index < self._head_segment:
+            self._segments.pop(0).path.unlink(missing_ok=True)
+        if self._segments and self._segments[0].index == self._head_segment:
+            head_path = self._segments[0].path
+            with open(head_path, "rb") as fh:
+                self._head_consumed = fh.read(self._head_offset).count(b"\n")
+        else:
+            self._head_segment = self._segments[0].index if self._segments else 0
+            self._head_offset = 0
+            self._head_consumed = 0
+
+    def _save_head(self) -> None:
+        tmp = self.directory / "head.json.tmp"
+        tmp.write_text(json.dumps({"segment": self._head_segment, "offset": self._head_offset}))
+        os.replace(tmp, self.directory / "head.json")
+
+    # ---------------------------------------------------------------- queries
+    def __len__(self) -> int:
+        """Records not yet replayed."""
+        total = sum(s.records for s in self._segments)
+        return total - (self._head_consumed if self._segments and self._segments[0].index == self._head_segment else 0)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(s.size for s in self._segments)
+
+    # ---------------------------------------------------------------- writing
+    def append(self, records: list[bytes]) -> int:
+        """Append records at the tail; return how many OLD records were dropped to stay within max_bytes."""
+        if not records:
+            return 0
+        tail = self._segments[-1] if self._segments else None
+        if tail is None or tail.size >= self.segment_bytes:
+            tail = self._new_segment()
+        payload = b"\n".join(records) + b"\n"
+        assert payload.count(b"\n") == len(records), "spool records must not contain a newline"
+        if self._writer is None:
+            self._writer = open(tail.path, "ab")
+        self._writer.write(payload)
+        self._writer.flush()  # into the OS: survives a crash of this process (fsync only at close)
+        tail.size += len(payload)
+        tail.records += len(records)
+        return self._enforce_bound()
+
+    def _new_segment(self) -> _Segment:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        index = self._segments[-1].index + 1 if self._segments else max(self._head_segment, 1)
+        segment = _Segment(index, self.directory / f"{index:012d}{SEGMENT_SUFFIX}", 0, 0)
+        segment.path.touch()
+        if not self._segments:
+            self._head_segment, self._head_offset, self._head_consumed = index, 0, 0
+            self._save_head()
+        self._segments.append(segment)
+        return segment
+
+    def _enforce_bound(self) -> int:
+        dropped = 0
+        while self.size_bytes > self.max_bytes and len(self._segments) > 1:
+            oldest = self._segments.pop(0)
+            unreplayed = oldest.records - (self._head_consumed if oldest.index == self._head_segment else 0)
+            dropped += unreplayed
+            oldest.path.unlink(missing_ok=True)
+            self._head_segment, self._head_offset, self._head_consumed = self._segments[0].index, 0, 0
+            self._peeked = []  # anything peeked from the dropped segment is gone
+            self._save_head()
+        return dropped
+
+    # ---------------------------------------------------------------- replay
+    def peek(self, max_records: int) -> list[bytes]:
+        """Up to max_records from the head, without consuming them (commit() does that)."""
+        out: list[bytes] = []
+        self._peeked = []
+        for segment in self._segments:
+            if len(out) >= max_records:
+                break
+            offset = self._head_offset if segment.index == self._head_segment else 0
+            if offset >= segment.size:
+                continue
+            if self._writer is not None and segment is self._segments[-1]:
+                self._writer.flush()
+            with open(segment.path, "rb") as fh:
+                fh.seek(offset)
+                while len(out) < max_records and offset < segment.size:
+                    line = fh.readline()
+                    if not line.endswith(b"\n"):
+                        break
+                    offset += len(line)
+                    out.append(line[:-1])
+                    self._peeked.append((segment.index, offset))
+        return out
+
+    def commit(self, n: int) -> None:
+        """Consume the first n records of the last peek (they were acknowledged downstream)."""
+        if n <= 0 or not self._peeked:
+            return
+        assert n <= len(self._peeked), f"commit({n}) after a peek of {len(self._peeked)} records"
+        segment_index, offset = self._peeked[n - 1]
+        if segment_index == self._head_segment:
+            self._head_consumed += n
+        else:
+            self._head_consumed = sum(1 for s, _ in self._peeked[:n] if s == segment_index)
+        self._head_segment, self._head_offset = segment_index, offset
+        self._peeked = self._peeked[n:]
+        # Fully replayed segments are deleted, except the tail, which keeps receiving appends.
+        while len(self._segments) > 1 and (
+            self._segments[0].index < self._head_segment
+            or (self._segments[0].index == self._head_segment and self._head_offset >= self._segments[0].size)
+        ):
+            done = self._segments.pop(0)
+            done.path.unlink(missing_ok=True)
+            if done.index == self._head_segment:
+                self._head_segment, self._head_offset, self._head_consumed = self._segments[0].index, 0, 0
+        self._save_head()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            os.fsync(self._writer.fileno())
+            self._writer.close()
+            self._writer = None
+        # An empty, fully replayed spool leaves only its lock behind.
+        if len(self) == 0:
+            for segment in self._segments:
+                segment.path.unlink(missing_ok=True)
+            self._segments = []
+            (self.directory / "head.json").unlink(missing_ok=True)
+        fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+        self._lock_fh.close()

@@ -1,0 +1,176 @@
+"""SessionLogger and OutcomeReporter without a broker: everything they accept ends up, encoded
+and schema-valid, in the spill spool, and bad input is warned, counted and never raised."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from ingest import schema
+from ingest.sidecar import OutcomeReporter, SessionLogger
+from ingest.spool import Spool
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def dead_bootstrap() -> str:
+    return f"127.0.0.1:{_closed_port()}"
+
+
+def _spooled(directory: Path) -> list[dict]:
+    spool = Spool(directory)
+    records = [json.loads(r) for r in spool.peek(1_000_000)]
+    spool.close()
+    return records
+
+
+def _logger(dead_bootstrap: str, tmp_path: Path, **kw) -> SessionLogger:
+    return SessionLogger(dead_bootstrap, name="t", spool_dir=tmp_path / "spool", linger_s=0.01, retry_s=0.2, **kw)
+
+
+def _full_session(log: SessionLogger) -> str:
+    with log.session(task_type="code_edit", tags={"repo": "x"}) as s:
+        s.llm_call(model="policy-v3", policy_version=3, prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5],
+                   completion_logprobs=[-0.1, -0.2], finish_reason="stop", latency_s=0.01,
+                   sampling={"temperature": 1.0}, completion_text="hi")
+        call = s.tool_call("grep", {"pattern": "foo"})
+        s.tool_result(call, ok=True, output="a.py:1:foo")
+        child = s.spawn_subagent(subtask="fix lint")
+        child.llm_call(model="policy-v3", policy_version=3, prompt_token_ids=[1], completion_token_ids=[2],
+                       completion_logprobs=[-0.5])
+        child.finish(ok=True)
+        s.context_edit("summarize", tokens_removed=120, summary_token_ids=[7, 8, 9])
+    return s.session_id
+
+
+def test_every_event_type_is_encoded_valid_and_spilled(dead_bootstrap: str, tmp_path: Path) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    session_id = _full_session(log)
+    log.close(timeout=5)
+    events = _spooled(tmp_path / "spool")
+    for event in events:
+        schema.validate_event(event)
+    assert {e["type"] for e in events} == set(schema.EVENT_TYPES)
+    assert all(e["session_id"] == session_id for e in events)
+    assert len({e["event_id"] for e in events}) == len(events), "event ids must be unique"
+    child = [e for e in events if e["type"] == "llm_call" and e["agent_id"] != "main"]
+    spawn = next(e for e in events if e["type"] == "subagent_spawn")
+    assert child[0]["parent_agent_id"] == "main" and child[0]["agent_id"] == spawn["child_agent_id"]
+    main_seqs = [e["seq"] for e in events if e["agent_id"] == "main"]
+    assert main_seqs == sorted(main_seqs) and len(set(main_seqs)) == len(main_seqs)
+    assert events[-1]["type"] == "session_end" and events[-1]["status"] == "ok"
+    m = log.metrics()
+    assert m["spilled"] == len(events) == m["enqueued"] and m["dropped"] == 0 and m["invalid"] == 0, m
+
+
+def test_session_end_status_error_when_block_raises(dead_bootstrap: str, tmp_path: Path) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    with pytest.raises(KeyError):
+        with log.session(task_type="t"):
+            raise KeyError("agent bug")
+    log.close(timeout=5)
+    assert _spooled(tmp_path / "spool")[-1]["status"] == "error"
+
+
+def test_bad_input_is_warned_counted_and_never_raised(dead_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    s = log.attach("sess-bad")
+    good = dict(model="m", policy_version=0, prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0])
+    with caplog.at_level(logging.WARNING, logger="ingest.sidecar"):
+        s.tool_call("f", {"when": object()})  # not JSON serialisable -> repr text, counted
+        s.tool_result("c1", ok=True, output="x" * (schema.MAX_TEXT_CHARS + 10))  # capped and flagged
+        s.llm_call(**good, bogus_field=1)  # unknown field: dropped from the event, warned
+        s.llm_call(**{**good, "policy_version": "three"})  # wrong type: event dropped, counted
+        s.llm_call(**{**good, "completion_logprobs": [-1.0, -2.0]})  # length mismatch: dropped
+        s.llm_call(model="m")  # missing required fields: dropped
+        s.context_edit("rewrite", tokens_removed=3)  # not a known edit kind: dropped
+        s.tool_result("c2", ok=True, output={"not": "a string"})  # object output stored as its repr
+        s.llm_call(**good)  # the SDK still works afterwards
+        log.close(timeout=5)
+    events = _spooled(tmp_path / "spool")
+    for event in events:
+        schema.validate_event(event)
+    by_type = [e["type"] for e in events]
+    assert by_type == ["tool_call", "tool_result", "llm_call", "tool_result", "llm_call"], by_type
+    assert events[0]["arguments"]["when"].startswith("<object object")
+    assert events[1]["truncated"] == ["output"] and len(events[1]["output"]) == schema.MAX_TEXT_CHARS
+    assert "bogus_field" not in events[2]
+    m = log.metrics()
+    assert m["invalid"] == 4 and m["coerced"] == 1 and m["truncated"] == 1, m
+    messages = " | ".join(r.getMessage() for r in caplog.records)
+    for needle in ("not JSON serialisable", "bogus_field", "policy_version", "completion_logprobs", "required", "edit_kind"):
+        assert needle in messages, f"no warning mentions {needle!r}: {messages}"
+
+
+def test_text_is_redacted_before_it_leaves(dead_bootstrap: str, tmp_path: Path) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    s = log.attach("sess-r")
+    s.tool_call("mail", {"to": "bob@example.com", "auth": "Bearer abcdefghijklmnop"})
+    s.tool_result("c", ok=True, output="sent to bob@example.com with key sk-abcdefghijklmnopqrstu")
+    log.close(timeout=5)
+    text = json.dumps(_spooled(tmp_path / "spool"))
+    assert "bob@example.com" not in text and "sk-abcdefghijklmnopqrstu" not in text and "abcdefghijklmnop" not in text
+
+
+def test_no_bootstrap_is_a_noop_with_one_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
+    with caplog.at_level(logging.WARNING, logger="ingest.sidecar"):
+        log = SessionLogger()
+        with log.session(task_type="t") as s:
+            assert s.tool_call("f", {}) and s.spawn_subagent("x").agent_id
+        assert OutcomeReporter().report("s", kind="k", value=1.0)
+    assert not log.enabled and log.flush(0.1)
+    assert sum("no Kafka bootstrap" in r.getMessage() for r in caplog.records) == 2  # one per client
+
+
+def test_sampling_is_per_session_and_deterministic(dead_bootstrap: str, tmp_path: Path) -> None:
+    log = _logger(dead_bootstrap, tmp_path, sample_rate=0.3)
+    sampled = [log.attach(f"s{i}").sampled for i in range(2000)]
+    again = [log.attach(f"s{i}").sampled for i in range(2000)]
+    assert sampled == again
+    assert 0.25 < sum(sampled) / 2000 < 0.35, sum(sampled)
+    log.close(timeout=1)
+
+
+def test_outcomes_validate_and_bad_values_are_counted(dead_bootstrap: str, tmp_path: Path) -> None:
+    reporter = OutcomeReporter(dead_bootstrap, name="o", spool_dir=tmp_path / "o", linger_s=0.01)
+    oid = reporter.report("sess-1", kind="tests_passed", value=1, source="ci")
+    reporter.report("sess-1", kind="rating", value="not a number")
+    reporter.report("sess-1", kind=None, value=1.0)  # type: ignore[arg-type]
+    reporter.close(timeout=5)
+    outcomes = _spooled(tmp_path / "o")
+    assert [o["outcome_id"] for o in outcomes] == [oid]
+    schema.validate_outcome(outcomes[0])
+    assert outcomes[0]["value"] == 1.0 and reporter.metrics()["invalid"] == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_gets_its_own_pipeline(dead_bootstrap: str, tmp_path: Path) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    log.attach("parent").tool_call("before_fork", {})
+    pid = os.fork()
+    if pid == 0:  # child: log, close, and leave without running the parent's test machinery
+        code = 1
+        try:
+            for i in range(5):
+                log.attach("child").tool_call(f"c{i}", {})
+            log.close(timeout=5)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    log.close(timeout=5)
+    child_events = _spooled(tmp_path / f"spool-{pid}")
+    assert [e["name"] for e in child_events] == [f"c{i}" for i in range(5)], child_events
+    assert [e["name"] for e in _spooled(tmp_path / "spool")] == ["before_fork"]
