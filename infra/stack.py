@@ -203,6 +203,15 @@ def _port_busy(host: str, port: int) -> bool:
     return False
 
 
+def _port_open(host: str, port: int) -> bool:
+    """Something accepts connections there (a probe that, unlike bind, cannot steal the port)."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def _http_get(url: str, timeout: float = 3.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -295,7 +304,7 @@ def _java() -> str:
 
 def kafka_healthy(cfg: StackConfig, timeout_s: float = 5.0) -> bool:
     """The broker answers a metadata request (not only an open port)."""
-    if not _port_busy(cfg.kafka_host, cfg.kafka_port):
+    if not _port_open(cfg.kafka_host, cfg.kafka_port):
         return False  # nothing listens: skip kafka-python's bootstrap retries and their error logs
     try:
         from kafka import KafkaAdminClient
