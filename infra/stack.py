@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from infra import defaults
+from infra import defaults, tracking
 from infra.config import ConfigError, load_config, setting, setup_logging
 
 log = logging.getLogger(__name__)
@@ -379,17 +379,9 @@ def stop_kafka(cfg: StackConfig) -> None:
 # ---------------------------------------------------------------------------------------------
 # MLflow
 # ---------------------------------------------------------------------------------------------
-def _abs_sqlite_uri(uri: str) -> str:
-    """sqlite:///relative/path -> sqlite:////absolute/path, so every process opens the same file."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str((REPO_ROOT / uri[len(prefix):]).resolve())
-    return uri
-
-
 def init_mlflow_store(cfg: StackConfig) -> None:
     """Create the sqlite store and run its migrations once, before several processes open it."""
-    uri = _abs_sqlite_uri(cfg.mlflow_tracking_uri)
+    uri = tracking.absolute_uri(cfg.mlflow_tracking_uri)
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.mlflow_artifacts_dir).mkdir(parents=True, exist_ok=True)
@@ -407,7 +399,7 @@ def start_mlflow(cfg: StackConfig) -> dict[str, Any]:
     init_mlflow_store(cfg)
     marker = "mlflow"  # with the pid, enough to tell our server from a reused pid
     artifacts = Path(cfg.mlflow_artifacts_dir).resolve()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", _abs_sqlite_uri(cfg.mlflow_tracking_uri),
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking.absolute_uri(cfg.mlflow_tracking_uri),
            "--default-artifact-root", artifacts.as_uri(), "--host", cfg.mlflow_host, "--port", str(cfg.mlflow_port),
            "--workers", "1"]
     record = _spawn(cfg, "mlflow", cmd, dict(os.environ), marker)

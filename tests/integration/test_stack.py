@@ -146,17 +146,21 @@ def test_mlflow_records_a_run_with_metric_and_artifact(mlflow_uri, tmp_path):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=mlflow_uri)
-    exp_id = client.create_experiment(f"test-stack-{uuid.uuid4().hex[:8]}")
+    from infra import tracking
+
+    client = tracking.client(mlflow_uri)
+    exp_id = tracking.experiment_id(f"test-stack-{uuid.uuid4().hex[:8]}", mlflow_uri)
     run = client.create_run(exp_id)
     client.log_metric(run.info.run_id, "reward", 0.5, step=1)
     note = tmp_path / "note.txt"
     note.write_text("hello")
     client.log_artifact(run.info.run_id, str(note))
     client.set_terminated(run.info.run_id)
-    again = MlflowClient(tracking_uri=mlflow_uri).get_run(run.info.run_id)
+    again = MlflowClient(tracking_uri=tracking.absolute_uri(mlflow_uri)).get_run(run.info.run_id)
     assert again.data.metrics["reward"] == 0.5
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["note.txt"]
+    stored = tracking.artifacts_root(mlflow_uri)
+    assert any(stored.rglob("note.txt")), f"artifact not under the store's artifact folder {stored}"
     assert mlflow.__version__
 
 
