@@ -571,7 +571,7 @@ class _Pipeline:
             self._spill(leftovers)
         if self._producer is not None:
             try:
-                self._producer.close(timeout=0)
+                self._producer.close(timeout=0 if self._down else 1)
             except Exception:
                 pass
             self._producer = None

@@ -1,0 +1,483 @@
+"""`flywheel proxy`: an OpenAI-compatible capture proxy in front of the vLLM tier.
+
+    flywheel proxy --port 8100 --upstream http://127.0.0.1:8000
+
+An agent changes only its base URL (to http://127.0.0.1:8100/v1) and sends a session id header;
+the proxy forwards each request to vLLM with `return_token_ids` and `logprobs` switched on,
+removes from the reply what the agent did not ask for, and logs one `llm_call` event per
+choice with the exact prompt and completion token ids, the behaviour logprobs, the served
+model name and the policy version (through the SessionLogger SDK, so a broker outage costs
+the agent nothing).
+
+Routes: POST /v1/chat/completions and /v1/completions (streaming and not), GET /v1/models
+(passed through), GET /health and GET /metrics (the proxy's own counters).
+
+Headers (all optional; without a session id the request is forwarded but not logged):
+  X-Flywheel-Session-Id        the session the call belongs to
+  X-Flywheel-Agent-Id          the agent inside it (default "main")
+  X-Flywheel-Parent-Agent-Id   its parent, for sub-agents
+  X-Flywheel-Task-Type         task family, used when the proxy starts the session
+  X-Flywheel-Session-Event     "start" (emit session_start before the call) or "end" (session_end after it);
+                               a started session that sees no request for idle_timeout_s ends with
+                               status idle_timeout
+The agent does not choose the policy: the model name it sends is replaced by the routed one
+(`route(session_id) -> (served name, policy version)`), and the reply shows its own name back.
+Authorization is forwarded to vLLM and never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from infra import defaults
+from infra.config import ConfigError, load_config, setting, setup_logging
+from ingest import schema
+from ingest.sidecar import MAIN_AGENT, SessionLogger
+
+log = logging.getLogger(__name__)
+
+RouteFn = Callable[[str], tuple[str, int]]
+
+H_SESSION = "X-Flywheel-Session-Id"
+H_AGENT = "X-Flywheel-Agent-Id"
+H_PARENT = "X-Flywheel-Parent-Agent-Id"
+H_TASK = "X-Flywheel-Task-Type"
+H_EVENT = "X-Flywheel-Session-Event"
+# Request parameters copied into the event's `sampling` (what the behaviour policy sampled with).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "n", "seed",
+                 "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+
+
+@dataclass
+class ProxyConfig:
+    """The capture proxy: where it listens, where vLLM is, where events go, how sessions are routed."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8100, "port to listen on")
+    upstream: str = setting(defaults.VLLM_URL, "the vLLM server (OpenAI-compatible) requests are forwarded to")
+    kafka_bootstrap: str = setting(defaults.KAFKA_BOOTSTRAP, "Kafka the llm_call events go to")
+    events_topic: str = setting(schema.EVENTS_TOPIC, "topic of the events")
+    router: str = setting("static", "static (every session -> static_model) or serving (serving.router.Router)")
+    static_model: str = setting(defaults.policy_name(0), "served model name for the static router")
+    static_policy_version: int = setting(0, "policy version for the static router")
+    idle_timeout_s: float = setting(300.0, "a session started through the proxy ends (idle_timeout) after this long without requests")
+    log_completion_text: bool = setting(True, "log the completion text (redacted) next to the token ids")
+    log_prompt_text: bool = setting(False, "log the rendered prompt text (redacted); token ids are always logged")
+    upstream_timeout_s: float = setting(600.0, "longest a forwarded request may take")
+    spool_name: str = setting("proxy", "name of the SDK's spill spool (var/spool/<name>), stable so a restart replays it")
+    log_level: str = setting("INFO", "logging level")
+
+    def check(self) -> None:
+        if self.router not in ("static", "serving"):
+            raise ConfigError(f"router: {self.router!r} is not static or serving")
+        if self.idle_timeout_s <= 0:
+            raise ConfigError(f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}")
+
+
+def static_route(model: str, policy_version: int) -> RouteFn:
+    """Every session to one served model (the default until serving.router is in use)."""
+    return lambda _session_id: (model, policy_version)
+
+
+def serving_route() -> RouteFn:
+    """serving.router.Router: champion/challenger, sticky per session."""
+    try:
+        from serving import router as serving_router
+    except ImportError as exc:
+        raise ConfigError(f"router: serving.router is not importable ({exc}); use --router static") from exc
+    router_cls = getattr(serving_router, "Router", None)
+    cfg_cls = getattr(serving_router, "RouterConfig", None)
+    if router_cls is None:
+        raise ConfigError("router: serving.router has no Router class; use --router static")
+    router = router_cls(load_config(cfg_cls, [], prog="router")) if cfg_cls is not None else router_cls()
+
+    def route(session_id: str) -> tuple[str, int]:
+        chosen = router.route(session_id)
+        return str(chosen.model), int(chosen.policy_version)
+
+    return route
+
+
+@dataclass
+class _SessionState:
+    last_seen: float
+    owned: bool = False  # the proxy emitted its session_start, so it also ends it
+    ended: bool = False
+
+
+@dataclass
+class _Call:
+    """What one forwarded request needs for its llm_call events."""
+
+    kind: str  # "chat" | "completion"
+    session_id: str | None
+    agent_id: str
+    parent_agent_id: str | None
+    model: str
+    policy_version: int
+    sampling: dict[str, Any]
+    started: float
+    wants_logprobs: bool
+    wants_token_ids: bool
+    wants_prompt_text: bool
+    client_model: Any
+    prompt_ids: dict[int, list[int]] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float | None]] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    finish: dict[int, str | None] = field(default_factory=dict)
+    response_id: str | None = None
+    prompt_text: str | None = None
+    echo: bool = False
+
+
+class CaptureProxy:
+    """The request handlers and the session bookkeeping; the aiohttp app is built by make_app()."""
+
+    def __init__(self, cfg: ProxyConfig, logger: SessionLogger, route: RouteFn) -> None:
+        self.cfg = cfg
+        self.logger = logger
+        self.route = route
+        self.upstream = cfg.upstream.rstrip("/")
+        self.sessions: dict[str, _SessionState] = {}
+        self.counters = {"requests": 0, "logged_calls": 0, "unlogged_no_session": 0, "upstream_errors": 0,
+                         "bad_requests": 0, "log_errors": 0, "client_disconnects": 0, "idle_timeouts": 0}
+        self._http: Any = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s)
+        # vLLM is on loopback or a private network; many concurrent agent sessions share the pool.
+        self._http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=256))
+
+    async def stop(self) -> None:
+        for session_id, state in list(self.sessions.items()):
+            if state.owned and not state.ended:
+                self._end(session_id, "proxy_shutdown")
+        if self._http is not None:
+            await self._http.close()
+
+    async def reap_idle(self, interval_s: float | None = None) -> None:
+        """End started sessions that went quiet; forget the others."""
+        interval = interval_s or min(5.0, self.cfg.idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.reap_once(time.monotonic())
+
+    def reap_once(self, now: float) -> None:
+        for session_id, state in list(self.sessions.items()):
+            if now - state.last_seen < self.cfg.idle_timeout_s:
+                continue
+            if state.owned and not state.ended:
+                self._end(session_id, "idle_timeout")
+                self.counters["idle_timeouts"] += 1
+            self.sessions.pop(session_id, None)
+
+    def _end(self, session_id: str, status: str) -> None:
+        state = self.sessions.get(session_id)
+        if state is not None:
+            state.ended = True
+        self.logger.attach(session_id).end(status)
+
+    # ---------------------------------------------------------------- handlers
+    async def models(self, request: Any) -> Any:
+        from aiohttp import web
+
+        async with self._http.get(f"{self.upstream}/v1/models", headers=self._forward_headers(request)) as resp:
+            body = await resp.read()
+            return web.Response(status=resp.status, body=body, content_type=resp.content_type)
+
+    async def health(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"ok": True})
+
+    async def metrics(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({**self.counters, "open_sessions": len(self.sessions), "sdk": self.logger.metrics()})
+
+    async def chat(self, request: Any) -> Any:
+        return await self._proxy(request, "chat", "/v1/chat/completions")
+
+    async def completions(self, request: Any) -> Any:
+        return await self._proxy(request, "completion", "/v1/completions")
+
+    async def _proxy(self, request: Any, kind: str, path: str) -> Any:
+        from aiohttp import web
+
+        self.counters["requests"] += 1
+        started = time.monotonic()
+        try:
+            body = json.loads(await request.read())
+            if not isinstance(body, dict):
+                raise ValueError(f"expected a JSON object, got a JSON {type(body).__name__}")
+        except ValueError as exc:
+            self.counters["bad_requests"] += 1
+            return _error(400, f"request body is not valid JSON: {exc}")
+        call = self._begin(request, kind, body, started)
+        upstream_body = self._upstream_body(kind, body, call)
+        headers = self._forward_headers(request)
+        try:
+            if body.get("stream"):
+                return await self._stream(request, path, upstream_body, headers, call)
+            async with self._http.post(f"{self.upstream}{path}", json=upstream_body, headers=headers) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    self.counters["upstream_errors"] += 1
+                    return web.Response(status=resp.status, body=raw, content_type=resp.content_type)
+                payload = json.loads(raw)
+        except (OSError, asyncio.TimeoutError) as exc:
+            self.counters["upstream_errors"] += 1
+            log.warning("proxy: upstream %s%s failed (%s); answered 502", self.upstream, path, exc)
+            return _error(502, f"upstream {self.upstream} unavailable: {exc}")
+        self._collect(call, payload, streaming=False)
+        self._log(call)
+        self._strip(call, payload, streaming=False)
+        self._after(request, call)
+        return web.json_response(payload)
+
+    async def _stream(self, request: Any, path: str, upstream_body: dict[str, Any], headers: dict[str, str], call: _Call) -> Any:
+        from aiohttp import web
+
+        async with self._http.post(f"{self.upstream}{path}", json=upstream_body, headers=headers) as resp:
+            if resp.status != 200:
+                self.counters["upstream_errors"] += 1
+                return web.Response(status=resp.status, body=await resp.read(), content_type=resp.content_type)
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            complete = False
+            try:
+                async for line in resp.content:
+                    if request.transport is None or request.transport.is_closing():
+                        raise ConnectionResetError("client closed the stream")
+                    text = line.decode("utf-8", "replace").strip()
+                    if not text.startswith("data:"):
+                        continue
+                    data = text[len("data:"):].strip()
+                    if data == "[DONE]":
+                        complete = True
+                        await out.write(b"data: [DONE]\n\n")
+                        continue
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        await out.write(f"data: {data}\n\n".encode())
+                        continue
+                    if isinstance(chunk, dict) and "choices" in chunk:
+                        self._collect(call, chunk, streaming=True)
+                        self._strip(call, chunk, streaming=True)
+                    await out.write(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode())
+            except ConnectionResetError:
+                # The agent went away mid-stream. Tokens it never received are not its behaviour, but a
+                # stream that already finished (the agent closes right after [DONE]) is logged as usual.
+                if not (complete or call.finish):
+                    self.counters["client_disconnects"] += 1
+                    return out
+            if complete or call.finish:
+                self._log(call)
+            self._after(request, call)
+            try:
+                await out.write_eof()
+            except ConnectionResetError:
+                pass
+            return out
+
+    # ---------------------------------------------------------------- request side
+    def _begin(self, request: Any, kind: str, body: dict[str, Any], started: float) -> _Call:
+        h = request.headers
+        session_id = h.get(H_SESSION) or None
+        agent_id = h.get(H_AGENT) or MAIN_AGENT
+        model, version = self.route(session_id or "")
+        call = _Call(
+            kind=kind, session_id=session_id, agent_id=agent_id, parent_agent_id=h.get(H_PARENT) or None,
+            model=model, policy_version=version, started=started,
+            sampling={k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None},
+            wants_logprobs=bool(body.get("logprobs")) if kind == "chat" else body.get("logprobs") is not None,
+            wants_token_ids=bool(body.get("return_token_ids")), wants_prompt_text=bool(body.get("return_prompt_text")),
+            client_model=body.get("model"),
+            echo=bool(body.get("echo")),
+        )
+        if session_id is None:
+            self.counters["unlogged_no_session"] += 1
+            return call
+        state = self.sessions.get(session_id)
+        if state is None:
+            state = self.sessions[session_id] = _SessionState(last_seen=started)
+        state.last_seen = started
+        if (h.get(H_EVENT) or "").lower() == "start" and not state.owned:
+            state.owned, state.ended = True, False
+            self.logger.attach(session_id, agent_id, call.parent_agent_id).start(h.get(H_TASK) or "unknown")
+        return call
+
+    def _after(self, request: Any, call: _Call) -> None:
+        if call.session_id is not None and (request.headers.get(H_EVENT) or "").lower() == "end":
+            state = self.sessions.get(call.session_id)
+            if state is None or not state.ended:
+                self._end(call.session_id, "ok")
+
+    def _upstream_body(self, kind: str, body: dict[str, Any], call: _Call) -> dict[str, Any]:
+        out = dict(body)
+        out["model"] = call.model
+        out["return_token_ids"] = True
+        if kind == "chat":
+            out["logprobs"] = True  # the sampled token's logprob; top_logprobs stays what the agent asked
+            if self.cfg.log_prompt_text:
+                out["return_prompt_text"] = True
+        elif body.get("logprobs") is None:
+            out["logprobs"] = 0  # completions: 0 alternatives, the sampled token's logprob only
+        return out
+
+    @staticmethod
+    def _forward_headers(request: Any) -> dict[str, str]:
+        # Only what vLLM needs; X-Flywheel-* stay here, Authorization goes upstream (and nowhere else).
+        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
+
+    # ---------------------------------------------------------------- response side
+    def _collect(self, call: _Call, payload: dict[str, Any], streaming: bool) -> None:
+        call.response_id = call.response_id or payload.get("id")
+        if call.kind == "chat" and payload.get("prompt_token_ids") is not None:
+            for choice in payload.get("choices") or [{"index": 0}]:
+                call.prompt_ids[int(choice.get("index", 0))] = list(payload["prompt_token_ids"])
+            call.prompt_ids.setdefault(-1, list(payload["prompt_token_ids"]))  # n>1: later choices reuse it
+        if payload.get("prompt_text") and call.prompt_text is None:
+            call.prompt_text = payload["prompt_text"]
+        for choice in payload.get("choices") or []:
+            i = int(choice.get("index", 0))
+            if call.kind == "completion" and choice.get("prompt_token_ids") is not None:
+                call.prompt_ids[i] = list(choice["prompt_token_ids"])
+            if choice.get("token_ids") is not None:
+                call.token_ids.setdefault(i, []).extend(choice["token_ids"])
+            lp = choice.get("logprobs")
+            if lp:
+                if call.kind == "chat":
+                    call.logprobs.setdefault(i, []).extend(c.get("logprob") for c in lp.get("content") or [])
+                else:
+                    call.logprobs.setdefault(i, []).extend(lp.get("token_logprobs") or [])
+            if call.kind == "chat":
+                message = choice.get("delta" if streaming else "message") or {}
+                text = message.get("content")
+                if text is None and message.get("tool_calls"):
+                    text = json.dumps(message["tool_calls"])
+            else:
+                text = choice.get("text")
+            if text:
+                call.texts.setdefault(i, []).append(text)
+            if choice.get("finish_reason") is not None:
+                call.finish[i] = choice["finish_reason"]
+
+    def _log(self, call: _Call) -> None:
+        if call.session_id is None:
+            return
+        session = self.logger.attach(call.session_id, call.agent_id, call.parent_agent_id)
+        latency = time.monotonic() - call.started
+        group = call.response_id if len(call.token_ids) > 1 else None
+        for i, completion in sorted(call.token_ids.items()):
+            prompt = call.prompt_ids.get(i, call.prompt_ids.get(-1))
+            logprobs = call.logprobs.get(i, [])
+            if call.echo and len(logprobs) > len(completion):
+                logprobs = logprobs[-len(completion):] if completion else []  # echo prefixes prompt logprobs
+            if prompt is None or len(logprobs) != len(completion) or any(x is None for x in logprobs):
+                self.counters["log_errors"] += 1
+                log.warning("proxy: session %s choice %d: vLLM returned %s prompt ids, %d token ids and %d logprobs; "
+                            "llm_call not logged", call.session_id, i, "no" if prompt is None else len(prompt),
+                            len(completion), len(logprobs))
+                continue
+            session.llm_call(
+                model=call.model, policy_version=call.policy_version, prompt_token_ids=prompt,
+                completion_token_ids=completion, completion_logprobs=logprobs, finish_reason=call.finish.get(i),
+                latency_s=latency, sampling=call.sampling or None, group_id=group, request_id=call.response_id,
+                prompt_text=call.prompt_text if self.cfg.log_prompt_text else None,
+                completion_text="".join(call.texts.get(i, [])) if self.cfg.log_completion_text else None,
+            )
+            self.counters["logged_calls"] += 1
+
+    def _strip(self, call: _Call, payload: dict[str, Any], streaming: bool) -> None:
+        """Give the agent back the reply it asked for: its model name, no extras it did not request."""
+        if call.client_model is not None and "model" in payload:
+            payload["model"] = call.client_model
+        if not call.wants_token_ids:
+            _drop(payload, "prompt_token_ids", streaming)
+            for choice in payload.get("choices") or []:
+                _drop(choice, "token_ids", streaming)
+                _drop(choice, "prompt_token_ids", streaming)
+        if not call.wants_logprobs:
+            for choice in payload.get("choices") or []:
+                if "logprobs" in choice:
+                    choice["logprobs"] = None
+        if not call.wants_prompt_text:
+            _drop(payload, "prompt_text", streaming)
+
+
+def _drop(obj: dict[str, Any], key: str, streaming: bool) -> None:
+    # vLLM leaves unrequested fields out of stream chunks and null in whole responses: mimic both.
+    if key in obj:
+        if streaming:
+            del obj[key]
+        else:
+            obj[key] = None
+
+
+def _error(status: int, message: str) -> Any:
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status)
+
+
+def make_app(proxy: CaptureProxy) -> Any:
+    """The aiohttp application: routes, and start/stop of the upstream client and the idle reaper."""
+    from aiohttp import web
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.metrics)
+
+    async def on_startup(_app: Any) -> None:
+        await proxy.start()
+        _app["reaper"] = asyncio.get_running_loop().create_task(proxy.reap_idle())
+
+    async def on_cleanup(_app: Any) -> None:
+        _app["reaper"].cancel()
+        await proxy.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def build_route(cfg: ProxyConfig) -> RouteFn:
+    return serving_route() if cfg.router == "serving" else static_route(cfg.static_model, cfg.static_policy_version)
+
+
+def run(cfg: ProxyConfig) -> int:
+    from aiohttp import web
+
+    route = build_route(cfg)
+    log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "serving.router")
+    logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name)
+    log.info("proxy: logging llm_call events to %s on %s", cfg.events_topic, cfg.kafka_bootstrap)
+    proxy = CaptureProxy(cfg, logger, route)
+    log.info("proxy: listening on http://%s:%d/v1, forwarding to %s", cfg.host, cfg.port, cfg.upstream)
+    try:
+        # run_app handles SIGINT/SIGTERM: it stops accepting, finishes cleanup (on_cleanup ends open sessions).
+        web.run_app(make_app(proxy), host=cfg.host, port=cfg.port, print=None, access_log=None)
+    finally:
+        logger.close(timeout=10)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(ProxyConfig, argv, prog="flywheel proxy")
+    setup_logging(cfg.log_level)
+    return run(cfg)
