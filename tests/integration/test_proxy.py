@@ -1,0 +1,191 @@
+"""The capture proxy against the real vLLM server and Kafka broker.
+
+An official `openai` client pointed at the proxy gets what it gets from vLLM directly, and the
+llm_call events in Kafka carry token ids that decode to that text, one logprob per token, and
+the routed policy version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from ingest import schema
+
+openai = pytest.importorskip("openai")
+REPO = Path(__file__).resolve().parents[2]
+SECRET = "sk-test-" + uuid.uuid4().hex  # the agent's API key: must reach nothing but vLLM
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def proxy(kafka_bootstrap: str, vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    topic = f"test.proxy.{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="tests")
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("proxy") / "proxy.log"
+    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), "--upstream", vllm_url,
+           "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic, "--idle-timeout-s", "2",
+           "--spool-name", f"test-proxy-{uuid.uuid4().hex[:8]}"]
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1).read()
+            break
+        except (urllib.error.URLError, OSError):
+            assert proc.poll() is None, f"proxy exited: {log_path.read_text()}"
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail(f"proxy did not answer on {url} within 60s: {log_path.read_text()}")
+    yield {"url": url, "topic": topic, "proc": proc, "log": log_path}
+    proc.terminate()
+    code = proc.wait(timeout=30)
+    assert code == 0, f"proxy exited {code} on SIGTERM: {log_path.read_text()[-2000:]}"
+    admin.delete_topics([topic])
+    admin.close()
+
+
+def _client(base: str) -> Any:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=SECRET, max_retries=0)
+
+
+def _events(kafka_bootstrap: str, topic: str, session_id: str, want: int, timeout_s: float = 20.0) -> list[dict]:
+    """Every event of one session, waiting until at least `want` arrived."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=500, client_id="tests")
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    raw: list[bytes] = []
+    found: list[dict] = []
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        raw += [m.value for m in consumer]
+        found = [e for e in map(json.loads, raw) if e["session_id"] == session_id]
+        if len(found) >= want:
+            break
+    consumer.close()
+    assert all(SECRET.encode() not in r for r in raw), "the Authorization key reached Kafka"
+    return found
+
+
+MESSAGES = [{"role": "user", "content": "Name a prime number."}]
+
+
+def _visible(text: str | None) -> str:
+    return (text or "").replace("\ufffd", "")
+
+
+def test_chat_matches_vllm_and_logged_tokens_decode_to_the_text(proxy: dict, vllm_url: str, kafka_bootstrap: str,
+                                                                 base_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    session = f"s-{uuid.uuid4().hex}"
+    headers = {"X-Flywheel-Session-Id": session}
+    args = dict(model="my-agent-model", messages=MESSAGES, temperature=0, max_tokens=24)
+    direct = _client(vllm_url).chat.completions.create(**{**args, "model": "policy-v0"})
+    via = _client(proxy["url"]).chat.completions.create(**args, extra_headers=headers)
+    stream = _client(proxy["url"]).chat.completions.create(**args, stream=True, extra_headers=headers)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    assert via.choices[0].message.content == direct.choices[0].message.content
+    assert streamed == direct.choices[0].message.content
+    assert via.model == "my-agent-model", "the reply must show the agent's own model name"
+    dumped = via.model_dump()
+    assert dumped["choices"][0]["logprobs"] is None and dumped.get("prompt_token_ids") is None, "unrequested extras leaked"
+
+    events = [e for e in _events(kafka_bootstrap, proxy["topic"], session, 2) if e["type"] == "llm_call"]
+    assert len(events) == 2, f"expected one llm_call per request, got {len(events)}"
+    tok = AutoTokenizer.from_pretrained(str(base_model_dir))
+    prompt_ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys") else prompt_ids)
+    for event in events:
+        schema.validate_event(event)
+        assert event["model"] == "policy-v0" and event["policy_version"] == 0
+        text = tok.decode(event["completion_token_ids"], skip_special_tokens=True)
+        # vLLM's incremental detokenizer holds back byte tokens that never complete a UTF-8 character;
+        # a plain decode shows them as U+FFFD. Every other character must match.
+        assert _visible(text) == _visible(direct.choices[0].message.content), f"logged tokens decode to {text!r}"
+        assert len(event["completion_logprobs"]) == len(event["completion_token_ids"]) > 0
+        assert all(lp <= 0 for lp in event["completion_logprobs"])
+        assert event["prompt_token_ids"] == prompt_ids
+        assert event["sampling"]["temperature"] == 0 and event["sampling"]["max_tokens"] == 24
+
+
+def test_requested_logprobs_completions_and_n_choices(proxy: dict, kafka_bootstrap: str) -> None:
+    session = f"s-{uuid.uuid4().hex}"
+    headers = {"X-Flywheel-Session-Id": session}
+    client = _client(proxy["url"])
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, temperature=1.0, max_tokens=8, logprobs=True,
+                                          top_logprobs=2, n=2, seed=7, extra_headers=headers)
+    comp = client.completions.create(model="m", prompt="def add(a, b):", temperature=0, max_tokens=8,
+                                     extra_headers=headers)
+    assert all(c.logprobs is not None and len(c.logprobs.content[0].top_logprobs) == 2 for c in chat.choices)
+    events = [e for e in _events(kafka_bootstrap, proxy["topic"], session, 3) if e["type"] == "llm_call"]
+    assert len(events) == 3, f"2 chat choices + 1 completion should give 3 llm_calls, got {len(events)}"
+    chat_events = [e for e in events if e["request_id"] == chat.id]
+    comp_events = [e for e in events if e["request_id"] == comp.id]
+    assert len(chat_events) == 2 and len(comp_events) == 1, [e["request_id"] for e in events]
+    assert chat_events[0]["group_id"] == chat_events[1]["group_id"] == chat.id, "n>1 choices share a group"
+    served = sorted([c.logprob for c in ch.logprobs.content] for ch in chat.choices)
+    assert sorted(e["completion_logprobs"] for e in chat_events) == served, "logged logprobs differ from the served ones"
+    assert comp_events[0]["completion_text"] == comp.choices[0].text
+    assert comp.choices[0].logprobs is None
+
+
+def test_session_headers_idle_timeout_and_unlogged_requests(proxy: dict, kafka_bootstrap: str) -> None:
+    client = _client(proxy["url"])
+    ended, idle = f"s-{uuid.uuid4().hex}", f"s-{uuid.uuid4().hex}"
+    args = dict(model="m", messages=MESSAGES, temperature=0, max_tokens=4)
+    client.chat.completions.create(**args, extra_headers={"X-Flywheel-Session-Id": ended, "X-Flywheel-Session-Event": "start",
+                                                          "X-Flywheel-Task-Type": "qa", "X-Flywheel-Agent-Id": "a1"})
+    client.chat.completions.create(**args, extra_headers={"X-Flywheel-Session-Id": ended, "X-Flywheel-Session-Event": "end"})
+    client.chat.completions.create(**args, extra_headers={"X-Flywheel-Session-Id": idle, "X-Flywheel-Session-Event": "start"})
+    before = json.loads(urllib.request.urlopen(f"{proxy['url']}/metrics").read())
+    client.chat.completions.create(**args)  # no session id: forwarded, not logged
+    after = json.loads(urllib.request.urlopen(f"{proxy['url']}/metrics").read())
+    assert after["unlogged_no_session"] == before["unlogged_no_session"] + 1
+    assert after["logged_calls"] == before["logged_calls"]
+
+    types = [e["type"] for e in _events(kafka_bootstrap, proxy["topic"], ended, 4)]
+    assert types == ["session_start", "llm_call", "llm_call", "session_end"], types
+    idle_events = _events(kafka_bootstrap, proxy["topic"], idle, 3, timeout_s=30)  # idle timeout is 2 s
+    assert [e["type"] for e in idle_events] == ["session_start", "llm_call", "session_end"]
+    assert idle_events[-1]["status"] == "idle_timeout"
+
+
+def test_bad_requests_get_clear_errors_and_the_proxy_keeps_working(proxy: dict) -> None:
+    request = urllib.request.Request(f"{proxy['url']}/v1/chat/completions", data=b"{not json",
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request)
+    assert info.value.code == 400 and "not valid JSON" in info.value.read().decode()
+    with pytest.raises(openai.BadRequestError):  # vLLM's own validation error is passed through unchanged
+        _client(proxy["url"]).chat.completions.create(model="m", messages=MESSAGES, max_tokens=-5)
+    ok = _client(proxy["url"]).chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    assert ok.choices[0].message is not None
+    assert "policy-v0" in [m.id for m in _client(proxy["url"]).models.list().data]
