@@ -1,0 +1,429 @@
+"""Weight publisher: make every vLLM server of the tier serve a policy version, then register it.
+
+The learner hands over a finished directory (docs/CONTRIBUTING.md, "Policy versions"):
+
+    var/policies/policy-v<N>/  policy.json + PEFT adapter (kind "lora") or full HF weights (kind "full")
+
+`publish(version_dir)`:
+1. validates the directory before touching any server (a corrupt adapter or mismatched weights
+   raise PublishError and nothing changes: the old version keeps serving);
+2. pushes it to every server of the tier:
+   - lora: POST /v1/load_lora_adapter under the served name policy-v<N>; adapters that are no
+     longer routed (neither champion, challenger nor among the newest few) are unloaded first so
+     the server stays within --max-loras;
+   - full, transport "http": POST /pause?mode=wait (running requests finish on the old weights,
+     new ones queue), /collective_rpc reload_weights from the directory, /update_weight_version,
+     POST /resume. A failed reload is undone by reloading the weights the server held before.
+     Works for UNTIED embeddings only (design.md facts), so tied models are refused up front.
+   - full, transport "nccl": vLLM's weight-transfer API (NCCL broadcast from this process),
+     for a GPU tier started with a NCCL weight-transfer config. Built against vLLM 0.32's
+     documented API; NOT tested here (no GPU on these machines).
+3. registers an MLflow model version (tags policy_version, kind, base_model, learner_step,
+   data_window) and points the `challenger` alias at it.
+
+A server that fails keeps its old version; the others are still updated, and PublishError lists
+each failure. Run by hand: `flywheel publish var/policies/policy-v3`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra import defaults
+from serving.tier import TierConfig
+
+log = logging.getLogger(__name__)
+
+LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
+FULL_FILES = ("config.json", "model.safetensors")
+_VERSION_NAME = re.compile(r"^policy-v(\d+)$")
+
+
+class PublishError(RuntimeError):
+    """A version was refused or could not be pushed; the message says why and which servers kept the old one."""
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    """A validated policy version directory."""
+
+    path: Path
+    version: int
+    kind: str  # "lora" | "full"
+    meta: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return defaults.policy_name(self.version)
+
+    @property
+    def weight_bytes(self) -> int:
+        files = LORA_FILES if self.kind == "lora" else FULL_FILES
+        return sum((self.path / f).stat().st_size for f in files)
+
+
+@dataclass
+class PublishResult:
+    """What a publish did, per server."""
+
+    version: int
+    kind: str
+    served_name: str  # the model name a client sends to get this version
+    pushed: list[str] = field(default_factory=list)  # servers now serving it
+    failed: dict[str, str] = field(default_factory=dict)  # server -> reason
+    unloaded: dict[str, list[str]] = field(default_factory=dict)  # server -> LoRA names freed
+    push_s: dict[str, float] = field(default_factory=dict)  # server -> seconds
+    model_version: str | None = None  # MLflow model version number
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (no server touched)
+# ---------------------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise PublishError(f"{path}: missing") from exc
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PublishError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise PublishError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _tensor_shapes(path: Path, check_finite: bool = True) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a safetensors file; every tensor is read, so truncation or NaNs are caught here."""
+    import torch
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise PublishError(f"{path}: missing")
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():
+                tensor = fh.get_tensor(key)
+                if check_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise PublishError(f"{path}: tensor {key} holds NaN or inf")
+                shapes[key] = tuple(tensor.shape)
+    except PublishError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for a bad header or short file
+        raise PublishError(f"{path}: not a valid safetensors file ({type(exc).__name__}: {exc})") from exc
+    if not shapes:
+        raise PublishError(f"{path}: holds no tensors")
+    return shapes
+
+
+def _check_lora(path: Path, tier: TierConfig) -> None:
+    config = _read_json(path / "adapter_config.json")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank <= 0:
+        raise PublishError(f"{path}/adapter_config.json: r={rank!r} is not a positive rank")
+    if rank > tier.max_lora_rank:
+        raise PublishError(f"{path}: LoRA rank {rank} exceeds the servers' max_lora_rank {tier.max_lora_rank}")
+    if not config.get("target_modules"):
+        raise PublishError(f"{path}/adapter_config.json: no target_modules")
+    shapes = _tensor_shapes(path / "adapter_model.safetensors")
+    bad = [k for k, s in shapes.items() if "lora_A" in k and s[0] != rank] + \
+          [k for k, s in shapes.items() if "lora_B" in k and s[-1] != rank]
+    if bad:
+        raise PublishError(f"{path}: tensors {bad[:3]} do not have rank {rank} from adapter_config.json")
+    if not any("lora_A" in k for k in shapes):
+        raise PublishError(f"{path}/adapter_model.safetensors: no lora_A/lora_B tensors")
+
+
+def _check_full(path: Path, tier: TierConfig) -> None:
+    config = _read_json(path / "config.json")
+    if config.get("tie_word_embeddings", False):
+        # measured (design.md): an in-place reload of a tied model matched neither old nor new weights
+        raise PublishError(f"{path}: tie_word_embeddings is true; in-place reload is only correct for untied models")
+    shapes = _tensor_shapes(path / "model.safetensors")
+    base_weights = Path(tier.base_model) / "model.safetensors"
+    if base_weights.is_file():
+        base_shapes = _tensor_shapes(base_weights, check_finite=False)
+        missing = sorted(set(base_shapes) - set(shapes))
+        extra = sorted(set(shapes) - set(base_shapes))
+        wrong = sorted(k for k in set(shapes) & set(base_shapes) if shapes[k] != base_shapes[k])
+        if missing or extra or wrong:
+            raise PublishError(f"{path}: weights do not fit the served architecture of {tier.base_model} "
+                               f"(missing {missing[:3]}, unexpected {extra[:3]}, wrong shape {wrong[:3]})")
+
+
+def load_version(version_dir: Path | str, tier: TierConfig | None = None) -> PolicyVersion:
+    """Read and validate a policy version directory; raises PublishError naming what is wrong."""
+    tier = tier or TierConfig()
+    path = Path(version_dir).resolve()
+    if not path.is_dir():
+        raise PublishError(f"{path}: not a directory")
+    meta = _read_json(path / "policy.json")
+    version, kind = meta.get("policy_version"), meta.get("kind")
+    if not isinstance(version, int) or isinstance(version, bool) or version <= 0:
+        raise PublishError(f"{path}/policy.json: policy_version={version!r} must be a positive integer (0 is the base model)")
+    match = _VERSION_NAME.match(path.name)
+    if match and int(match.group(1)) != version:
+        raise PublishError(f"{path}: directory name says version {match.group(1)}, policy.json says {version}")
+    if kind not in ("lora", "full"):
+        raise PublishError(f"{path}/policy.json: kind={kind!r} is not 'lora' or 'full'")
+    (_check_lora if kind == "lora" else _check_full)(path, tier)
+    return PolicyVersion(path, version, kind, meta)
+
+
+def version_dir_of(version: int, tier: TierConfig) -> Path:
+    """Where a version's weights live (version 0: the base model)."""
+    if version == 0:
+        return Path(tier.base_model).resolve()
+    return (Path(tier.policies_dir) / defaults.policy_name(version)).resolve()
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP to one vLLM server
+# ---------------------------------------------------------------------------------------------
+class ServerError(RuntimeError):
+    pass
+
+
+def http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
+    """One JSON request; raises ServerError with the server's own error text."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise ServerError(f"{method} {url} -> HTTP {exc.code}: {detail}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise ServerError(f"{method} {url} -> {exc}") from exc
+    try:
+        return json.loads(text) if text.strip() else None
+    except json.JSONDecodeError:
+        return text
+
+
+def served_models(server: str, timeout: float = 10.0) -> list[str]:
+    return [m["id"] for m in http("GET", f"{server}/v1/models", timeout=timeout)["data"]]
+
+
+def weight_version(server: str, timeout: float = 10.0) -> int:
+    """The full-weight version a server holds (0 while it still has the weights it started with)."""
+    reported = http("GET", f"{server}/weight_info", timeout=timeout).get("weight_version")
+    match = _VERSION_NAME.match(str(reported))
+    return int(match.group(1)) if match else 0
+
+
+def lora_name(version: int) -> str:
+    return defaults.policy_name(version)
+
+
+def _version_of_name(name: str) -> int | None:
+    match = _VERSION_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def keep_set(routed: set[int], resident: list[int], new: int, keep_newest: int) -> set[int]:
+    """LoRA versions that stay resident: the routed ones, the new one and the newest `keep_newest`."""
+    newest = sorted(set(resident) | {new}, reverse=True)[:keep_newest]
+    return set(routed) | {new} | set(newest)
+
+
+def push_lora(server: str, pv: PolicyVersion, tier: TierConfig, routed: set[int], managed: set[int]) -> list[str]:
+    """Load the adapter on one server (idempotent); returns the adapter names unloaded to make room.
+
+    Only versions of this tier's own registry (`managed`) are ever unloaded: a shared server may hold
+    adapters that another registry (another team, another test) still routes to.
+    """
+    names = served_models(server, tier.http_timeout_s)
+    resident = [v for v in (_version_of_name(n) for n in names if n_is_lora(n, tier)) if v is not None and v in managed]
+    keep = keep_set(routed, resident, pv.version, tier.keep_loras)
+    unloaded: list[str] = []
+    for version in sorted(set(resident) - keep):
+        name = lora_name(version)
+        http("POST", f"{server}/v1/unload_lora_adapter", {"lora_name": name}, tier.http_timeout_s)
+        unloaded.append(name)
+    if pv.name not in names:
+        http("POST", f"{server}/v1/load_lora_adapter", {"lora_name": pv.name, "lora_path": str(pv.path)},
+             tier.http_timeout_s)
+    if pv.name not in served_models(server, tier.http_timeout_s):
+        raise ServerError(f"{server}: {pv.name} accepted but not listed in /v1/models")
+    return unloaded
+
+
+def n_is_lora(name: str, tier: TierConfig) -> bool:
+    """A served name is a LoRA adapter unless it is the base served name (the full weights)."""
+    return name != tier.base_served_name
+
+
+def _reload(server: str, path: Path, version: int, tier: TierConfig) -> None:
+    http("POST", f"{server}/collective_rpc",
+         {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, tier.http_timeout_s)
+    http("POST", f"{server}/update_weight_version", {"new_version": defaults.policy_name(version)}, tier.http_timeout_s)
+
+
+def push_full_http(server: str, pv: PolicyVersion, tier: TierConfig) -> None:
+    """Pause (running requests finish), reload in place, record the version, resume; undo a failed reload."""
+    before = weight_version(server, tier.http_timeout_s)
+    # mode=wait: in-flight requests complete on the old weights; new ones wait and run on the new
+    http("POST", f"{server}/pause?mode=wait", None, tier.http_timeout_s)
+    try:
+        try:
+            _reload(server, pv.path, pv.version, tier)
+        except ServerError as exc:
+            log.error("publish: reload of %s on %s failed (%s); restoring policy-v%d", pv.name, server, exc, before)
+            try:
+                _reload(server, version_dir_of(before, tier), before, tier)
+            except ServerError as restore_exc:
+                raise ServerError(f"{exc}; restoring policy-v{before} ALSO failed: {restore_exc}") from exc
+            raise
+    finally:
+        http("POST", f"{server}/resume", None, tier.http_timeout_s)
+    now = weight_version(server, tier.http_timeout_s)
+    if now != pv.version:
+        raise ServerError(f"{server}: /weight_info reports policy-v{now} after loading {pv.name}")
+
+
+def push_full_nccl(server: str, pv: PolicyVersion, tier: TierConfig, master_port: int = 29555) -> None:
+    """Broadcast full weights over NCCL with vLLM's weight-transfer API (GPU tier only; UNTESTED here).
+
+    The server must be started with a NCCL weight-transfer config and a world size of 1 + its
+    tensor-parallel size; this process becomes NCCL rank 0 and needs a CUDA device. Written against
+    vllm.distributed.weight_transfer (NCCLTrainerWeightTransferEngine, HTTPVLLMWeightSyncClient)
+    of vLLM 0.32; the README marks this path as untested on these CPU-only machines.
+    """
+    import socket
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+    if not torch.cuda.is_available():
+        raise ServerError("transport nccl needs a CUDA device in the publishing process")
+    world = http("GET", f"{server}/get_world_size?include_dp=false", timeout=tier.http_timeout_s)["world_size"]
+    model = AutoModelForCausalLM.from_pretrained(str(pv.path), torch_dtype="auto").cuda()
+    client = HTTPVLLMWeightSyncClient(server, timeout=tier.http_timeout_s)
+    init = NCCLTrainerInitInfo(master_address=socket.gethostbyname(socket.gethostname()), master_port=master_port,
+                               world_size=1 + int(world), rank=0)
+    engine = NCCLTrainerWeightTransferEngine.trainer_init(init, client=client, source=ModuleSource(model))
+    try:
+        engine.send_weights()
+        http("POST", f"{server}/update_weight_version", {"new_version": pv.name}, tier.http_timeout_s)
+    finally:
+        engine.shutdown()
+        client.shutdown_weight_transfer_engine()
+
+
+# ---------------------------------------------------------------------------------------------
+# publish
+# ---------------------------------------------------------------------------------------------
+def _registry_tags(pv: PolicyVersion) -> dict[str, str]:
+    def text(value: Any) -> str:
+        return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+    tags = {"kind": pv.kind}
+    for key in ("base_model", "learner_step", "data_window", "parent_version", "created_ts"):
+        if pv.meta.get(key) is not None:
+            tags[key] = text(pv.meta[key])
+    return tags
+
+
+def served_name(version: int, kind: str, tier: TierConfig) -> str:
+    """The model name clients send for a version: its adapter name, or the base name for full weights."""
+    return tier.base_served_name if kind == "full" or version == 0 else lora_name(version)
+
+
+def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register: bool = True,
+            challenger: bool = True, registry: Any | None = None) -> PublishResult:
+    """Make every server of the tier serve `version_dir`, register it in MLflow and mark it challenger.
+
+    Raises PublishError when the directory is refused (nothing changed) or when any server failed
+    (those servers keep their old version; the message lists them). Safe to call again.
+    """
+    from serving.registry import CHALLENGER, CHAMPION, Registry
+
+    tier = tier or TierConfig()
+    pv = load_version(version_dir, tier)
+    reg = registry if registry is not None else (Registry(tier.mlflow_tracking_uri, tier.registered_model)
+                                                 if register else None)
+    routed: set[int] = set()
+    managed: set[int] = set()
+    if reg is not None:
+        routed = {v for a, v in reg.aliases().items() if a in (CHAMPION, CHALLENGER)}
+        managed = {v.policy_version for v in reg.versions()}
+    result = PublishResult(pv.version, pv.kind, served_name(pv.version, pv.kind, tier))
+    for server in tier.servers:
+        server = server.rstrip("/")
+        start = time.perf_counter()
+        try:
+            if pv.kind == "lora":
+                result.unloaded[server] = push_lora(server, pv, tier, routed, managed)
+            elif tier.transport == "nccl":
+                push_full_nccl(server, pv, tier)
+            else:
+                push_full_http(server, pv, tier)
+        except (ServerError, OSError) as exc:
+            result.failed[server] = str(exc)
+            log.error("publish: %s NOT pushed to %s, which keeps its old version: %s", pv.name, server, exc)
+            continue
+        result.push_s[server] = time.perf_counter() - start
+        result.pushed.append(server)
+        log.info("publish: %s (%s, %.1f MB) live on %s in %.3f s", pv.name, pv.kind, pv.weight_bytes / 1e6, server,
+                 result.push_s[server])
+    if reg is not None and result.pushed:
+        registered = reg.register(pv.version, str(pv.path), _registry_tags(pv),
+                                  description=f"{pv.kind} policy version {pv.version} from {pv.path}")
+        result.model_version = registered.model_version
+        if challenger and not result.failed:
+            reg.set_alias(CHALLENGER, pv.version)
+            log.info("publish: %s is the challenger of %s", pv.name, reg.name)
+    if result.failed:
+        failures = "; ".join(f"{s}: {why}" for s, why in result.failed.items())
+        raise PublishError(f"{pv.name} failed on {len(result.failed)} of {len(tier.servers)} server(s), which keep "
+                           f"their old version: {failures}")
+    return result
+
+
+@dataclass
+class PublishConfig(TierConfig):
+    """Push one policy version directory to the vLLM tier and register it in MLflow."""
+
+    version_dir: str = ""
+    no_register: bool = False
+
+    def check(self) -> None:
+        super().check()
+        from infra.config import ConfigError
+
+        if not self.version_dir:
+            raise ConfigError("version_dir: the policy version directory to publish is required")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from infra.config import load_config, setup_logging
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and not args[0].startswith("-"):
+        args = ["--version-dir", args[0], *args[1:]]  # `flywheel publish DIR` reads naturally
+    cfg = load_config(PublishConfig, args, "flywheel publish")
+    setup_logging()
+    tier = TierConfig(**{k: getattr(cfg, k) for k in TierConfig.__dataclass_fields__})
+    try:
+        result = publish(cfg.version_dir, tier, register=not cfg.no_register)
+    except PublishError as exc:
+        log.error("publish: %s", exc)
+        return 1
+    print(json.dumps({"version": result.version, "kind": result.kind, "served_name": result.served_name,
+                      "servers": result.pushed, "push_s": result.push_s, "model_version": result.model_version}))
+    return 0
