@@ -57,16 +57,21 @@ class Registry:
 
     def aliases(self) -> dict[str, int]:
         """alias -> policy version, for every alias set on the model (empty when none or no model)."""
+        return {alias: rv.policy_version for alias, rv in self.alias_versions().items()}
+
+    def alias_versions(self) -> dict[str, RegisteredVersion]:
+        """alias -> the registered version it points at (empty when none or no model)."""
         from mlflow.exceptions import MlflowException
 
         try:
             model = self.client.get_registered_model(self.name)
         except MlflowException:
             return {}
-        out: dict[str, int] = {}
+        out: dict[str, RegisteredVersion] = {}
         for alias, model_version in (model.aliases or {}).items():
             mv = self.client.get_model_version(self.name, str(model_version))
-            out[alias] = int(mv.tags["policy_version"])
+            out[alias] = RegisteredVersion(int(mv.tags["policy_version"]), str(mv.version), mv.tags.get("kind", ""),
+                                           mv.source, dict(mv.tags))
         return out
 
     # -- versions -----------------------------------------------------------------------------

@@ -25,6 +25,8 @@ class TierConfig:
     max_loras: int = setting(4, "LoRA slots per server (vLLM --max-loras); publish never exceeds it")
     max_lora_rank: int = setting(32, "largest LoRA rank the servers accept (vLLM --max-lora-rank)")
     transport: str = setting("http", "full-weight transport: http (reload_weights from a shared path) or nccl (GPU tier, untested here)")
+    challenger_share: float = setting(0.1, "share of sessions routed to the challenger (sticky per session)")
+    alias_refresh_s: float = setting(2.0, "how often the router re-reads the aliases (a rollback re-routes within this)")
     http_timeout_s: float = setting(60.0, "timeout of one admin request to a server")
     mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "MLflow tracking/registry URI")
     registered_model: str = setting(defaults.REGISTERED_MODEL, "MLflow registered model holding every policy version")
@@ -34,6 +36,8 @@ class TierConfig:
             raise ConfigError("servers: at least one vLLM server URL is required")
         if self.transport not in ("http", "nccl"):
             raise ConfigError(f"transport: {self.transport!r} is not http or nccl")
+        if not 0.0 <= self.challenger_share <= 1.0:
+            raise ConfigError(f"challenger_share: {self.challenger_share} is not within [0, 1]")
         if self.keep_loras + 2 > self.max_loras:
             raise ConfigError(
                 f"keep_loras ({self.keep_loras}) + champion + challenger exceeds max_loras ({self.max_loras})")

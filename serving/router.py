@@ -1,0 +1,165 @@
+"""Policy router: which policy version (and served model name, and server) answers a session.
+
+`Router(tier).route(session_id) -> Route`. The champion answers by default, the challenger a
+configured share of sessions; the split is sticky: a hash of session_id, so every call of one
+session goes to one version. Aliases are read from the MLflow registry and cached for
+`alias_refresh_s` seconds, so a promotion or rollback re-routes within seconds. No champion yet
+means the base model, policy-v0. An unreadable registry keeps the last known aliases (the proxy in
+front of production traffic must not fail because MLflow hiccuped).
+
+Versions and served names: a LoRA version is served under its own name policy-v<N>. Full weights
+replace what a server holds, under the base served name (policy-v0 by default), so for a full
+version the route goes to a server whose /weight_info reports that version; if none does, the
+route says what that server really holds, because `Route.policy_version` is what the capture
+proxy logs on the llm_call and the learner's importance correction depends on it.
+
+Exactness while a full push runs: the publisher pauses a server with mode=wait, so a request
+runs entirely on the old or entirely on the new weights. A proxy that wants to be exact reads
+`Router.loaded_version(server)` before and after the request: `logged_version(before, after)`
+returns the version when both agree and None when a reload happened in between (drop that
+sample rather than log a wrong version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from serving.tier import TierConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one session's request goes and which version gets logged for it."""
+
+    model: str  # model name to send to vLLM
+    policy_version: int  # the version that answers: log this on the llm_call
+    kind: str = "full"  # "lora" | "full" (version 0, the base, counts as full)
+    arm: str = "champion"  # "champion" | "challenger"
+    server: str = ""  # base URL of the vLLM server to send it to
+
+
+def bucket(session_id: str) -> float:
+    """A uniform, stable number in [0, 1) for a session id (the same in every process and run)."""
+    digest = hashlib.sha256(session_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def arm_of(session_id: str, challenger_share: float, has_challenger: bool) -> str:
+    return "challenger" if has_challenger and bucket(session_id) < challenger_share else "champion"
+
+
+@dataclass(frozen=True)
+class _Slot:
+    version: int
+    kind: str
+
+
+def logged_version(before: int, after: int) -> int | None:
+    """The full-weight version that served a request, from reads before and after it; None if ambiguous."""
+    return before if before == after else None
+
+
+class Router:
+    """Maps sessions to policy versions from the registry's champion/challenger aliases."""
+
+    def __init__(self, tier: TierConfig | None = None, registry: Any | None = None,
+                 clock: Callable[[], float] = time.monotonic, probe: Callable[[str], int] | None = None) -> None:
+        self.tier = tier or TierConfig()
+        self._registry = registry
+        self._clock = clock
+        self._probe_fn = probe
+        self._lock = threading.Lock()
+        self._slots: dict[str, _Slot] = {}
+        self._loaded: dict[str, int] = {}  # server -> full-weight version it holds
+        self._fetched_at = float("-inf")
+
+    @property
+    def registry(self) -> Any:
+        if self._registry is None:
+            from serving.registry import Registry
+
+            self._registry = Registry(self.tier.mlflow_tracking_uri, self.tier.registered_model)
+        return self._registry
+
+    # -- state ----------------------------------------------------------------------------------
+    def refresh(self, force: bool = False) -> None:
+        """Re-read aliases (and servers' loaded full weights) when the cache is older than alias_refresh_s."""
+        with self._lock:
+            if not force and self._clock() - self._fetched_at < self.tier.alias_refresh_s:
+                return
+            try:
+                slots = {alias: _Slot(rv.policy_version, rv.kind or "lora")
+                         for alias, rv in self.registry.alias_versions().items()}
+            except Exception as exc:  # keep serving on the last known aliases
+                log.warning("router: registry %s unreadable (%s); keeping aliases %s", self.tier.registered_model, exc,
+                            {a: s.version for a, s in self._slots.items()})
+                self._fetched_at = self._clock()
+                return
+            # one GET per server per refresh: full weights can change under the base served name
+            self._loaded = {server: self._probe(server) for server in self.tier.servers}
+            if {a: s.version for a, s in slots.items()} != {a: s.version for a, s in self._slots.items()}:
+                log.info("router: aliases now %s", {a: s.version for a, s in slots.items()})
+            self._slots = slots
+            self._fetched_at = self._clock()
+
+    def _probe(self, server: str) -> int:
+        from serving.publisher import ServerError, weight_version
+
+        if self._probe_fn is not None:
+            return self._probe_fn(server)
+        try:
+            return weight_version(server.rstrip("/"), timeout=2.0)
+        except (ServerError, KeyError, AttributeError):
+            return self._loaded.get(server, 0)
+
+    def loaded_version(self, server: str) -> int:
+        """The full-weight version a server holds right now (uncached; see `logged_version`)."""
+        from serving.publisher import weight_version
+
+        return weight_version(server.rstrip("/"), timeout=2.0)
+
+    def aliases(self) -> dict[str, int]:
+        self.refresh()
+        return {alias: slot.version for alias, slot in self._slots.items()}
+
+    # -- routing --------------------------------------------------------------------------------
+    def route(self, session_id: str) -> Route:
+        """The version, served name and server for this session (sticky; cheap between refreshes)."""
+        self.refresh()
+        slots = self._slots
+        champion = slots.get("champion", _Slot(0, "full"))
+        challenger = slots.get("challenger")
+        if challenger is not None and challenger.version == champion.version:
+            challenger = None
+        arm = arm_of(session_id, self.tier.challenger_share, challenger is not None)
+        slot = challenger if arm == "challenger" and challenger is not None else champion
+        return self._place(session_id, slot, arm)
+
+    def _place(self, session_id: str, slot: _Slot, arm: str) -> Route:
+        servers = list(self.tier.servers)
+        if slot.kind == "lora" and slot.version != 0:
+            server = servers[int(bucket("server:" + session_id) * len(servers))]
+            return Route(f"policy-v{slot.version}", slot.version, "lora", arm, server)
+        holding = [s for s in servers if self._loaded.get(s, 0) == slot.version] or servers
+        server = holding[int(bucket("server:" + session_id) * len(holding))]
+        actual = self._loaded.get(server, 0)
+        if actual != slot.version:
+            log.warning("router: no server holds full policy-v%d for the %s; %s serves policy-v%d and is logged as such",
+                        slot.version, arm, server, actual)
+        return Route(self.tier.base_served_name, actual, "full", arm, server)
+
+    def shares(self) -> dict[int, float]:
+        """policy version -> configured traffic share (for `flywheel status`)."""
+        aliases = self.aliases()
+        champion = aliases.get("champion", 0)
+        challenger = aliases.get("challenger")
+        if challenger is None or challenger == champion:
+            return {champion: 1.0}
+        return {champion: 1.0 - self.tier.challenger_share, challenger: self.tier.challenger_share}

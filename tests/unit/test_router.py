@@ -1,0 +1,104 @@
+"""Router: the champion/challenger split over many sessions, stickiness, alias refresh, full-weight routes."""
+
+from __future__ import annotations
+
+from serving.registry import RegisteredVersion
+from serving.router import Router, bucket, logged_version
+from serving.tier import TierConfig
+
+
+class MemoryRegistry:
+    """In-memory aliases: the router's only dependency on the registry is alias_versions()."""
+
+    def __init__(self, aliases: dict[str, tuple[int, str]]) -> None:
+        self.set(aliases)
+        self.fail = False
+
+    def set(self, aliases: dict[str, tuple[int, str]]) -> None:
+        self._aliases = {a: RegisteredVersion(v, str(v), kind, "", {}) for a, (v, kind) in aliases.items()}
+
+    def alias_versions(self) -> dict[str, RegisteredVersion]:
+        if self.fail:
+            raise ConnectionError("registry down")
+        return dict(self._aliases)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(aliases: dict[str, tuple[int, str]], share: float = 0.1, loaded: dict[str, int] | None = None,
+         servers: list[str] | None = None) -> tuple[Router, MemoryRegistry, Clock]:
+    tier = TierConfig(servers=servers or ["http://a"], challenger_share=share, alias_refresh_s=2.0)
+    reg, clock = MemoryRegistry(aliases), Clock()
+    router = Router(tier, registry=reg, clock=clock, probe=lambda s: (loaded or {}).get(s, 0))
+    return router, reg, clock
+
+
+def test_split_over_10000_sessions_is_within_2_points_and_sticky() -> None:
+    for share in (0.1, 0.3, 0.5):
+        router, _, _ = make({"champion": (3, "lora"), "challenger": (4, "lora")}, share=share)
+        ids = [f"session-{i}" for i in range(10_000)]
+        first = [router.route(s) for s in ids]
+        got = sum(r.policy_version == 4 for r in first) / len(ids)
+        assert abs(got - share) <= 0.02, f"challenger share {got:.4f} vs configured {share}"
+        again = [router.route(s) for s in ids]
+        changed = sum(a != b for a, b in zip(first, again))
+        assert changed == 0, f"{changed} of 10000 sessions changed version between two calls"
+        assert {r.model for r in first} == {"policy-v3", "policy-v4"}
+        assert all(r.arm == ("challenger" if r.policy_version == 4 else "champion") for r in first)
+
+
+def test_bucket_is_stable_and_uniform() -> None:
+    assert bucket("abc") == bucket("abc")
+    values = [bucket(str(i)) for i in range(5000)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert abs(sum(values) / len(values) - 0.5) < 0.02
+
+
+def test_no_champion_routes_to_base_policy_v0() -> None:
+    router, _, _ = make({})
+    route = router.route("s")
+    assert (route.model, route.policy_version, route.arm) == ("policy-v0", 0, "champion")
+
+
+def test_challenger_equal_to_champion_takes_no_share() -> None:
+    router, _, _ = make({"champion": (5, "lora"), "challenger": (5, "lora")}, share=0.5)
+    assert {router.route(f"s{i}").arm for i in range(200)} == {"champion"}
+
+
+def test_rollback_reroutes_after_refresh_interval_and_registry_outage_keeps_aliases() -> None:
+    router, reg, clock = make({"champion": (7, "lora")}, share=0.0)
+    assert router.route("s").policy_version == 7
+    reg.set({"champion": (6, "lora")})
+    clock.now = 1.0
+    assert router.route("s").policy_version == 7, "cached until alias_refresh_s"
+    clock.now = 2.5
+    assert router.route("s").policy_version == 6, "re-routed after the refresh interval"
+    reg.fail = True
+    clock.now = 5.0
+    assert router.route("s").policy_version == 6, "an unreadable registry keeps the last aliases"
+
+
+def test_full_weight_route_uses_base_name_and_logs_what_the_server_holds() -> None:
+    servers = ["http://a", "http://b"]
+    router, _, _ = make({"champion": (9, "full")}, share=0.0, loaded={"http://a": 8, "http://b": 9}, servers=servers)
+    routes = {router.route(f"s{i}") for i in range(50)}
+    assert {(r.model, r.policy_version, r.server) for r in routes} == {("policy-v0", 9, "http://b")}
+    stale, _, _ = make({"champion": (9, "full")}, share=0.0, loaded={"http://a": 8})
+    route = stale.route("s")
+    assert (route.model, route.policy_version) == ("policy-v0", 8), "logs the version actually loaded"
+
+
+def test_logged_version_is_none_when_a_reload_happened_during_the_request() -> None:
+    assert logged_version(3, 3) == 3
+    assert logged_version(3, 4) is None
+
+
+def test_shares() -> None:
+    router, _, _ = make({"champion": (1, "lora"), "challenger": (2, "lora")}, share=0.25)
+    assert router.shares() == {1: 0.75, 2: 0.25}
