@@ -17,6 +17,21 @@ starting with "." or "_". Compaction publishes a file covering several ranges be
 deletes them; a reader that sees both keeps only the covering file (`_drop_covered`), so no
 reader ever sees a row twice or misses one.
 
+Range claims (how several writers, zombies included, never publish overlapping ranges).
+Before publishing offsets F..L of a stream, a writer claims F: it creates
+`<root>/_claims/<table>/<source>-<partition>/<F>.json` holding {last, date} with an
+exclusive create. Whoever claims F first fixes where that file ends and which date it
+lands in; any other writer holding records from F (a stale owner after a rebalance, or
+the new owner re-reading after a crash between claim and publish) conforms: it publishes
+exactly F..L in that date, an identical name with identical rows, and continues at L+1.
+Every file therefore starts at a claimed offset and ends where its claim says, so two
+files of one stream never partly overlap. Claims are kept (a few bytes each): deleting
+the claim of a range a zombie still holds would let it claim a different end.
+On a local filesystem the exclusive create is a hard link (atomic, fails if the name
+exists). pyarrow exposes no conditional PUT for object stores, so there the claim is a
+check-then-write with a window of one round trip; the lake writer's ownership check
+before publish narrows it further (README: "Lake on object storage").
+
 Readers keep a cursor: {"<source>/<partition>": last offset consumed}. `files_since(cursor)`
 returns the files with anything past it; rows at or below the cursor inside a file that
 straddles it (only after compaction) are filtered by `rows_after_cursor`.
@@ -220,3 +235,92 @@ def save_cursor(path: Path, cursor: Cursor) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Range claims (see the module docstring) and deletion (compaction)
+# ---------------------------------------------------------------------------------------------
+CLAIMS_DIR = "_claims"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The fixed extent of the file that starts at `first`: it ends at `last`, in `date`."""
+
+    first: int
+    last: int
+    date: str
+
+
+def _claim_path(base: str, table: str, source: str, partition: int, first: int) -> str:
+    return f"{base}/{CLAIMS_DIR}/{table}/{source}-{partition:04d}/{first:020d}.json"
+
+
+def _parse_claim(first: int, text: str) -> Claim:
+    payload = json.loads(text)
+    return Claim(first, int(payload["last"]), str(payload["date"]))
+
+
+def read_claim(root: str, table: str, source: str, partition: int, first: int) -> Claim | None:
+    """The claim on the file starting at `first`, or None when nobody has claimed it."""
+    import pyarrow.fs as pafs
+
+    fs, base = filesystem(root)
+    path = _claim_path(base, table, source, partition, first)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return None
+    with fs.open_input_stream(path) as fh:
+        return _parse_claim(first, fh.read().decode())
+
+
+def claim_range(root: str, table: str, source: str, partition: int, first: int, last: int, date: str) -> Claim:
+    """Claim the file starting at `first` as first..last in `date`; return the claim in force.
+
+    The result is this claim when nobody claimed `first` before, otherwise the earlier claim,
+    which the caller must follow (publish exactly that range in that date).
+    """
+    assert 0 <= first <= last, f"bad claim range {first}..{last}"
+    fs, base = filesystem(root)
+    path = _claim_path(base, table, source, partition, first)
+    directory = path.rsplit("/", 1)[0]
+    fs.create_dir(directory, recursive=True)
+    text = json.dumps({"last": last, "date": date})
+    if "://" in root:
+        existing = read_claim(root, table, source, partition, first)
+        if existing is not None:
+            return existing
+        with fs.open_output_stream(path) as fh:
+            fh.write(text.encode())
+        return Claim(first, last, date)
+    # write the content first, then link it into place: the link is atomic and refuses an existing
+    # name, so a claim is never seen half-written and exactly one writer wins each offset
+    tmp = f"{directory}/.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    try:
+        os.link(tmp, path)
+        return Claim(first, last, date)
+    except FileExistsError:
+        with open(path) as fh:
+            return _parse_claim(first, fh.read())
+    finally:
+        os.unlink(tmp)
+
+
+def delete_files(root: str, files: Iterable[LakeFile]) -> int:
+    """Delete lake files (compaction's originals once their covering file is published)."""
+    fs, _ = filesystem(root)
+    count = 0
+    for f in files:
+        fs.delete_file(f.path)
+        count += 1
+    return count
+
+
+def list_all_files(root: str, table: str) -> list[LakeFile]:
+    """Every file of a table on disk, covered ones included (compaction cleans those up)."""
+    assert table in TABLES, f"unknown table {table!r}"
+    fs, base = filesystem(root)
+    return sorted(_walk_table(fs, base, table), key=lambda f: (f.source, f.partition, f.first, -f.last, f.date))

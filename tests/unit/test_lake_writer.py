@@ -1,0 +1,304 @@
+"""Lake writer logic without Kafka: decoding, dead letters, rolls, claims, compaction."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from ingest import lake, schema
+from ingest.lake_writer import (CompactConfig, DeadLetters, LakeWriter, LakeWriterConfig, Rejected, compact,
+                                decode_record, plan_compaction)
+
+TOPIC = "flywheel.events"
+
+
+def event(i: int, ts: str = "2026-11-30T10:00:00.000001+00:00", **extra: object) -> dict:
+    record = {
+        "schema_version": 1, "event_id": f"e{i:08d}", "session_id": f"s{i % 7}", "agent_id": "main", "seq": i,
+        "ts": ts, "type": "llm_call", "model": "policy-v0", "policy_version": 0,
+        "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5], "completion_logprobs": [-0.5, -0.25],
+        "sampling": {"temperature": 1.0},
+    }
+    record.update(extra)
+    return record
+
+
+def wire(record: object) -> bytes:
+    return json.dumps(record).encode()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_writer(root: Path, clock: Clock | None = None, **overrides: object) -> LakeWriter:
+    cfg = LakeWriterConfig(events_topic=TOPIC, outcomes_topic="", lake_root=str(root), **overrides)
+    return LakeWriter(cfg, DeadLetters(None, cfg.dlq_topic, str(root)), clock=clock or Clock())
+
+
+def lake_rows(root: Path) -> list[int]:
+    offsets: list[int] = []
+    for f in lake.list_files(str(root), "events"):
+        offsets += pq.read_table(f.path).column("_offset").to_pylist()
+    return offsets
+
+
+def assert_exact(root: Path, expected: range) -> None:
+    files = lake.list_files(str(root), "events")
+    offsets = lake_rows(root)
+    assert sorted(offsets) == list(expected), f"lake offsets {sorted(offsets)[:10]}... ({len(offsets)}) != {expected}"
+    # files of one stream tile the consumed range: contiguous, never overlapping
+    ranges = sorted((f.first, f.last) for f in files)
+    for (a0, a1), (b0, b1) in zip(ranges, ranges[1:]):
+        assert b0 == a1 + 1, f"files {a0}..{a1} and {b0}..{b1} are not contiguous"
+
+
+# ---- decoding -------------------------------------------------------------------------------
+def test_decode_converts_by_kind() -> None:
+    row, date = decode_record("events", wire(event(1)))
+    assert date == "2026-11-30"
+    assert row["ts"] == dt.datetime(2026, 11, 30, 10, 0, 0, 1, tzinfo=dt.timezone.utc)
+    assert row["sampling"] == '{"temperature": 1.0}', "json columns are stored as their JSON text"
+
+
+@pytest.mark.parametrize("value, reason", [
+    (b"{not json", "malformed_json"),
+    (b"\xff\xfe\x00garbage", "not_utf8"),
+    (wire(event(1, schema_version=99)), "unsupported_schema_version"),
+    (wire({k: v for k, v in event(1).items() if k != "session_id"}), "invalid"),
+    (wire(event(1, surprise=1)), "invalid"),
+    (b"[1, 2]", "invalid"),
+    (b"x" * (schema.MAX_RECORD_BYTES + 1), "oversized"),
+    (None, "empty"),
+])
+def test_decode_rejects_with_reason(value: bytes | None, reason: str) -> None:
+    with pytest.raises(Rejected) as info:
+        decode_record("events", value)
+    assert info.value.reason == reason, f"{value!r:.40} rejected as {info.value.reason}: {info.value.detail}"
+
+
+# ---- rolls and ranges -----------------------------------------------------------------------
+def test_count_roll_names_files_by_range(tmp_path: Path) -> None:
+    w = make_writer(tmp_path, roll_max_records=4)
+    assert w.assign([(TOPIC, 0)]) == {(TOPIC, 0): None}
+    for i in range(10):
+        w.add(TOPIC, 0, i, wire(event(i)))
+    w.flush_all()
+    names = [Path(f.path).name for f in lake.list_files(str(tmp_path), "events")]
+    assert names == [lake.file_name(TOPIC, 0, a, b) for a, b in ((0, 3), (4, 7), (8, 9))], names
+    assert_exact(tmp_path, range(10))
+    assert lake.next_offsets(str(tmp_path), "events", TOPIC) == {0: 10}
+
+
+def test_rows_follow_the_lake_schema(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 2)])
+    w.add(TOPIC, 2, 5, wire(event(5)))
+    w.flush_all()
+    (f,) = lake.list_files(str(tmp_path), "events")
+    table = pq.read_table(f.path)
+    assert table.schema.remove_metadata().equals(schema.event_arrow_schema().remove_metadata()), table.schema
+    row = table.to_pylist()[0]
+    assert (row["_topic"], row["_partition"], row["_offset"], row["event_id"]) == (TOPIC, 2, 5, "e00000005")
+    assert (f.first, f.last) == (5, 5), "an empty lake starts at the first record's offset"
+
+
+def test_age_roll_publishes_a_quiet_partition(tmp_path: Path) -> None:
+    clock = Clock()
+    w = make_writer(tmp_path, clock, roll_max_age_s=2.0)
+    w.assign([(TOPIC, 0)])
+    w.add(TOPIC, 0, 0, wire(event(0)))
+    clock.t += 1.9
+    w.roll_due()
+    assert lake.list_files(str(tmp_path), "events") == [], "published before roll_max_age_s"
+    clock.t += 0.2
+    w.roll_due()
+    assert len(lake.list_files(str(tmp_path), "events")) == 1, "not published after roll_max_age_s"
+
+
+def test_date_change_rolls_the_file(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    dates = ["2026-11-29T23:59:59+00:00", "2026-11-29T23:59:59.5+00:00", "2026-11-30T00:00:00+00:00",
+             "2026-11-29T23:00:00+00:00"]  # a late event of the previous day too
+    for i, ts in enumerate(dates):
+        w.add(TOPIC, 0, i, wire(event(i, ts=ts)))
+    w.flush_all()
+    files = lake.list_files(str(tmp_path), "events")
+    assert [(f.date, f.first, f.last) for f in files] == [
+        ("2026-11-29", 0, 1), ("2026-11-30", 2, 2), ("2026-11-29", 3, 3)], files
+    assert lake.next_offsets(str(tmp_path), "events", TOPIC) == {0: 4}
+
+
+def test_restart_resumes_from_the_lake(tmp_path: Path) -> None:
+    w = make_writer(tmp_path, roll_max_records=3)
+    w.assign([(TOPIC, 0)])
+    for i in range(7):
+        w.add(TOPIC, 0, i, wire(event(i)))
+    # "killed": offsets 6 was buffered, never published
+    w2 = make_writer(tmp_path, roll_max_records=3)
+    assert w2.assign([(TOPIC, 0)]) == {(TOPIC, 0): 6}
+    for i in range(4, 10):  # a fetch may replay records before the seek position; they are skipped
+        w2.add(TOPIC, 0, i, wire(event(i)))
+    w2.flush_all()
+    assert_exact(tmp_path, range(10))
+
+
+# ---- dead letters ---------------------------------------------------------------------------
+def test_bad_records_go_to_the_dlq_and_stay_in_the_range(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    values = [wire(event(0)), b"{oops", wire(event(2)), b"\x80\x81", wire(event(4, schema_version=2))]
+    for i, v in enumerate(values):
+        w.add(TOPIC, 0, i, v, key=b"k")
+    w.flush_all()
+    assert [e["reason"] for e in w.dlq.sent] == ["malformed_json", "not_utf8", "unsupported_schema_version"]
+    assert [e["offset"] for e in w.dlq.sent] == [1, 3, 4]
+    import base64
+    assert base64.b64decode(w.dlq.sent[1]["original_b64"]) == b"\x80\x81", "the DLQ must carry the original bytes"
+    (f,) = lake.list_files(str(tmp_path), "events")
+    assert (f.first, f.last) == (0, 4), "dead-lettered offsets still count as consumed"
+    assert sorted(lake_rows(tmp_path)) == [0, 2]
+
+
+def test_an_all_bad_range_is_a_zero_row_file(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    w.add(TOPIC, 0, 0, b"nope", kafka_ts_ms=1_764_460_800_000)  # 2025-11-30 00:00 UTC
+    w.flush_all()
+    (f,) = lake.list_files(str(tmp_path), "events")
+    assert (f.date, f.first, f.last, pq.read_table(f.path).num_rows) == ("2025-11-30", 0, 0, 0)
+    assert lake.next_offsets(str(tmp_path), "events", TOPIC) == {0: 1}
+
+
+def test_a_row_arrow_cannot_hold_is_dead_lettered_alone(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    w.add(TOPIC, 0, 0, wire(event(0)))
+    w.add(TOPIC, 0, 1, wire(event(1, prompt_token_ids=[2 ** 40])))  # valid JSON int, beyond the int32 column
+    w.add(TOPIC, 0, 2, wire(event(2)))
+    w.flush_all()
+    assert [(e["reason"], e["offset"]) for e in w.dlq.sent] == [("unstorable", 1)]
+    assert sorted(lake_rows(tmp_path)) == [0, 2]
+
+
+# ---- several writers: claims keep ranges from overlapping ------------------------------------
+def test_a_stale_writer_follows_the_new_owners_longer_claim(tmp_path: Path) -> None:
+    stale, owner = make_writer(tmp_path), make_writer(tmp_path, roll_max_records=15)
+    stale.assign([(TOPIC, 0)])
+    owner.assign([(TOPIC, 0)])
+    for i in range(10):
+        stale.add(TOPIC, 0, i, wire(event(i)))
+    for i in range(20):
+        owner.add(TOPIC, 0, i, wire(event(i)))  # publishes 0..14 at the count roll
+    stale.flush_all()  # it would publish 0..9: the claim says 0..14, so it waits
+    assert_exact_after = [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")]
+    assert assert_exact_after == [(0, 14)], assert_exact_after
+    for i in range(10, 20):
+        stale.add(TOPIC, 0, i, wire(event(i)))  # reaches 14: publishes the identical range 0..14
+    stale.flush_all()
+    owner.flush_all()
+    assert stale.stats.conformed >= 1
+    assert_exact(tmp_path, range(20))
+
+
+def test_a_new_owner_follows_a_shorter_claim_of_a_writer_that_died(tmp_path: Path) -> None:
+    owner = make_writer(tmp_path)
+    # the dead writer claimed 0..9 and died before renaming its file
+    lake.claim_range(str(tmp_path), "events", TOPIC, 0, 0, 9, "2026-11-30")
+    owner.assign([(TOPIC, 0)])
+    for i in range(25):
+        owner.add(TOPIC, 0, i, wire(event(i, ts="2026-11-30T12:00:00+00:00")))
+    owner.flush_all()
+    assert [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 9), (10, 24)]
+    assert_exact(tmp_path, range(25))
+
+
+def test_a_claimed_range_ends_before_a_log_gap(tmp_path: Path) -> None:
+    lake.claim_range(str(tmp_path), "events", TOPIC, 0, 0, 5, "2026-11-30")
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    for i in (0, 1, 2, 8, 9):  # offsets 3..7 are absent from the log (compacted topic or transaction markers)
+        w.add(TOPIC, 0, i, wire(event(i)))
+    w.flush_all()
+    assert [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 5), (6, 9)]
+    assert sorted(lake_rows(tmp_path)) == [0, 1, 2, 8, 9]
+
+
+def test_revoke_publishes_open_files(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0), (TOPIC, 1)])
+    w.add(TOPIC, 0, 0, wire(event(0)))
+    w.add(TOPIC, 1, 0, wire(event(1)))
+    w.revoke([(TOPIC, 1)])
+    assert [(f.partition, f.first) for f in lake.list_files(str(tmp_path), "events")] == [(1, 0)]
+    assert (TOPIC, 1) not in w.next_offset
+    with pytest.raises(AssertionError):
+        w.add(TOPIC, 1, 1, wire(event(2)))
+
+
+# ---- compaction -----------------------------------------------------------------------------
+def test_compaction_merges_closed_dates_and_keeps_every_row(tmp_path: Path) -> None:
+    w = make_writer(tmp_path, roll_max_records=3)
+    w.assign([(TOPIC, 0)])
+    for i in range(10):
+        w.add(TOPIC, 0, i, wire(event(i, ts="2026-11-28T08:00:00+00:00")))
+    w.add(TOPIC, 0, 10, b"bad")
+    for i in range(11, 14):
+        w.add(TOPIC, 0, i, wire(event(i, ts="2026-11-30T08:00:00+00:00")))
+    w.flush_all()
+    before = lake.list_files(str(tmp_path), "events")
+    totals = compact(CompactConfig(lake_root=str(tmp_path), before="2026-11-29"))
+    after = lake.list_files(str(tmp_path), "events")
+    assert [(f.date, f.first, f.last) for f in after if f.date == "2026-11-28"] == [("2026-11-28", 0, 10)], after
+    assert [f for f in after if f.date == "2026-11-30"] == [f for f in before if f.date == "2026-11-30"], \
+        "an open date partition must not be compacted"
+    assert totals["merged_files"] == 4
+    assert sorted(lake_rows(tmp_path)) == list(range(10)) + [11, 12, 13]
+    assert lake.next_offsets(str(tmp_path), "events", TOPIC) == {0: 14}
+    assert len(list(tmp_path.glob("events/date=2026-11-28/*.parquet"))) == 1, "originals were not deleted"
+
+
+def test_compaction_cleans_up_after_a_crash_between_publish_and_delete(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    w = make_writer(tmp_path, roll_max_records=2)
+    w.assign([(TOPIC, 0)])
+    for i in range(4):
+        w.add(TOPIC, 0, i, wire(event(i, ts="2026-11-28T08:00:00+00:00")))
+    w.flush_all()
+    originals = lake.list_files(str(tmp_path), "events")
+    merged = pa.concat_tables([pq.read_table(f.path) for f in originals])
+    lake.write_file(str(tmp_path), "events", "2026-11-28", TOPIC, 0, 0, 3, merged)  # the crash came here
+    assert sorted(lake_rows(tmp_path)) == [0, 1, 2, 3], "readers must see one copy mid-compaction"
+    totals = compact(CompactConfig(lake_root=str(tmp_path), before="2026-11-29"))
+    assert totals["leftovers_deleted"] == 2
+    assert len(list(tmp_path.glob("events/date=2026-11-28/*.parquet"))) == 1
+
+
+def test_plan_compaction_respects_size_gaps_and_target() -> None:
+    def f(first: int, last: int, date: str = "2026-11-01") -> lake.LakeFile:
+        return lake.LakeFile("events", date, TOPIC, 0, first, last, f"/l/{first}")
+
+    files = [f(0, 9), f(10, 19), f(20, 29), f(40, 49), f(50, 59), f(60, 69), f(70, 79, "2026-12-01")]
+    sizes = {x.path: 10 for x in files}
+    sizes["/l/20"] = 10_000  # big: stays as it is
+    runs = plan_compaction(files, sizes, before="2026-11-30", small_file_bytes=1000, target_rows=20)
+    assert [[(x.first, x.last) for x in r] for r in runs] == [[(0, 9), (10, 19)], [(40, 49), (50, 59)]]
+
+
+def test_config_rejects_contradictions() -> None:
+    from infra.config import ConfigError
+
+    with pytest.raises(ConfigError, match="dlq_topic"):
+        LakeWriterConfig(dlq_topic=schema.EVENTS_TOPIC).check()
+    with pytest.raises(ConfigError, match="session_timeout_s"):
+        LakeWriterConfig(session_timeout_s=1).check()
