@@ -227,7 +227,8 @@ def _wait(what: str, check: Callable[[], bool], timeout_s: float, record: dict[s
     while time.time() < deadline:
         if check():
             return
-        if not _alive_and_ours(record):
+        # /proc/PID/cmdline reads empty for a few ms while the child is still in exec(): look twice.
+        if not _alive_and_ours(record) and (time.sleep(0.2) or not _alive_and_ours(record)):
             tail = _tail(log_path)
             raise StackError(f"{what} exited during start-up; last lines of {log_path}:\n{tail}")
         time.sleep(0.5)
