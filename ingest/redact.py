@@ -42,13 +42,22 @@ _ASSIGNMENT = re.compile(
     r"(?i)\b([A-Za-z0-9_\-]*(?:api[_\-]?key|secret|token|passwd|password)[A-Za-z0-9_\-]*)"
     r"(\"?\s*[:=]\s*[\"']?)([^\s\"',;]{6,})"
 )
-# Cheap pre-check: most text contains none of these, and one `in`/search is faster than four subs.
-_ANY = re.compile(r"@|(?i:bearer|sk-|gh[pousr]_|github_pat_|xox|AKIA|AIza|hf_|key|secret|token|passw)")
+# Cheap pre-check: most text contains none of these, and substring tests run in C at memory speed
+# (a case-insensitive alternation regex costs ~40 us on a few hundred characters).
+_HINTS = ("bearer", "sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xox", "akia", "aiza", "hf_",
+          "key", "secret", "token", "passw")
+
+
+def _may_hold_secret(text: str) -> bool:
+    if "@" in text:
+        return True
+    lowered = text.lower()
+    return any(hint in lowered for hint in _HINTS)
 
 
 def redact_text(text: str) -> str:
     """Return `text` with e-mail addresses, bearer tokens and API-key-like strings replaced."""
-    if not _ANY.search(text):
+    if not _may_hold_secret(text):
         return text
     text = _BEARER.sub("Bearer [TOKEN]", text)
     text = _KEY_PREFIXES.sub("[API_KEY]", text)

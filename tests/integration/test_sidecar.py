@@ -1,0 +1,163 @@
+"""SessionLogger and OutcomeReporter against real Kafka brokers.
+
+The outage test runs its own private broker (own ports, own data dir under tmp_path) through
+infra.stack's Kafka functions, so killing it disturbs nobody else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from infra import stack as stack_mod
+from ingest import schema
+from ingest.sidecar import OutcomeReporter, SessionLogger
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _consume(bootstrap: str, topic: str, want: int, timeout_s: float = 60.0) -> list[bytes]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, consumer_timeout_ms=1000, client_id="tests",
+                             max_partition_fetch_bytes=8 * 1024 * 1024)
+    partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or {0})]
+    consumer.assign(partitions)
+    consumer.seek_to_beginning(*partitions)
+    values: list[bytes] = []
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and len(values) < want:
+        values += [m.value for m in consumer]
+    consumer.close()
+    return values
+
+
+def test_every_event_type_and_outcome_round_trips(kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
+    events_topic, outcomes_topic = new_topic("events", partitions=2), new_topic("outcomes")
+    log = SessionLogger(kafka_bootstrap, topic=events_topic, name="rt", spool_dir=tmp_path / "spool")
+    reporter = OutcomeReporter(kafka_bootstrap, topic=outcomes_topic, name="rt-o", spool_dir=tmp_path / "spool-o")
+    with log.session(task_type="code_edit", tags={"team": "ml"}) as s:
+        s.llm_call(model="policy-v2", policy_version=2, prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5, 6],
+                   completion_logprobs=[-0.5, -0.25, -1.5], finish_reason="stop", latency_s=0.2,
+                   sampling={"temperature": 1.0}, completion_text="ok")
+        call = s.tool_call("read_file", {"path": "a.py"})
+        s.tool_result(call, ok=False, output="FileNotFoundError")
+        with s.spawn_subagent(subtask="search docs") as child:
+            child.tool_call("search", {"q": "kafka"}, malformed=True)
+        s.context_edit("prune", tokens_removed=300)
+    outcome_id = reporter.report(s.session_id, kind="tests_passed", value=1.0, source="ci")
+    assert log.flush(30) and reporter.flush(30), f"not delivered: {log.metrics()} {reporter.metrics()}"
+
+    events = [json.loads(v) for v in _consume(kafka_bootstrap, events_topic, 9)]
+    for event in events:
+        schema.validate_event(event)
+    assert {e["type"] for e in events} == set(schema.EVENT_TYPES), sorted(e["type"] for e in events)
+    assert len(events) == 9 and len({e["event_id"] for e in events}) == 9
+    # One key per session: the whole session is in one partition, in the order it was logged.
+    assert [e["type"] for e in events][0] == "session_start" and events[-1]["type"] == "session_end"
+    outcomes = [json.loads(v) for v in _consume(kafka_bootstrap, outcomes_topic, 1)]
+    assert len(outcomes) == 1 and schema.validate_outcome(outcomes[0])["outcome_id"] == outcome_id
+    assert outcomes[0]["session_id"] == s.session_id
+    log.close()
+    reporter.close()
+    m = log.metrics()
+    assert m["sent"] == 9 and m["spilled"] == 0 and m["dropped"] == 0, m
+
+
+@pytest.fixture
+def private_kafka(tmp_path: Path) -> stack_mod.StackConfig:
+    topic = f"test.outage.{uuid.uuid4().hex[:8]}"
+    base = stack_mod.load_stack_config([])
+    cfg = stack_mod.replace_config(base, var_dir=tmp_path / "var", kafka_port=_free_port(),
+                                   kafka_controller_port=_free_port(), kafka_topics=[topic], kafka_partitions=2,
+                                   kafka_heap="256m", parts=["kafka"])
+    stack_mod.start_kafka(cfg)
+    yield cfg
+    stack_mod.stop_kafka(cfg)
+
+
+def _kill_broker(cfg: stack_mod.StackConfig) -> None:
+    """SIGKILL, not a clean shutdown: the broker dies the way a crashed machine's broker does."""
+    record = json.loads((Path(cfg.var_dir) / "run" / "kafka.pid.json").read_text())
+    os.killpg(int(record["pid"]), signal.SIGKILL)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", cfg.kafka_port), timeout=0.2).close()
+            time.sleep(0.1)
+        except OSError:
+            return
+
+
+@pytest.mark.slow
+def test_broker_killed_mid_run_every_event_arrives_once_and_calls_never_block(private_kafka: stack_mod.StackConfig,
+                                                                              tmp_path: Path) -> None:
+    cfg = private_kafka
+    topic = cfg.kafka_topics[0]
+    total, kill_at = 50_000, 10_000
+    log = SessionLogger(cfg.kafka_bootstrap, topic=topic, name="outage", spool_dir=tmp_path / "spool",
+                        outage_after_s=1.0, retry_s=0.5)
+    reached_kill = threading.Event()
+    window: dict[str, float] = {}
+
+    def chaos() -> None:
+        reached_kill.wait(120)
+        window["down"] = time.perf_counter()
+        _kill_broker(cfg)
+        time.sleep(3.0)
+        stack_mod.start_kafka(cfg)  # same data dir: the broker comes back with everything it had acknowledged
+        window["up"] = time.perf_counter()
+
+    chaos_thread = threading.Thread(target=chaos, daemon=True)
+    chaos_thread.start()
+    sessions = [log.attach(f"sess-{k}") for k in range(50)]
+    prompt = list(range(64))
+    completion, logprobs = list(range(100, 116)), [-0.5] * 16
+    stamps: list[tuple[float, float]] = []  # (start, duration) of each call
+    for i in range(total):
+        s = sessions[i % 50]
+        t0 = time.perf_counter()
+        s.llm_call(model="policy-v1", policy_version=1, prompt_token_ids=prompt, completion_token_ids=completion,
+                   completion_logprobs=logprobs, request_id=str(i))
+        stamps.append((t0, time.perf_counter() - t0))
+        if i == kill_at:
+            reached_kill.set()
+        if i % 100 == 99:
+            time.sleep(0.02)  # an agent between calls: ~5,000 calls/s, so the run spans the outage
+    chaos_thread.join(180)
+    assert "up" in window, "the private broker did not come back"
+    delivered = log.flush(timeout=180)
+    metrics = log.metrics()
+    log.close()
+
+    during = [d for t, d in stamps if window["down"] <= t <= window["up"]]
+    assert len(during) > 5_000, f"only {len(during)} calls fell inside the outage; the test did not test it"
+    worst_ms = max(during) * 1e3
+    assert worst_ms < 5.0, f"an llm_call took {worst_ms:.2f} ms during the outage (limit 5 ms); metrics {metrics}"
+    assert delivered, f"flush did not finish after the broker returned: {metrics}"
+    assert metrics["spilled"] > 0 and metrics["replayed"] > 0 and metrics["dropped"] == 0, metrics
+
+    raw = _consume(cfg.kafka_bootstrap, topic, total, timeout_s=120)
+    by_event: dict[str, str] = {}
+    for value in raw:
+        event = json.loads(value)
+        by_event[event["event_id"]] = event["request_id"]
+    request_ids = sorted(by_event.values(), key=int)
+    assert len(by_event) == total, (f"{len(by_event)} distinct events arrived for {total} logged "
+                                    f"({len(raw)} records before de-duplication); metrics {metrics}")
+    assert request_ids == [str(i) for i in range(total)], "some call arrived under two event ids or not at all"
+    print(f"outage: {len(during)} calls during the outage, max {worst_ms:.3f} ms; "
+          f"{len(raw)} records for {total} events ({len(raw) - total} replay duplicates); {metrics}")
