@@ -350,7 +350,7 @@ def start_kafka(cfg: StackConfig) -> dict[str, Any]:
     kdir = _kafka_dir(cfg)
     if not (kdir / "data" / "meta.properties").exists():
         cluster_id = _kafka_cluster_id(kdir)
-        out = subprocess.run([java, "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id,
+        out = subprocess.run([java, "-cp", classpath, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",  # "=": an id may start with "-"
                               "-c", str(props), "--ignore-formatted"], capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise StackError(f"kafka: formatting storage in {kdir / 'data'} failed: {out.stderr.strip() or out.stdout.strip()}")
