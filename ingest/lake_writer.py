@@ -48,6 +48,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -492,14 +493,14 @@ class DeadLetters:
     def flush(self) -> None:
         if self.producer is None or not self.pending:
             return
-        from kafka.errors import MessageSizeTooLargeError, RecordTooLargeError
+        from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
 
         self.producer.flush()
         pending, self.pending = self.pending, []
         for envelope, future in pending:
             try:
                 future.get(timeout=30)
-            except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+            except (MessageSizeTooLargeError, RecordListTooLargeError) as exc:
                 self._spill(envelope, json.dumps(envelope).encode(), str(exc))
 
     def _spill(self, envelope: dict[str, Any], payload: bytes, why: str) -> None:
@@ -594,8 +595,9 @@ def run(cfg: LakeWriterConfig, stop: Callable[[], bool] | None = None) -> int:
         log.info("stop: signal %d; publishing open files and leaving the group", signum)
         stopping["flag"] = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
     consumer.subscribe(topics=sorted(cfg.tables()), listener=Listener())
     log.info("setup: subscribed; entering the loop")
 
