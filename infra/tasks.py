@@ -1,0 +1,274 @@
+"""The demo's verifiable task family: what the simulated production agent is asked, its tools, and the checker.
+
+A task is a short user request that needs one tool call: add or multiply two numbers, or look
+up the weather of a city. The model must write the call as text,
+`<tool_call>{"name": "add", "arguments": {"a": 37, "b": 58}}</tool_call>`, read the tool's
+reply (a `tool` message), then answer `Answer: 95`. Some tasks ask for two independent things
+("add 3 and 4; weather in oslo"): the agent runs one sub-agent per part, in parallel.
+
+Everything is derived from a `TaskSpec` (a plain dict on the wire), so the verifier can
+recompute the truth from the spec alone and re-check the agent's answer (`check`). The same
+module writes the supervised demonstrations the warm start trains on, and `corpus_lines`
+gives the tokenizer builder the task's vocabulary. Pure Python, no third-party imports.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+TOOLS = ("add", "mul", "weather")
+CITIES = ("paris", "oslo", "rome", "lima", "cairo", "tokyo", "delhi", "quito", "accra", "dubai",
+          "seoul", "perth", "miami", "boston", "madrid", "vienna")
+SKIES = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy")
+MAX_OPERAND = 99  # two-digit operands: copying them into JSON is the skill the tiny model learns
+
+# Several phrasings per tool, so the model must read the request rather than memorise one template.
+_PHRASES: dict[str, tuple[str, ...]] = {
+    "add": ("add {a} and {b}", "what is {a} plus {b}?", "sum of {a} and {b}", "{a} + {b} = ?"),
+    "mul": ("multiply {a} by {b}", "what is {a} times {b}?", "product of {a} and {b}", "{a} * {b} = ?"),
+    "weather": ("weather in {city}", "what is the weather in {city}?", "how is the weather in {city}?"),
+}
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+ANSWER_RE = re.compile(r"^\s*Answer:\s*(.+?)\s*$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tool-sized piece of a task."""
+
+    tool: str
+    args: dict[str, Any]
+    text: str  # the user's words for this piece
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task as the agent received it; `parts` has one entry, or several independent ones."""
+
+    task_id: str
+    parts: tuple[Part, ...]
+
+    @property
+    def text(self) -> str:
+        return "; ".join(p.text for p in self.parts)
+
+    @property
+    def task_type(self) -> str:
+        return "tool_single" if len(self.parts) == 1 else "tool_multi"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "parts": [asdict(p) for p in self.parts]}
+
+    @staticmethod
+    def from_json(record: dict[str, Any]) -> "TaskSpec":
+        try:
+            parts = tuple(Part(str(p["tool"]), dict(p["args"]), str(p["text"])) for p in record["parts"])
+            spec = TaskSpec(str(record["task_id"]), parts)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"task spec: malformed record {record!r} ({exc})") from exc
+        for part in spec.parts:
+            if part.tool not in TOOLS:
+                raise ValueError(f"task spec: unknown tool {part.tool!r} in {record!r}")
+        return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# tools (deterministic, so the verifier can recompute every result)
+# ---------------------------------------------------------------------------------------------
+def weather_of(city: str) -> str:
+    """A fixed fake forecast per city (stable across processes: no hash randomisation)."""
+    code = sum(ord(c) * (i + 1) for i, c in enumerate(city))
+    return f"{SKIES[code % len(SKIES)]} {code % 31 + 5}C"
+
+
+def run_tool(name: str, arguments: Any) -> tuple[bool, str]:
+    """Execute a tool call as the model wrote it; (ok, output). Bad calls get an error text, never raise."""
+    if not isinstance(arguments, dict):
+        return False, "error: arguments must be an object"
+    try:
+        if name == "add":
+            return True, str(int(arguments["a"]) + int(arguments["b"]))
+        if name == "mul":
+            return True, str(int(arguments["a"]) * int(arguments["b"]))
+        if name == "weather":
+            city = str(arguments["city"]).strip().lower()
+            if city not in CITIES:
+                return False, f"error: unknown city {city!r}"
+            return True, weather_of(city)
+    except (KeyError, TypeError, ValueError) as exc:
+        return False, f"error: bad arguments for {name} ({exc.__class__.__name__})"
+    return False, f"error: unknown tool {name!r}"
+
+
+def truth(part: Part) -> str:
+    """The correct final answer to one part."""
+    ok, output = run_tool(part.tool, part.args)
+    assert ok, f"task generator produced an unsolvable part {part}"
+    return output
+
+
+# ---------------------------------------------------------------------------------------------
+# generation
+# ---------------------------------------------------------------------------------------------
+def make_part(rng: random.Random) -> Part:
+    tool = rng.choice(TOOLS)
+    if tool == "weather":
+        args: dict[str, Any] = {"city": rng.choice(CITIES)}
+    else:
+        args = {"a": rng.randint(0, MAX_OPERAND), "b": rng.randint(0, MAX_OPERAND)}
+    return Part(tool, args, rng.choice(_PHRASES[tool]).format(**args))
+
+
+def make_task(rng: random.Random, multi_share: float = 0.2, task_id: str | None = None) -> TaskSpec:
+    """A random task; with probability multi_share it has two independent parts (run by sub-agents)."""
+    n_parts = 2 if rng.random() < multi_share else 1
+    parts = tuple(make_part(rng) for _ in range(n_parts))
+    return TaskSpec(task_id or f"t{rng.getrandbits(48):012x}", parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# the protocol between model and agent
+# ---------------------------------------------------------------------------------------------
+def format_tool_call(tool: str, args: dict[str, Any]) -> str:
+    return "<tool_call>" + json.dumps({"name": tool, "arguments": args}) + "</tool_call>"
+
+
+def format_answer(result: str) -> str:
+    return f"Answer: {result}"
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    """What the agent makes of one model reply."""
+
+    kind: str  # "tool_call", "malformed_call" or "answer"
+    tool: str | None = None
+    arguments: Any = None
+    answer: str | None = None
+
+
+def parse_reply(text: str) -> ParsedReply:
+    """Read a model reply: a tool call (well-formed or not) or a final answer."""
+    match = TOOL_CALL_RE.search(text)
+    if match is None:
+        if "<tool_call>" in text:
+            return ParsedReply("malformed_call")  # started a call and never closed it
+        answer = ANSWER_RE.match(text)
+        return ParsedReply("answer", answer=(answer.group(1) if answer else text).strip())
+    try:
+        payload = json.loads(match.group(1))
+    except json.JSONDecodeError:
+        return ParsedReply("malformed_call")
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ParsedReply("malformed_call")
+    return ParsedReply("tool_call", tool=payload["name"], arguments=payload.get("arguments"))
+
+
+def check_part(part: Part, answer: str | None) -> bool:
+    """The verifier's check: the final answer equals the recomputed truth (case and spacing aside)."""
+    if answer is None:
+        return False
+    return " ".join(answer.lower().split()) == " ".join(truth(part).lower().split())
+
+
+def check(spec: TaskSpec, answers: list[str | None]) -> bool:
+    """A session succeeds when every part got its correct answer."""
+    return len(answers) == len(spec.parts) and all(check_part(p, a) for p, a in zip(spec.parts, answers))
+
+
+# ---------------------------------------------------------------------------------------------
+# one part's dialogue, shared by the agent (through the proxy) and the warm start's evaluation
+# ---------------------------------------------------------------------------------------------
+Message = dict[str, Any]
+# generate(messages) -> the assistant's reply text
+Generate = Callable[[list[Message]], str]
+
+
+@dataclass
+class Turn:
+    """One exchange: what the model said and what the agent did with it (for logging)."""
+
+    reply: str
+    parsed: ParsedReply
+    tool_ok: bool | None = None
+    tool_output: str | None = None
+
+
+def user_message(part: Part) -> Message:
+    return {"role": "user", "content": part.text}
+
+
+def tool_message(output: str, call_id: str) -> Message:
+    return {"role": "tool", "content": output, "tool_call_id": call_id}
+
+
+def demonstration(part: Part) -> list[Message]:
+    """The ideal dialogue for one part: call the right tool, then answer with its result."""
+    call_id = "call0"
+    return [
+        user_message(part),
+        {"role": "assistant", "content": format_tool_call(part.tool, part.args)},
+        tool_message(truth(part), call_id),
+        {"role": "assistant", "content": format_answer(truth(part))},
+    ]
+
+
+def corpus_lines(n: int, seed: int = 1) -> list[str]:
+    """Task texts for the tokenizer's BPE training, so its merges fit requests, calls and answers."""
+    rng = random.Random(seed)
+    lines: list[str] = []
+    while len(lines) < n:
+        part = make_part(rng)
+        result = truth(part)
+        lines += [part.text, format_tool_call(part.tool, part.args), result, format_answer(result)]
+    return lines[:n]
+
+
+def compact(messages: list[Message], budget_chars: int) -> tuple[list[Message], list[Message], Message | None]:
+    """Summarise a history past its budget: the failed exchanges between the request and the latest
+    exchange are replaced by one short note. Returns (new messages, removed messages, the note or None)."""
+    if sum(len(str(m.get("content", ""))) for m in messages) <= budget_chars or len(messages) <= 3:
+        return messages, [], None
+    removed = messages[1:-2]
+    if not removed:
+        return messages, [], None
+    failed = sum(1 for m in removed if m["role"] == "tool")
+    note: Message = {"role": "user", "content": f"({failed} failed tool calls removed; try again)"}
+    return [messages[0], note, *messages[-2:]], removed, note
+
+
+def solve_part(part: Part, generate: Generate, max_turns: int = 3, budget_chars: int = 400,
+               on_turn: Callable[[Turn], None] | None = None,
+               on_compact: Callable[[list[Message], Message], None] | None = None) -> tuple[str | None, list[Turn]]:
+    """Run the tool-use dialogue for one part; returns (final answer or None, the turns).
+
+    The model gets at most max_turns replies; a malformed or failed call is answered with the
+    tool's error text so the model can retry, as a production harness would.
+    """
+    messages: list[Message] = [user_message(part)]
+    turns: list[Turn] = []
+    for i in range(max_turns):
+        messages, removed, note = compact(messages, budget_chars)
+        if note is not None and on_compact is not None:
+            on_compact(removed, note)
+        reply = generate(messages)
+        parsed = parse_reply(reply)
+        turn = Turn(reply, parsed)
+        turns.append(turn)
+        messages.append({"role": "assistant", "content": reply})
+        if parsed.kind == "answer":
+            if on_turn is not None:
+                on_turn(turn)
+            return parsed.answer, turns
+        if parsed.kind == "tool_call":
+            turn.tool_ok, turn.tool_output = run_tool(parsed.tool or "", parsed.arguments)
+        else:
+            turn.tool_ok, turn.tool_output = False, "error: malformed tool call"
+        if on_turn is not None:
+            on_turn(turn)
+        messages.append(tool_message(turn.tool_output, f"call{i}"))
+    return None, turns

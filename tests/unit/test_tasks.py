@@ -1,0 +1,127 @@
+"""The demo task family: generation, the tools, the reply parser, the checker and the dialogue loop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from infra import tasks
+
+
+def _spec(tool: str, args: dict, text: str = "x") -> tasks.TaskSpec:
+    return tasks.TaskSpec("t1", (tasks.Part(tool, args, text),))
+
+
+def test_generated_tasks_are_solvable_and_round_trip_through_json() -> None:
+    rng = random.Random(0)
+    specs = [tasks.make_task(rng, multi_share=0.5) for _ in range(300)]
+    assert {s.task_type for s in specs} == {"tool_single", "tool_multi"}
+    assert {p.tool for s in specs for p in s.parts} == set(tasks.TOOLS)
+    for spec in specs:
+        again = tasks.TaskSpec.from_json(spec.to_json())
+        assert again == spec
+        # the ideal answers pass the checker, a wrong one fails it
+        assert tasks.check(spec, [tasks.truth(p) for p in spec.parts])
+        assert not tasks.check(spec, [tasks.truth(p) + "1" for p in spec.parts])
+
+
+def test_from_json_rejects_malformed_specs_with_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="malformed"):
+        tasks.TaskSpec.from_json({"task_id": "x"})
+    with pytest.raises(ValueError, match="unknown tool 'rm'"):
+        tasks.TaskSpec.from_json({"task_id": "x", "parts": [{"tool": "rm", "args": {}, "text": "rm"}]})
+
+
+def test_tools_compute_and_refuse_bad_arguments_without_raising() -> None:
+    assert tasks.run_tool("add", {"a": 37, "b": 58}) == (True, "95")
+    assert tasks.run_tool("mul", {"a": "6", "b": 7}) == (True, "42")
+    ok, out = tasks.run_tool("weather", {"city": "Oslo"})
+    assert ok and out == tasks.weather_of("oslo")
+    assert tasks.run_tool("weather", {"city": "atlantis"})[0] is False
+    assert tasks.run_tool("add", {"a": 1})[0] is False
+    assert tasks.run_tool("add", [1, 2])[0] is False
+    assert tasks.run_tool("sub", {"a": 1, "b": 2})[0] is False
+
+
+def test_weather_is_deterministic_across_processes() -> None:
+    # the verifier runs in another process: the forecast must not depend on hash randomisation
+    assert tasks.weather_of("paris") == tasks.weather_of("paris")
+    assert len({tasks.weather_of(c) for c in tasks.CITIES}) > len(tasks.CITIES) // 2
+
+
+def test_parse_reply_reads_calls_answers_and_malformed_calls() -> None:
+    call = tasks.parse_reply(tasks.format_tool_call("add", {"a": 1, "b": 2}))
+    assert (call.kind, call.tool, call.arguments) == ("tool_call", "add", {"a": 1, "b": 2})
+    assert tasks.parse_reply("<tool_call>{\"name\": \"add\", \"argu").kind == "malformed_call"
+    assert tasks.parse_reply("<tool_call>{not json}</tool_call>").kind == "malformed_call"
+    assert tasks.parse_reply("<tool_call>[1, 2]</tool_call>").kind == "malformed_call"
+    answer = tasks.parse_reply("Answer:  95 ")
+    assert (answer.kind, answer.answer) == ("answer", "95")
+    assert tasks.parse_reply("I think 95").answer == "I think 95"
+
+
+def test_checker_is_strict_about_the_value_and_lenient_about_spacing() -> None:
+    spec = _spec("add", {"a": 37, "b": 58})
+    assert tasks.check(spec, ["95"])
+    assert tasks.check(spec, [" 95 "])
+    assert not tasks.check(spec, ["96"])
+    assert not tasks.check(spec, ["the answer is 95"])
+    assert not tasks.check(spec, [None])
+    assert not tasks.check(spec, [])
+    weather = _spec("weather", {"city": "rome"})
+    assert tasks.check(weather, [tasks.weather_of("rome").upper()])
+
+
+def _scripted(replies: list[str]) -> tasks.Generate:
+    it = iter(replies)
+    seen: list[list[tasks.Message]] = []
+
+    def generate(messages: list[tasks.Message]) -> str:
+        seen.append([dict(m) for m in messages])
+        return next(it)
+
+    generate.seen = seen  # type: ignore[attr-defined]
+    return generate
+
+
+def test_solve_part_follows_the_demonstrated_protocol() -> None:
+    part = tasks.Part("add", {"a": 37, "b": 58}, "add 37 and 58")
+    demo = tasks.demonstration(part)
+    gen = _scripted([demo[1]["content"], demo[3]["content"]])
+    answer, turns = tasks.solve_part(part, gen)
+    assert answer == "95" and [t.parsed.kind for t in turns] == ["tool_call", "answer"]
+    assert turns[0].tool_ok and turns[0].tool_output == "95"
+    # the second prompt is exactly the demonstration's history: training and serving see the same dialogue
+    assert [m["content"] for m in gen.seen[1]] == [m["content"] for m in demo[:3]]  # type: ignore[attr-defined]
+
+
+def test_solve_part_retries_after_a_bad_call_and_gives_up_after_max_turns() -> None:
+    part = tasks.Part("mul", {"a": 3, "b": 4}, "multiply 3 by 4")
+    gen = _scripted(["<tool_call>oops</tool_call>", tasks.format_tool_call("mul", {"a": 3, "b": 4}), "Answer: 12"])
+    answer, turns = tasks.solve_part(part, gen)
+    assert answer == "12" and turns[0].tool_ok is False and "malformed" in (turns[0].tool_output or "")
+    gen = _scripted(["<tool_call>x</tool_call>"] * 3)
+    answer, turns = tasks.solve_part(part, gen, max_turns=3)
+    assert answer is None and len(turns) == 3
+
+
+def test_history_past_the_budget_is_summarised_once_and_reported() -> None:
+    part = tasks.Part("add", {"a": 1, "b": 2}, "add 1 and 2")
+    bad = "<tool_call>" + "x" * 200 + "</tool_call>"
+    gen = _scripted([bad, bad, bad, "Answer: 3"])
+    edits: list[tuple[int, str]] = []
+    answer, _ = tasks.solve_part(part, gen, max_turns=4, budget_chars=300,
+                                 on_compact=lambda removed, note: edits.append((len(removed), note["content"])))
+    assert answer == "3"
+    assert edits and edits[0][0] == 2 and "1 failed" in edits[0][1], edits
+    last_prompt = gen.seen[-1]  # type: ignore[attr-defined]
+    assert sum(len(m["content"]) for m in last_prompt) < 4 * len(bad), "the summarised history should be shorter"
+
+
+def test_corpus_lines_cover_the_task_vocabulary() -> None:
+    lines = tasks.corpus_lines(400)
+    assert len(lines) == 400
+    text = "\n".join(lines)
+    for needle in ("<tool_call>", '"arguments"', "Answer:", "weather in", "multiply"):
+        assert needle in text
