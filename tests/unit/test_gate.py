@@ -1,0 +1,91 @@
+"""The promotion gate as pure decisions, and the online reward reader over a tmp lake (DuckDB, no services)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from serving.episodes_fixture import episode_row, write_sessions
+from serving.evaluate import EvalScore, arithmetic_tasks
+from serving.promote import PromoteConfig, decide, decide_rollback, online_rewards
+
+CFG = PromoteConfig(min_sessions=30, alpha=0.05)
+
+
+def _binary(rate: float, n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [float(rng.random() < rate) for _ in range(n)]
+
+
+def _scores(champ: int, chal: int, n: int = 64) -> tuple[EvalScore, EvalScore]:
+    return EvalScore("t", n, champ), EvalScore("t", n, chal)
+
+
+def test_clearly_better_challenger_is_promoted() -> None:
+    rewards = {1: _binary(0.3, 80, 1), 2: _binary(0.7, 80, 2)}
+    d = decide(1, 2, rewards, _scores(20, 30), CFG)
+    assert d.action == "promote", d.reason
+    assert d.numbers["online_p_better"] < 0.001, d.numbers
+
+
+def test_worse_challenger_is_rejected_online() -> None:
+    d = decide(1, 2, {1: _binary(0.7, 80, 3), 2: _binary(0.3, 80, 4)}, _scores(30, 30), CFG)
+    assert d.action == "reject" and "online" in d.reason, d.reason
+
+
+def test_offline_regression_rejects_even_with_good_online_reward() -> None:
+    d = decide(1, 2, {1: _binary(0.5, 80, 5), 2: _binary(0.55, 80, 6)}, _scores(50, 20), CFG)
+    assert d.action == "reject" and "offline" in d.reason, d.reason
+
+
+def test_too_few_sessions_holds() -> None:
+    d = decide(1, 2, {1: _binary(0.3, 80, 7), 2: _binary(0.9, 29, 8)}, _scores(20, 30), CFG)
+    assert d.action == "hold" and "too few" in d.reason, d.reason
+
+
+def test_missing_offline_score_holds_unless_not_required() -> None:
+    rewards = {1: _binary(0.3, 80, 9), 2: _binary(0.7, 80, 10)}
+    assert decide(1, 2, rewards, "not served", CFG).action == "hold"
+    lenient = PromoteConfig(require_offline_eval=False)
+    assert decide(1, 2, rewards, "not served", lenient).action == "promote"
+
+
+def test_no_challenger() -> None:
+    assert decide(3, None, {}, None, CFG).action == "none"
+    assert decide(3, 3, {}, None, CFG).action == "none"
+
+
+def test_rollback_only_on_significant_regression_with_enough_sessions() -> None:
+    assert decide_rollback(2, 1, {1: _binary(0.7, 80, 11), 2: _binary(0.3, 80, 12)}, CFG).action == "rollback"
+    assert decide_rollback(2, 1, {1: _binary(0.5, 80, 13), 2: _binary(0.5, 80, 14)}, CFG).action == "keep"
+    assert decide_rollback(2, 1, {1: _binary(0.7, 80, 15), 2: _binary(0.1, 10, 16)}, CFG).action == "keep"
+    assert decide_rollback(2, None, {}, CFG).action == "keep"
+
+
+def test_online_rewards_per_session_use_the_latest_label(tmp_path: Path) -> None:
+    import datetime as dt
+
+    import pyarrow as pa
+
+    from ingest import lake
+    from ingest.schema import episode_arrow_schema
+
+    root = str(tmp_path / "lake")
+    assert online_rewards(root) == {}
+    write_sessions(root, 4, [1.0, 0.0, 0.5], calls_per_session=3)
+    # a relabel: the same episode with label 2 replaces label 1's reward
+    rows = [episode_row("s-relabel", 5, 0.0, 1, "ep-1"), episode_row("s-relabel", 5, 1.0, 2, "ep-1"),
+            episode_row("s-relabel", 5, 0.5, 1, "ep-2")]
+    lake.write_file(root, "episodes", dt.date.today().isoformat(), "other", 0, 0, 2,
+                    pa.Table.from_pylist(rows, schema=episode_arrow_schema()))
+    got = online_rewards(root)
+    assert sorted(got[4]) == [0.0, 0.5, 1.0], got
+    assert got[5] == [0.75], f"latest labels 1.0 and 0.5 average to 0.75, got {got[5]}"
+
+
+def test_default_eval_tasks_are_deterministic_and_checkable() -> None:
+    a, b = arithmetic_tasks(), arithmetic_tasks()
+    assert [t.messages for t in a] == [t.messages for t in b] and len(a) == 64
+    task = a[0]
+    x, y = task.messages[0]["content"].rstrip("=").split("+")
+    assert task.check(f" {int(x) + int(y)} ") and not task.check("nothing")
