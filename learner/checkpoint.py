@@ -1,0 +1,135 @@
+"""Atomic learner checkpoints and the per-step log of trained episode ids.
+
+Layout under run_dir:
+
+    checkpoints/step-00000012/  state.json (step, policy_version, cursor, trained ids, baseline ...)
+                                trainer.pt (trainable weights + optimizer state)
+    checkpoints/LATEST          name of the newest complete checkpoint
+    trained.jsonl               one line per finished step: {"step", "policy_version", "episode_ids"}
+
+A checkpoint is written into a hidden temp directory, fsynced and renamed; only then does
+LATEST (itself replaced atomically) point at it. A SIGKILL at any moment leaves either the old
+or the new checkpoint complete, never half of one. The trained log is appended (and fsynced)
+before the checkpoint of the same step, so after a kill between the two the step is trained
+again on restart and appears twice in the log with the same step number: exactly the
+"interrupted step" the resume guarantee allows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LATEST = "LATEST"
+
+
+@dataclass
+class TrainerState:
+    """Everything besides tensors that a resumed learner needs."""
+
+    step: int = 0
+    policy_version: int = 0
+    last_published_step: int = 0
+    cursor: dict[str, int] = field(default_factory=dict)
+    trained: dict[str, int] = field(default_factory=dict)  # episode_id -> label_version
+    baseline: dict[str, float] = field(default_factory=dict)
+    published: list[int] = field(default_factory=list)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def save(run_dir: Path, state: TrainerState, weights: dict[str, torch.Tensor], optimizer: dict[str, Any],
+         keep: int = 2) -> Path:
+    """Write a complete checkpoint atomically and point LATEST at it; returns its directory."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step:08d}"
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    torch.save({"weights": weights, "optimizer": optimizer}, tmp / "trainer.pt")
+    with open(tmp / "trainer.pt", "rb+") as fh:
+        os.fsync(fh.fileno())
+    _write_synced(tmp / "state.json", json.dumps(asdict(state), sort_keys=True).encode())
+    _fsync_dir(tmp)
+    if final.exists():  # the same step written again after a restart: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
+    _write_synced(latest_tmp, final.name.encode())
+    os.replace(latest_tmp, root / LATEST)
+    _fsync_dir(root)
+    _prune(root, keep, final.name)
+    return final
+
+
+def _prune(root: Path, keep: int, newest: str) -> None:
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    for old in done[:-keep]:
+        if old.name != newest:
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in root.glob(".tmp-*"):  # left by a killed writer; never pointed at by LATEST
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_latest(run_dir: Path, map_location: str | torch.device = "cpu") -> tuple[TrainerState, dict[str, Any]] | None:
+    """(state, {"weights", "optimizer"}) of the newest complete checkpoint, or None if there is none."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    directory = root / name
+    raw = json.loads((directory / "state.json").read_text())
+    state = TrainerState(**raw)
+    tensors = torch.load(directory / "trainer.pt", map_location=map_location, weights_only=True)
+    log.info("checkpoint: resuming from %s (step %d, policy_version %d, %d episodes trained)", directory,
+             state.step, state.policy_version, len(state.trained))
+    return state, tensors
+
+
+def append_trained(run_dir: Path, step: int, policy_version: int, episode_ids: list[str]) -> None:
+    """Append one step's trained episode ids to trained.jsonl (fsynced)."""
+    path = Path(run_dir) / "trained.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"step": step, "policy_version": policy_version, "episode_ids": episode_ids}) + "\n"
+    with open(path, "a") as fh:
+        fh.write(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_trained(run_dir: Path) -> list[dict[str, Any]]:
+    """Every line of trained.jsonl (a torn last line from a kill mid-write is ignored)."""
+    path = Path(run_dir) / "trained.jsonl"
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

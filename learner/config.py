@@ -1,0 +1,97 @@
+"""The learner's one typed config (`flywheel learner --help` lists every field).
+
+Resolved by infra.config.load_config: defaults < TOML (--config) < FLYWHEEL_<FIELD> < flags.
+The resolved copy is written to <run_dir>/learner-config.toml at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infra import defaults
+from infra.config import ConfigError, setting
+
+LOSSES = ("tis", "ppo")
+MODES = ("lora", "full")
+BASELINES = ("running", "none")
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LearnerConfig:
+    """Continuous learner: trains the policy on matured episodes and publishes policy versions."""
+
+    # -- data -------------------------------------------------------------------------------
+    lake_root: str = setting(defaults.LAKE_ROOT, "trajectory lake root (path or pyarrow URI); episodes are read from its episodes table")
+    batch_size: int = setting(64, "episodes per optimizer step (the global batch, over all ranks)")
+    min_batch: int = setting(64, "backpressure: a step waits until at least this many trainable episodes are pending")
+    micro_batch: int = setting(16, "episodes per forward/backward on one rank (gradient accumulation bounds memory)")
+    max_staleness: int = setting(4, "K: drop episodes whose policy_version lags the learner's current version by more than K")
+    max_seq_len: int = setting(2048, "episodes with more prompt+completion tokens are skipped as corrupt")
+    poll_s: float = setting(2.0, "longest sleep between lake listings while waiting for episodes")
+    # -- loss -------------------------------------------------------------------------------
+    loss: str = setting("tis", "importance correction: tis (truncated IS weight, detached) or ppo (clipped ratio)")
+    tis_cap: float = setting(2.0, "c: truncated-IS weight min(ratio, c)")
+    ppo_eps: float = setting(0.2, "PPO clip range: ratio clipped to [1-eps, 1+eps]")
+    baseline: str = setting("running", "reward baseline for rows without a group: running per-task_type mean, or none")
+    baseline_momentum: float = setting(0.9, "running baseline b <- m*b + (1-m)*batch mean")
+    group_relative: bool = setting(True, "rows sharing a group_id (>=2 in the batch) use the group mean as their baseline")
+    normalize_advantages: bool = setting(True, "divide advantages by their batch standard deviation")
+    kl_coef: float = setting(0.0, "coefficient of the KL penalty to the base model (k3 estimator); 0 disables it")
+    # -- model and optimiser ---------------------------------------------------------------
+    base_model: str = setting(defaults.BASE_MODEL_DIR, "base model directory (HF format); policy version 0")
+    mode: str = setting("lora", "lora (peft adapter) or full (all weights; untied models only)")
+    lora_rank: int = setting(16, "LoRA rank (vLLM --max-lora-rank bounds it)")
+    lora_alpha: float = setting(32.0, "LoRA alpha (scale = alpha / rank)")
+    lora_targets: list[str] = setting(DEFAULT_LORA_TARGETS, "modules LoRA adapts")
+    lr: float = setting(1e-4, "Adam learning rate")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    grad_clip: float = setting(1.0, "global gradient-norm clip; 0 disables it")
+    seed: int = setting(0, "seed of the LoRA initialisation (every rank uses the same)")
+    dtype: str = setting("float32", "training dtype: float32 (CPU, parity within 1e-3) or bfloat16 (GPU)")
+    device: str = setting("auto", "auto (cuda when present, else cpu), cpu or cuda")
+    # -- state, publishing, tracking --------------------------------------------------------
+    run_dir: str = setting("var/learner", "checkpoints, trained-episode log and resolved config live here")
+    keep_checkpoints: int = setting(2, "checkpoints kept on disk (older ones are deleted after a newer one is complete)")
+    start_version: int = setting(0, "policy version of the untrained weights when no checkpoint exists (0 = the base model)")
+    publish_every_steps: int = setting(10, "publish a policy version after this many steps (0: never by count)")
+    publish_every_s: float = setting(0.0, "also publish when this many seconds passed since the last publish (0: never by time)")
+    publish: bool = setting(True, "hand finished versions to serving.publisher.publish (off: only write the directories)")
+    policies_dir: str = setting(defaults.POLICIES_DIR, "where policy-v<N>/ directories are written")
+    vllm_url: str = setting(defaults.VLLM_URL, "vLLM server the publisher pushes to and the parity check scores on")
+    registered_model: str = setting(defaults.REGISTERED_MODEL, "MLflow registered model the publisher records versions in")
+    parity_samples: int = setting(8, "episodes scored by vLLM at each publish for the train/inference mismatch (0: off)")
+    mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "MLflow tracking URI ('' disables tracking)")
+    experiment: str = setting("flywheel-learner", "MLflow experiment of the learner's runs")
+    max_steps: int = setting(0, "stop after this many steps in this process lifetime (0: run forever)")
+    idle_exit_s: float = setting(0.0, "exit when no trainable episode arrived for this long (0: wait forever)")
+    status_every_s: float = setting(5.0, "heartbeat period of <var_dir>/run/status/<status_name>.json while waiting")
+    status_name: str = setting("learner", "name of the heartbeat file `flywheel status` shows")
+    var_dir: str = setting(defaults.VAR_DIR, "local state root holding run/status/")
+
+    def check(self) -> None:
+        if self.loss not in LOSSES:
+            raise ConfigError(f"loss: {self.loss!r} is not one of {LOSSES}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode: {self.mode!r} is not one of {MODES}")
+        if self.baseline not in BASELINES:
+            raise ConfigError(f"baseline: {self.baseline!r} is not one of {BASELINES}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype: {self.dtype!r} is not float32 or bfloat16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device: {self.device!r} is not auto, cpu or cuda")
+        for name in ("batch_size", "min_batch", "micro_batch", "lora_rank", "keep_checkpoints", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.min_batch > self.batch_size:
+            raise ConfigError(f"min_batch ({self.min_batch}) > batch_size ({self.batch_size}): a step could never fill")
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.tis_cap <= 0 or not 0 < self.ppo_eps < 1:
+            raise ConfigError(f"tis_cap ({self.tis_cap}) must be > 0 and ppo_eps ({self.ppo_eps}) in (0, 1)")
+        if not 0 <= self.baseline_momentum < 1:
+            raise ConfigError(f"baseline_momentum: must be in [0, 1), got {self.baseline_momentum}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if self.start_version < 0:
+            raise ConfigError(f"start_version: must be >= 0, got {self.start_version}")

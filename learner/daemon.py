@@ -1,0 +1,474 @@
+"""`flywheel learner`: the continuous training daemon.
+
+    flywheel learner                                   # LoRA on var/models/tiny-base, var/lake episodes
+    flywheel learner --mode full --lr 1e-4             # full weights (untied models)
+    torchrun --nproc-per-node 2 -m learner.daemon ...  # data parallel, gloo on CPU (learner/dist.py)
+
+One loop: wait for a batch of matured episodes (backpressure: at least min_batch fresh rows,
+sleeping with back-off while the stream is empty) -> one optimizer step of the
+importance-corrected policy gradient (learner/loss.py) -> log the step's episode ids ->
+checkpoint (atomic) -> every N steps or T seconds write var/policies/policy-v<N>/ and hand it
+to serving.publisher.publish. SIGTERM/SIGINT finish the current step, checkpoint, exit 0; a
+SIGKILL loses at most the step in progress (learner/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra import defaults
+from infra.config import load_config, setup_logging, write_resolved
+from learner.config import LearnerConfig
+
+log = logging.getLogger("learner")
+
+
+# ---------------------------------------------------------------------------------------------
+# MLflow: one run per daemon lifetime
+# ---------------------------------------------------------------------------------------------
+class Tracker:
+    """Metrics of one daemon lifetime in one MLflow run ('' tracking URI: logging only)."""
+
+    def __init__(self, cfg: LearnerConfig) -> None:
+        self.client: Any = None
+        self.run_id: str | None = None
+        if not cfg.mlflow_tracking_uri:
+            log.warning("mlflow: tracking disabled (mlflow_tracking_uri is empty); metrics go to the log only")
+            return
+        from infra import tracking
+
+        self.client = tracking.client(cfg.mlflow_tracking_uri)
+        exp = tracking.experiment_id(cfg.experiment, cfg.mlflow_tracking_uri)
+        run = self.client.create_run(exp, run_name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}",
+                                     tags={"process": "learner", "pid": str(os.getpid())})
+        self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)[:500]) for k, v in sorted(vars(cfg).items())]
+        self.client.log_batch(self.run_id, params=params)
+        log.info("mlflow: run %s in experiment %s (%s)", self.run_id, cfg.experiment, cfg.mlflow_tracking_uri)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and math.isfinite(v)]
+        try:
+            self.client.log_batch(self.run_id, metrics=items)
+        except Exception as exc:  # tracking is advisory: a locked sqlite file must not stop training
+            log.warning("mlflow: metrics of step %d not logged (%s)", step, exc)
+
+    def tag(self, key: str, value: str) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.set_tag(self.run_id, key, value)
+
+    def end(self, status: str) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.set_terminated(self.run_id, status)
+
+
+# ---------------------------------------------------------------------------------------------
+# The learner
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    """What one optimizer step did (global figures, identical on every rank)."""
+
+    episodes: int
+    tokens: int  # prompt + completion tokens forwarded
+    trained_tokens: int  # completion tokens with loss_mask 1
+    loss: float
+    ratio_mean: float
+    ratio_max: float
+    clip_frac: float
+    kl: float
+    grad_norm: float
+    seconds: float
+    behaviour_gap_mean: float | None = None  # only on rows of the unchanged current version
+    behaviour_gap_max: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Learner:
+    """Model, optimizer and training state of one rank; rank 0 also owns the data stream."""
+
+    def __init__(self, cfg: LearnerConfig, world: Any | None = None) -> None:
+        import torch
+
+        from learner import checkpoint, dist
+        from learner.checkpoint import TrainerState
+        from learner.data import EpisodeStream
+        from learner.loss import Baseline
+        from learner.model import load_policy, resolve_device
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        device = resolve_device(cfg.device)
+        self.world = world if world is not None else dist.init(device)
+        assert cfg.min_batch >= self.world.size, (
+            f"min_batch ({cfg.min_batch}) < world size ({self.world.size}): a rank would get no rows")
+        log.info("setup: loading %s model from %s", cfg.mode, cfg.base_model)
+        self.policy = load_policy(cfg)
+        params = self.policy.trainable_parameters()
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.state = TrainerState(step=0, policy_version=cfg.start_version)
+        found = checkpoint.load_latest(self.run_dir, map_location=self.policy.device)
+        if found is not None:
+            self.state, tensors = found
+            self.policy.load_weights_state(tensors["weights"])
+            self.optimizer.load_state_dict(tensors["optimizer"])
+        else:
+            log.info("setup: no checkpoint under %s; starting at policy_version %d", self.run_dir, cfg.start_version)
+        self.baseline = Baseline(cfg.baseline_momentum, dict(self.state.baseline)) if cfg.baseline == "running" else None
+        self.ddp = dist.wrap(self.policy.module, self.world)
+        self.stream: EpisodeStream | None = None
+        if self.world.is_main:
+            self.stream = EpisodeStream(cfg.lake_root, self.policy.vocab_size, cfg.max_seq_len,
+                                        cursor=self.state.cursor, trained=self.state.trained)
+        self.steps_this_run = 0
+        self.last_publish_time = time.monotonic()
+        self.last_batch: list[Any] = []
+
+    # -- one optimizer step (every rank) -----------------------------------------------------
+    def train_step(self, plan: list[tuple[Any, float]]) -> StepResult:
+        """Train on the global batch `plan` [(episode, advantage)]; this rank takes its shard."""
+        import torch
+
+        from learner import dist
+        from learner.loss import LossStats, policy_loss
+        from learner.model import pack, token_logprobs
+
+        cfg, world = self.cfg, self.world
+        start = time.perf_counter()
+        global_trained = sum(e.trained_tokens for e, _ in plan)
+        # rows the current weights produced, before this step changes them: the pure train/inference gap
+        unchanged = self.state.step == self.state.last_published_step
+        mine = dist.shard(plan, world)
+        chunks = [mine[i:i + cfg.micro_batch] for i in range(0, len(mine), cfg.micro_batch)]
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = LossStats()
+        gap_sum, gap_max, gap_n, loss_sum = 0.0, 0.0, 0.0, 0.0
+        for j, chunk in enumerate(chunks):
+            episodes = [e for e, _ in chunk]
+            packed = pack(episodes, self.policy.device)
+            adv = torch.tensor([a for _, a in chunk], dtype=torch.float32, device=self.policy.device)  # [B]
+            logp_ref = None
+            if cfg.kl_coef > 0:
+                with torch.no_grad(), self.policy.reference() as ref:
+                    logp_ref = token_logprobs(ref, packed)  # [B, T]
+            sync = world.distributed and j < len(chunks) - 1
+            with self.ddp.no_sync() if sync else contextlib.nullcontext():
+                logp = token_logprobs(self.ddp, packed)  # [B, T]
+                # DDP averages gradients over ranks; dividing by tokens/world makes the average a global sum/tokens
+                loss, s = policy_loss(logp, packed.logp_old, packed.mask, adv, kind=cfg.loss, tis_cap=cfg.tis_cap,
+                                      ppo_eps=cfg.ppo_eps, token_normalizer=global_trained / world.size,
+                                      logp_ref=logp_ref, kl_coef=cfg.kl_coef)
+                loss.backward()
+            stats.add(s)
+            loss_sum += float(loss.detach()) / world.size
+            if unchanged:
+                same = torch.tensor([e.policy_version == self.state.policy_version for e in episodes],
+                                    device=self.policy.device)
+                m = packed.mask * same[:, None]
+                d = (logp.detach() - packed.logp_old).abs() * m
+                gap_sum += float(d.sum())
+                gap_n += float(m.sum())
+                gap_max = max(gap_max, float(d.max()) if m.any() else 0.0)
+        params = self.policy.trainable_parameters()
+        if cfg.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        else:
+            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        self.optimizer.step()
+        sums = [stats.tokens, stats.ratio_sum, stats.clipped, stats.kl_sum, loss_sum, gap_sum, gap_n]
+        maxes = [stats.ratio_max, gap_max]
+        if world.distributed:
+            import torch.distributed as tdist
+
+            t_sum = torch.tensor(sums, dtype=torch.float64)
+            t_max = torch.tensor(maxes, dtype=torch.float64)
+            tdist.all_reduce(t_sum)
+            tdist.all_reduce(t_max, op=tdist.ReduceOp.MAX)
+            sums, maxes = t_sum.tolist(), t_max.tolist()
+        tokens, ratio_sum, clipped, kl_sum, loss_total, gap_sum, gap_n = sums
+        if self.policy.device.type == "cuda":
+            torch.cuda.synchronize()
+        return StepResult(
+            episodes=len(plan),
+            tokens=sum(e.seq_len for e, _ in plan),
+            trained_tokens=global_trained,
+            loss=loss_total,
+            ratio_mean=ratio_sum / max(tokens, 1.0),
+            ratio_max=maxes[0],
+            clip_frac=clipped / max(tokens, 1.0),
+            kl=kl_sum / max(tokens, 1.0),
+            grad_norm=grad_norm,
+            seconds=time.perf_counter() - start,
+            behaviour_gap_mean=gap_sum / gap_n if gap_n else None,
+            behaviour_gap_max=maxes[1] if gap_n else None,
+        )
+
+    # -- batch plan (rank 0) -----------------------------------------------------------------
+    def plan(self, batch: list[Any]) -> list[tuple[Any, float]]:
+        """Advantages over the whole global batch (so every rank trains the same objective)."""
+        from learner.loss import advantages
+
+        adv = advantages([e.reward for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
+                         self.baseline, group_relative=self.cfg.group_relative,
+                         normalize=self.cfg.normalize_advantages)
+        return list(zip(batch, adv))
+
+    def next_batch(self, stop: threading.Event) -> tuple[list[Any], Counter] | None:
+        """Block until min_batch fresh episodes are pending (back-off sleep), then take a batch."""
+        assert self.stream is not None
+        cfg = self.cfg
+        sleep_s, last_note, idle_since = 0.1, 0.0, time.monotonic()
+        seen = self.stream.trainable(self.state.policy_version, cfg.max_staleness)
+        while not stop.is_set():
+            self.stream.poll()
+            self.stream.drop_stale(self.state.policy_version, cfg.max_staleness)
+            ready = self.stream.trainable(self.state.policy_version, cfg.max_staleness)
+            if ready >= cfg.min_batch:
+                batch, stats = self.stream.take(cfg.batch_size, self.state.policy_version, cfg.max_staleness)
+                return batch, stats.lags
+            if ready > seen:
+                idle_since, sleep_s, seen = time.monotonic(), 0.1, ready
+            idle = time.monotonic() - idle_since
+            if cfg.idle_exit_s and idle >= cfg.idle_exit_s:
+                log.info("data: no new episodes for %.0f s (idle_exit_s); stopping with %d pending", idle, ready)
+                return None
+            if time.monotonic() - last_note >= 30.0:
+                log.info("data: waiting for episodes (%d of min_batch %d ready, policy_version %d)", ready,
+                         cfg.min_batch, self.state.policy_version)
+                last_note = time.monotonic()
+            self.heartbeat("waiting", ready=ready)
+            # back-off: an empty stream costs a lake listing every poll_s at most, never a busy loop
+            stop.wait(sleep_s)
+            sleep_s = min(sleep_s * 2, cfg.poll_s)
+        return None
+
+    # -- bookkeeping (rank 0) ----------------------------------------------------------------
+    def finish_step(self, batch: list[Any], lags: Counter, result: StepResult, tracker: Tracker) -> None:
+        from learner import checkpoint
+
+        assert self.stream is not None
+        self.state.step += 1
+        self.steps_this_run += 1
+        self.stream.mark_trained(batch)
+        checkpoint.append_trained(self.run_dir, self.state.step, self.state.policy_version,
+                                  [e.episode_id for e in batch])
+        published = self.publish_due()
+        if published:
+            self.write_version()
+        self.save_checkpoint()
+        self.last_batch = batch
+        rewards = [e.reward for e in batch]
+        mean_r = sum(rewards) / len(rewards)
+        std_r = math.sqrt(sum((r - mean_r) ** 2 for r in rewards) / max(len(rewards) - 1, 1))
+        lag_rows = sum(lags.values())
+        mean_lag = sum(k * v for k, v in lags.items()) / max(lag_rows, 1)
+        counters = self.stream.counters
+        metrics: dict[str, float] = {
+            "loss": result.loss, "reward_mean": mean_r, "reward_std": std_r, "episodes": result.episodes,
+            "ratio_mean": result.ratio_mean, "ratio_max": result.ratio_max, "clip_frac": result.clip_frac,
+            "kl": result.kl, "grad_norm": result.grad_norm, "tokens_per_s": result.tokens_per_s,
+            "trained_tokens": result.trained_tokens, "policy_lag_mean": mean_lag,
+            "policy_lag_max": float(max(lags) if lags else 0), "policy_version": self.state.policy_version,
+            "dropped_stale_total": counters["stale"], "dropped_corrupt_total": counters["corrupt"],
+            "relabel_after_train_total": counters["relabel_after_train"],
+        }
+        for lag in range(self.cfg.max_staleness + 1):
+            metrics[f"staleness_lag_{lag}"] = float(lags.get(lag, 0))
+        if result.behaviour_gap_mean is not None:
+            metrics["mismatch_behaviour_mean"] = result.behaviour_gap_mean
+            metrics["mismatch_behaviour_max"] = result.behaviour_gap_max or 0.0
+        metrics.update(result.extra)
+        if published:
+            metrics.update(self.push_version())
+        tracker.log(self.state.step, metrics)
+        self.heartbeat("training")
+        gap = (f", logprob gap {result.behaviour_gap_mean:.1e}" if result.behaviour_gap_mean is not None else "")
+        log.info("step %d v%d: reward %.3f, policy lag %.2f (max %d), loss %+.4f, ratio %.3f clip %.1f%%, kl %.4f, "
+                 "%.0f tokens/s, %d episodes (stale %d, corrupt %d total)%s", self.state.step,
+                 self.state.policy_version, mean_r, mean_lag, int(metrics["policy_lag_max"]), result.loss,
+                 result.ratio_mean, 100 * result.clip_frac, result.kl, result.tokens_per_s, result.episodes,
+                 counters["stale"], counters["corrupt"], gap)
+
+    def save_checkpoint(self) -> None:
+        from learner import checkpoint
+
+        assert self.stream is not None
+        self.state.cursor = dict(self.stream.cursor)
+        self.state.trained = dict(self.stream.trained)
+        self.state.baseline = self.baseline.state() if self.baseline is not None else {}
+        checkpoint.save(self.run_dir, self.state, self.policy.weights_state(), self.optimizer.state_dict(),
+                        keep=self.cfg.keep_checkpoints)
+
+    def publish_due(self) -> bool:
+        cfg = self.cfg
+        by_steps = cfg.publish_every_steps > 0 and self.state.step - self.state.last_published_step >= cfg.publish_every_steps
+        by_time = cfg.publish_every_s > 0 and time.monotonic() - self.last_publish_time >= cfg.publish_every_s
+        return by_steps or by_time
+
+    def next_version(self) -> int:
+        """One past both our own and any directory already there (a crash may have left one unrecorded)."""
+        import re
+
+        existing = [int(m.group(1)) for p in Path(self.cfg.policies_dir).glob("policy-v*")
+                    if (m := re.fullmatch(r"policy-v(\d+)", p.name))]
+        return max([self.state.policy_version, *existing]) + 1
+
+    def write_version(self) -> Path:
+        """Write policy-v<N>/ atomically (temp dir + rename) and make N the current version."""
+        assert self.stream is not None
+        version = self.next_version()
+        root = Path(self.cfg.policies_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / defaults.policy_name(version)
+        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        kind = self.policy.save_weights(tmp)
+        meta = {
+            "policy_version": version, "kind": kind, "base_model": str(Path(self.cfg.base_model).resolve()),
+            "created_ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "learner_step": self.state.step,
+            "data_window": self.stream.data_window(), "parent_version": self.state.policy_version,
+        }
+        (tmp / "policy.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        os.replace(tmp, final)
+        log.info("publish: wrote %s (%s, step %d, parent policy-v%d)", final, kind, self.state.step,
+                 self.state.policy_version)
+        self.state.policy_version = version
+        self.state.last_published_step = self.state.step
+        self.state.published.append(version)
+        self.last_publish_time = time.monotonic()
+        self.version_dir = final
+        return final
+
+    def push_version(self) -> dict[str, float]:
+        """Hand the new directory to serving and measure the served artifact's parity."""
+        out: dict[str, float] = {"published_version": float(self.state.policy_version)}
+        if not self.cfg.publish:
+            return out
+        served = None
+        start = time.perf_counter()
+        try:
+            # the one hand-off owned by serving: push to every vLLM server and register in MLflow
+            from serving.publisher import publish
+            from serving.tier import TierConfig
+
+            tier = TierConfig(servers=[self.cfg.vllm_url], base_model=self.cfg.base_model,
+                              policies_dir=self.cfg.policies_dir, mlflow_tracking_uri=self.cfg.mlflow_tracking_uri
+                              or defaults.MLFLOW_TRACKING_URI, registered_model=self.cfg.registered_model)
+            result = publish(self.version_dir, tier)
+            served = result.served_name
+            out["publish_s"] = time.perf_counter() - start
+            log.info("publish: policy-v%d handed to serving in %.2f s (served as %s)", self.state.policy_version,
+                     out["publish_s"], served)
+        except Exception as exc:  # serving keeps the old version; the directory stays for `flywheel publish`
+            log.error("publish: policy-v%d NOT pushed (%s: %s); retry with `flywheel publish %s`",
+                      self.state.policy_version, type(exc).__name__, exc, self.version_dir)
+            return out
+        if served is not None and self.cfg.parity_samples > 0 and self.last_batch:
+            from learner.parity import served_gap
+
+            sample = random.Random(self.state.step).sample(self.last_batch,
+                                                           min(self.cfg.parity_samples, len(self.last_batch)))
+            try:
+                g = served_gap(self.policy, sample, self.cfg.vllm_url, served)
+                out["parity_served_mean"], out["parity_served_max"] = g.mean_abs, g.max_abs
+                log.info("parity: policy-v%d learner vs vLLM logprobs on %d tokens: mean |diff| %.2e, max %.2e",
+                         self.state.policy_version, g.tokens, g.mean_abs, g.max_abs)
+            except Exception as exc:
+                log.warning("parity: vLLM scoring of %s failed (%s); mismatch not measured", served, exc)
+        return out
+
+    def heartbeat(self, phase: str, **extra: Any) -> None:
+        from infra.status import write_status
+
+        now = time.monotonic()
+        if phase == "waiting" and now - getattr(self, "_last_beat", 0.0) < self.cfg.status_every_s:
+            return
+        self._last_beat = now
+        write_status(self.cfg.status_name, {
+            "phase": phase, "step": self.state.step, "policy_version": self.state.policy_version,
+            "pending": len(self.stream.pending) if self.stream else 0,
+            "trained_episodes": len(self.stream.trained) if self.stream else 0, **extra,
+        }, var_dir=self.cfg.var_dir)
+
+
+def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
+    """Set up (logging each phase), then loop: batch -> step -> checkpoint -> maybe publish."""
+    from learner import dist
+
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        def on_signal(signum: int, _frame: Any) -> None:
+            log.info("signal %s: finishing the current step, checkpointing, then exiting", signal.Signals(signum).name)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    learner = Learner(cfg)
+    world = learner.world
+    tracker = Tracker(cfg) if world.is_main else Tracker(LearnerConfig(mlflow_tracking_uri=""))
+    if world.is_main:
+        write_resolved(cfg, Path(cfg.run_dir) / "learner-config.toml")
+        tracker.tag("policy_version_start", str(learner.state.policy_version))
+    status = "FINISHED"
+    try:
+        while True:
+            got = learner.next_batch(stop) if world.is_main else None
+            plan = learner.plan(got[0]) if got is not None else None
+            # rank 0 decides; the others follow (None = stop). Every rank then trains the same global batch.
+            plan = dist.broadcast(plan, world)
+            if plan is None:
+                break
+            result = learner.train_step(plan)
+            if world.is_main:
+                assert got is not None
+                learner.finish_step(got[0], got[1], result, tracker)
+            if cfg.max_steps and learner.steps_this_run >= cfg.max_steps:
+                log.info("learner: max_steps %d reached", cfg.max_steps)
+                stop.set()  # rank 0 then broadcasts the stop; the other ranks follow it
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        tracker.end(status)
+        if world.is_main:
+            learner.heartbeat("stopped")
+        dist.shutdown(world)
+    log.info("learner: stopped at step %d, policy_version %d", learner.state.step, learner.state.policy_version)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(LearnerConfig, argv, "flywheel learner")
+    setup_logging()
+    return run(cfg)
+
+
+if __name__ == "__main__":  # torchrun -m learner.daemon
+    sys.exit(main())

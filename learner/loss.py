@@ -1,0 +1,146 @@
+"""Token-level policy gradient on logged tokens, with an importance correction for staleness.
+
+Shapes (named once, used throughout):
+    B  rows in a micro-batch          T  completion positions (right-padded)
+    logp_new   [B, T]  learner logprob of each served completion token (requires grad)
+    logp_old   [B, T]  behaviour logprob the serving policy reported for that token
+    logp_ref   [B, T]  base-model logprob (KL anchor), no grad
+    mask       [B, T]  1.0 on trained completion tokens (loss_mask), 0.0 on padding/masked tokens
+    adv        [B]     advantage of the row, broadcast over its tokens
+
+The data were sampled by an older policy (the behaviour policy, whose logprobs were logged),
+so each token's gradient is weighted by the ratio pi_new / pi_old = exp(logp_new - logp_old):
+- "tis": truncated importance sampling, weight min(ratio, c) detached, times adv * grad logp_new
+  (unbiased up to the truncation; bounded variance);
+- "ppo": the clipped surrogate -min(ratio * adv, clip(ratio, 1-eps, 1+eps) * adv).
+KL to the base model uses the k3 estimator exp(ref - new) - (ref - new) - 1 (>= 0, unbiased).
+
+Token normalisation: the loss is a sum over tokens divided by the token count of the GLOBAL
+batch (all micro-batches, all ranks), so gradient accumulation and data parallelism give the
+same gradient as one big batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class LossStats:
+    """Sums over the masked tokens of one micro-batch (the caller adds them up over the step)."""
+
+    tokens: float = 0.0
+    ratio_sum: float = 0.0
+    ratio_max: float = 0.0
+    clipped: float = 0.0  # tokens whose weight was truncated (tis) or clipped (ppo)
+    kl_sum: float = 0.0
+    mismatch_sum: float = 0.0  # |logp_new - logp_old|: the train/inference (and staleness) gap
+    mismatch_max: float = 0.0
+
+    def add(self, other: "LossStats") -> None:
+        self.tokens += other.tokens
+        self.ratio_sum += other.ratio_sum
+        self.ratio_max = max(self.ratio_max, other.ratio_max)
+        self.clipped += other.clipped
+        self.kl_sum += other.kl_sum
+        self.mismatch_sum += other.mismatch_sum
+        self.mismatch_max = max(self.mismatch_max, other.mismatch_max)
+
+
+def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, *,
+                kind: str, tis_cap: float, ppo_eps: float, token_normalizer: float,
+                logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, LossStats]:
+    """Scalar loss of one micro-batch (already divided by the global token count) and its stats."""
+    assert logp_new.shape == logp_old.shape == mask.shape, f"shapes {logp_new.shape} {logp_old.shape} {mask.shape}"
+    assert adv.shape == logp_new.shape[:1], f"adv {adv.shape} vs batch {logp_new.shape[:1]}"
+    assert token_normalizer > 0, "token_normalizer must count the global batch's trained tokens"
+    mask = mask.to(logp_new.dtype)
+    adv_bt = adv.to(logp_new.dtype)[:, None].expand_as(logp_new)  # [B, T]
+    log_ratio = (logp_new - logp_old).masked_fill(mask == 0, 0.0)  # [B, T]; padding may hold junk
+    ratio = torch.exp(log_ratio)  # [B, T]
+    if kind == "tis":
+        weight = torch.clamp(ratio.detach(), max=tis_cap)  # [B, T]
+        per_token = -weight * adv_bt * logp_new
+        clipped = (ratio.detach() > tis_cap).to(mask.dtype)
+    elif kind == "ppo":
+        unclipped = ratio * adv_bt
+        clipped_obj = torch.clamp(ratio, 1.0 - ppo_eps, 1.0 + ppo_eps) * adv_bt
+        per_token = -torch.minimum(unclipped, clipped_obj)
+        # the clip is active where the clipped branch is the (strictly) smaller objective
+        clipped = (clipped_obj.detach() < unclipped.detach()).to(mask.dtype)
+    else:
+        raise ValueError(f"unknown loss kind {kind!r} (tis or ppo)")
+    kl_tok = torch.zeros_like(logp_new)
+    if logp_ref is not None and kl_coef > 0:
+        d = (logp_ref - logp_new).masked_fill(mask == 0, 0.0)  # [B, T]
+        kl_tok = torch.exp(d) - d - 1.0
+        per_token = per_token + kl_coef * kl_tok
+    loss = (per_token * mask).sum() / token_normalizer
+    with torch.no_grad():
+        gap = (logp_new - logp_old).abs() * mask
+        stats = LossStats(
+            tokens=float(mask.sum()),
+            ratio_sum=float((ratio * mask).sum()),
+            ratio_max=float((ratio * mask).max()) if mask.any() else 0.0,
+            clipped=float((clipped * mask).sum()),
+            kl_sum=float((kl_tok * mask).sum()),
+            mismatch_sum=float(gap.sum()),
+            mismatch_max=float(gap.max()) if mask.any() else 0.0,
+        )
+    return loss, stats
+
+
+@dataclass
+class Baseline:
+    """Running mean reward per task_type (persisted in the checkpoint)."""
+
+    momentum: float
+    means: dict[str, float]
+
+    def state(self) -> dict[str, float]:
+        return dict(self.means)
+
+
+def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: Sequence[str | None],
+               baseline: Baseline | None, *, group_relative: bool, normalize: bool) -> list[float]:
+    """Per-row advantages of one global batch; updates the running baseline with this batch.
+
+    Rows whose group_id is shared by >= 2 rows of the batch use their group's mean reward as the
+    baseline (group-relative, as in GRPO); the others use the running mean of their task_type
+    (the batch mean of that task_type the first time it is seen), or 0 without a baseline.
+    """
+    n = len(rewards)
+    assert n == len(task_types) == len(group_ids), "rewards, task_types and group_ids differ in length"
+    groups: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        if g is not None and group_relative:
+            groups.setdefault(g, []).append(i)
+    by_task: dict[str, list[float]] = {}
+    for r, t in zip(rewards, task_types):
+        by_task.setdefault(t, []).append(r)
+    base = [0.0] * n
+    in_group = [False] * n
+    for members in groups.values():
+        if len(members) >= 2:
+            mean = sum(rewards[i] for i in members) / len(members)
+            for i in members:
+                base[i], in_group[i] = mean, True
+    for i, t in enumerate(task_types):
+        if not in_group[i] and baseline is not None:
+            base[i] = baseline.means.get(t, sum(by_task[t]) / len(by_task[t]))
+    adv = [r - b for r, b in zip(rewards, base)]
+    if baseline is not None:
+        for t, rs in by_task.items():
+            batch_mean = sum(rs) / len(rs)
+            prev = baseline.means.get(t)
+            baseline.means[t] = batch_mean if prev is None else baseline.momentum * prev + (1 - baseline.momentum) * batch_mean
+    if normalize and n > 1:
+        mean = sum(adv) / n
+        std = math.sqrt(sum((a - mean) ** 2 for a in adv) / (n - 1))
+        # scale only: the baseline already centres the advantages, and re-centring would undo it
+        adv = [a / (std + 1e-6) for a in adv]
+    return adv

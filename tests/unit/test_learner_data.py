@@ -1,0 +1,86 @@
+"""The learner's input path over a real (tmp) lake: validation, staleness, relabels, cursor."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from learner.data import EpisodeStream, parse_row
+from learner.synthetic import episode_row, random_rows, write_episodes
+
+
+def _stream(root: Path, **kw: object) -> EpisodeStream:
+    return EpisodeStream(str(root), vocab_size=512, max_seq_len=256, **kw)  # type: ignore[arg-type]
+
+
+def test_corrupt_rows_are_skipped_with_a_reason(tmp_path: Path, caplog) -> None:
+    good = random_rows(2, seed=1)
+    bad_len = episode_row(prompt=[5, 6], completion=[7, 8, 9], logprobs=[-1.0, -2.0], reward=1.0, episode_id="bad-len")
+    bad_nan = episode_row(prompt=[5, 6], completion=[7, 8], logprobs=[-1.0, math.nan], reward=1.0, episode_id="bad-nan")
+    bad_vocab = episode_row(prompt=[5, 9999], completion=[7], logprobs=[-1.0], reward=1.0, episode_id="bad-vocab")
+    masked = episode_row(prompt=[5], completion=[7], logprobs=[-1.0], reward=1.0, loss_mask=[0], episode_id="masked")
+    write_episodes(tmp_path, [good[0], bad_len, bad_nan, bad_vocab, masked, good[1]], seq=0)
+    s = _stream(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="learner.data"):
+        assert s.poll() == 2
+    assert s.counters["corrupt"] == 4
+    text = caplog.text
+    assert "bad-len: lengths differ" in text and "bad-nan" in text and "bad-vocab" in text and "masked" in text
+    batch, _ = s.take(10, current_version=0, max_staleness=2)
+    assert [e.episode_id for e in batch] == [good[0]["episode_id"], good[1]["episode_id"]]
+
+
+def test_parse_row_rejects_positive_logprobs_and_nan_reward() -> None:
+    row = episode_row(prompt=[5], completion=[7], logprobs=[0.5], reward=1.0)
+    assert "positive" in parse_row(row, 512, 64)
+    row = episode_row(prompt=[5], completion=[7], logprobs=[-0.5], reward=float("nan"))
+    assert "reward" in parse_row(row, 512, 64)
+
+
+def test_stale_rows_are_dropped_and_counted(tmp_path: Path) -> None:
+    rows = random_rows(3, seed=1, policy_version=1) + random_rows(4, seed=2, policy_version=5)
+    write_episodes(tmp_path, rows, seq=0)
+    s = _stream(tmp_path)
+    s.poll()
+    assert s.trainable(current_version=6, max_staleness=2) == 4
+    assert s.drop_stale(6, 2) == 3
+    batch, stats = s.take(10, 6, 2)
+    assert len(batch) == 4 and stats.lags == {1: 4} and s.counters["stale"] == 3
+
+
+def test_cursor_passes_a_file_only_when_all_its_rows_are_consumed(tmp_path: Path) -> None:
+    f0 = write_episodes(tmp_path, random_rows(3, seed=1), seq=0)
+    write_episodes(tmp_path, random_rows(3, seed=2), seq=1)
+    s = _stream(tmp_path)
+    s.poll()
+    batch, _ = s.take(4, 0, 2)  # all of file 0, one row of file 1
+    s.mark_trained(batch)
+    assert s.cursor == {f0.key: 0}, s.cursor
+    # a restart from this cursor and trained set re-reads file 1 but never returns a trained row
+    again = _stream(tmp_path, cursor=s.cursor, trained=s.trained)
+    assert again.poll() == 2
+    assert again.counters["duplicate"] == 1
+    rest, _ = again.take(10, 0, 2)
+    assert {e.episode_id for e in rest}.isdisjoint(e.episode_id for e in batch)
+    again.mark_trained(rest)
+    assert again.cursor == {f0.key: 1}
+
+
+def test_relabel_policy_newest_label_if_pending_never_twice(tmp_path: Path) -> None:
+    row = random_rows(1, seed=3)[0]
+    write_episodes(tmp_path, [row], seq=0)
+    write_episodes(tmp_path, [{**row, "label_version": 2, "reward": 7.0}], seq=1)
+    s = _stream(tmp_path)
+    s.poll()
+    batch, _ = s.take(10, 0, 2)
+    assert len(batch) == 1 and batch[0].reward == 7.0 and batch[0].label_version == 2
+    s.mark_trained(batch)
+    assert s.cursor == {"synthetic/0": 1}, "the replaced row's file is consumed too"
+    write_episodes(tmp_path, [{**row, "label_version": 3, "reward": -1.0}], seq=2)
+    assert s.poll() == 0 and s.counters["relabel_after_train"] == 1
+
+
+def test_empty_or_missing_lake_is_just_empty(tmp_path: Path) -> None:
+    s = _stream(tmp_path / "nothing-here")
+    assert s.poll() == 0 and s.take(5, 0, 1)[0] == []

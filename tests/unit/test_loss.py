@@ -1,0 +1,112 @@
+"""Loss and advantage maths of the learner (pure tensors, no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner.loss import Baseline, advantages, policy_loss
+
+
+def _grad(kind: str, logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+          **kw: float) -> tuple[torch.Tensor, object]:
+    x = logp_new.clone().requires_grad_(True)
+    loss, stats = policy_loss(x, logp_old, mask, adv, kind=kind, tis_cap=kw.get("cap", 2.0),
+                              ppo_eps=kw.get("eps", 0.2), token_normalizer=float(mask.sum()))
+    loss.backward()
+    return x.grad, stats
+
+
+def test_on_policy_tis_and_ppo_equal_reinforce() -> None:
+    torch.manual_seed(0)
+    logp = -torch.rand(3, 5) * 4  # [B, T]
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    g_tis, s = _grad("tis", logp, logp, adv, mask)
+    g_ppo, _ = _grad("ppo", logp, logp, adv, mask)
+    reinforce = -(adv[:, None] * mask) / mask.sum()  # d/dlogp of -adv*logp/N
+    assert torch.allclose(g_tis, reinforce, atol=1e-6), (g_tis, reinforce)
+    assert torch.allclose(g_ppo, reinforce, atol=1e-6), (g_ppo, reinforce)
+    assert s.clipped == 0 and abs(s.ratio_sum / s.tokens - 1) < 1e-6
+    assert g_tis[2, 3:].abs().sum() == 0, "masked tokens must get no gradient"
+
+
+def test_tis_truncates_large_ratios() -> None:
+    logp_old = torch.full((1, 4), -5.0)
+    logp_new = torch.tensor([[-5.0, -4.0, -3.0, -5.0 + math.log(1.5)]])  # ratios 1, e, e^2, 1.5
+    adv = torch.tensor([1.0])
+    g, s = _grad("tis", logp_new, logp_old, adv, torch.ones(1, 4), cap=2.0)
+    weights = -g[0] * 4  # gradient = -weight * adv / N
+    assert torch.allclose(weights, torch.tensor([1.0, 2.0, 2.0, 1.5]), atol=1e-5), weights
+    assert s.clipped == 2, f"2 of 4 tokens above the cap, counted {s.clipped}"
+
+
+def test_ppo_clip_stops_gradient_outside_the_trust_region() -> None:
+    logp_old = torch.zeros(2, 1) - 3.0
+    logp_new = torch.tensor([[-3.0 + math.log(1.5)], [-3.0 + math.log(0.5)]])  # ratios 1.5 and 0.5
+    # positive advantage: above 1+eps no gradient; negative advantage: below 1-eps no gradient
+    g, s = _grad("ppo", logp_new, logp_old, torch.tensor([1.0, -1.0]), torch.ones(2, 1), eps=0.2)
+    assert torch.all(g == 0), g
+    assert s.clipped == 2
+    g2, s2 = _grad("ppo", logp_new, logp_old, torch.tensor([-1.0, 1.0]), torch.ones(2, 1), eps=0.2)
+    assert torch.all(g2 != 0), "inside the pessimistic branch the ratio gradient flows"
+    assert s2.clipped == 0
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_positive_away() -> None:
+    logp = -torch.rand(2, 3) - 1
+    mask = torch.ones(2, 3)
+    adv = torch.zeros(2)
+    _, s0 = policy_loss(logp, logp, mask, adv, kind="tis", tis_cap=2, ppo_eps=0.2, token_normalizer=6,
+                        logp_ref=logp, kl_coef=0.5)
+    assert s0.kl_sum == pytest.approx(0.0, abs=1e-7)
+    x = (logp + 0.3).requires_grad_(True)
+    loss, s1 = policy_loss(x, logp, mask, adv, kind="tis", tis_cap=2, ppo_eps=0.2, token_normalizer=6,
+                           logp_ref=logp, kl_coef=0.5)
+    loss.backward()
+    assert s1.kl_sum > 0 and loss.item() > 0
+    assert torch.all(x.grad > 0), "the KL gradient pushes logp back down towards the reference"
+
+
+def test_micro_batches_sum_to_the_full_batch_gradient() -> None:
+    torch.manual_seed(1)
+    logp_new, logp_old = -torch.rand(6, 4) * 3, -torch.rand(6, 4) * 3
+    mask = (torch.rand(6, 4) > 0.2).float()
+    adv = torch.randn(6)
+    full, _ = _grad("tis", logp_new, logp_old, adv, mask)
+    x = logp_new.clone().requires_grad_(True)
+    n = float(mask.sum())
+    for part in (slice(0, 2), slice(2, 6)):
+        loss, _ = policy_loss(x[part], logp_old[part], mask[part], adv[part], kind="tis", tis_cap=2.0, ppo_eps=0.2,
+                              token_normalizer=n)
+        loss.backward()
+    assert torch.allclose(x.grad, full, atol=1e-7)
+
+
+def test_group_relative_advantages_use_the_group_mean() -> None:
+    adv = advantages([1.0, 0.0, 0.0, 0.0, 5.0], ["a"] * 5, ["g1", "g1", "g2", "g2", None], None,
+                     group_relative=True, normalize=False)
+    assert adv[:4] == [0.5, -0.5, 0.0, 0.0]
+    assert adv[4] == 5.0, "no baseline and no group: the reward itself"
+
+
+def test_running_baseline_is_per_task_type_and_persists() -> None:
+    b = Baseline(momentum=0.5, means={})
+    first = advantages([1.0, 0.0, 10.0], ["a", "a", "b"], [None] * 3, b, group_relative=True, normalize=False)
+    assert first == [0.5, -0.5, 0.0], "first batch: the batch mean of each task type"
+    assert b.means == {"a": 0.5, "b": 10.0}
+    second = advantages([1.0, 1.0], ["a", "a"], [None, None], b, group_relative=True, normalize=False)
+    assert second == [0.5, 0.5], "second batch: the running mean from before the batch"
+    assert b.means["a"] == pytest.approx(0.75)
+
+
+def test_normalised_advantages_have_unit_scale_but_keep_sign() -> None:
+    adv = advantages([3.0, 1.0, 0.0, 0.0], ["a"] * 4, [None] * 4, Baseline(0.9, {"a": 1.0}),
+                     group_relative=True, normalize=True)
+    raw = [2.0, 0.0, -1.0, -1.0]
+    mean = sum(raw) / 4
+    std = math.sqrt(sum((a - mean) ** 2 for a in raw) / 3)
+    assert adv == pytest.approx([a / std for a in raw], rel=1e-5)
