@@ -1,0 +1,138 @@
+"""The promotion gate, rollback and status against the real MLflow registry and vLLM (LoRA versions).
+
+Online rewards come from a tmp lake of synthetic episodes (the episode builder's exact schema and
+file layout); offline scores from a small arithmetic set run through vLLM. Each test has its own
+registered model, experiment and policy version numbers.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from infra import tracking
+from serving import evaluate, promote, publisher, synthetic
+from serving.episodes_fixture import write_sessions
+from serving.publisher import http
+from serving.registry import Registry
+from serving.router import Router
+
+TASKS = evaluate.arithmetic_tasks(n=8)
+
+
+@pytest.fixture
+def cfg(vllm_url: str, mlflow_uri: str, base_model_dir: Path, tmp_path: Path) -> Iterator[promote.PromoteConfig]:
+    tag = uuid.uuid4().hex[:10]
+    config = promote.PromoteConfig(servers=[vllm_url], mlflow_tracking_uri=mlflow_uri, base_model=str(base_model_dir),
+                                   policies_dir=str(tmp_path), registered_model=f"test-gate-{tag}",
+                                   experiment=f"test-gate-{tag}", lake_root=str(tmp_path / "lake"), min_sessions=30,
+                                   alias_refresh_s=1.0)
+    yield config
+    resident = set(publisher.served_models(vllm_url))
+    for rv in Registry(mlflow_uri, config.registered_model).versions():
+        if f"policy-v{rv.policy_version}" in resident:
+            http("POST", f"{vllm_url}/v1/unload_lora_adapter", {"lora_name": f"policy-v{rv.policy_version}"})
+
+
+def _publish(cfg: promote.PromoteConfig, base: Path, tmp_path: Path, seed: int) -> int:
+    v = random.randint(7_000_000, 7_999_999)
+    publisher.publish(synthetic.make_lora_version(base, tmp_path / f"policy-v{v}", v, seed=seed), cfg)
+    return v
+
+
+def _rates(rate: float, n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [float(rng.random() < rate) for _ in range(n)]
+
+
+def _runs(cfg: promote.PromoteConfig) -> list[dict[str, str]]:
+    client = tracking.client(cfg.mlflow_tracking_uri)
+    runs = client.search_runs([tracking.experiment_id(cfg.experiment, cfg.mlflow_tracking_uri)])
+    return [dict(r.data.tags) | {"metrics": r.data.metrics} for r in runs]
+
+
+def test_gate_promotes_rejects_and_holds_with_decisions_in_mlflow(cfg: promote.PromoteConfig, base_model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
+    a = _publish(cfg, base_model_dir, tmp_path, 1)
+    registry.make_champion(a)
+    b = _publish(cfg, base_model_dir, tmp_path, 2)
+    write_sessions(cfg.lake_root, a, _rates(0.3, 60, 1))
+    write_sessions(cfg.lake_root, b, _rates(0.8, 60, 2))
+
+    decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
+    assert decision.action == "promote", decision.reason
+    assert registry.aliases() == {"champion": b}, registry.aliases()
+    assert registry.find(b).tags["gate_decision"] == "promote"
+    assert "offline_p_worse" in decision.numbers, "the offline eval ran through vLLM for both versions"
+
+    c = _publish(cfg, base_model_dir, tmp_path, 3)  # clearly worse online
+    write_sessions(cfg.lake_root, c, _rates(0.2, 60, 3))
+    decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
+    assert decision.action == "reject" and decision.numbers["online_p_worse"] < cfg.alpha, decision
+    assert registry.aliases() == {"champion": b}, "a rejected challenger must lose its traffic"
+
+    d = _publish(cfg, base_model_dir, tmp_path, 4)  # clearly better but only 10 sessions
+    write_sessions(cfg.lake_root, d, [1.0] * 10)
+    decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
+    assert decision.action == "hold" and "too few" in decision.reason, decision
+    assert registry.aliases() == {"champion": b, "challenger": d}
+
+    runs = _runs(cfg)
+    assert sorted(r["decision"] for r in runs) == ["hold", "promote", "reject"], runs
+    promoted = next(r for r in runs if r["decision"] == "promote")
+    assert promoted["metrics"]["online_challenger"] > promoted["metrics"]["online_champion"], promoted
+
+
+def test_regressed_champion_is_rolled_back_and_router_follows_within_seconds(cfg: promote.PromoteConfig,
+                                                                             base_model_dir: Path, tmp_path: Path) -> None:
+    registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
+    old = _publish(cfg, base_model_dir, tmp_path, 5)
+    registry.make_champion(old)
+    new = _publish(cfg, base_model_dir, tmp_path, 6)
+    registry.make_champion(new)
+    router = Router(cfg)
+    assert router.route("session-x").policy_version == new
+    write_sessions(cfg.lake_root, old, _rates(0.8, 60, 5))
+    write_sessions(cfg.lake_root, new, _rates(0.2, 60, 6))
+
+    start = time.monotonic()
+    decisions = promote.gate_once(cfg, registry, tasks=TASKS)
+    assert [d.action for d in decisions] == ["none", "rollback"], [(d.action, d.reason) for d in decisions]
+    assert registry.aliases()["champion"] == old
+    while router.route("session-x").policy_version != old:
+        assert time.monotonic() - start < 10, "router still routes to the rolled-back version after 10 s"
+        time.sleep(0.2)
+    assert registry.find(new).tags.get("rolled_back") == "true"
+    assert "rollback" in [r["decision"] for r in _runs(cfg)]
+
+
+def test_manual_rollback_command_and_status(cfg: promote.PromoteConfig, base_model_dir: Path, tmp_path: Path,
+                                            vllm_weights_lock: None) -> None:
+    # the lock: rolling back to version 0 makes sure the servers hold the base weights (a full reload)
+    registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
+    first = _publish(cfg, base_model_dir, tmp_path, 7)
+    registry.make_champion(first)
+    second = _publish(cfg, base_model_dir, tmp_path, 8)
+    registry.make_champion(second)
+    argv = ["--registered-model", cfg.registered_model, "--mlflow-tracking-uri", cfg.mlflow_tracking_uri,
+            "--experiment", cfg.experiment, "--servers", cfg.servers[0], "--base-model", cfg.base_model]
+    assert promote.rollback_main(argv) == 0
+    assert registry.aliases()["champion"] == first
+    assert promote.rollback_main(argv) == 0, "a second rollback goes back to the base model"
+    assert "champion" not in registry.aliases()
+    assert promote.rollback_main(argv) == 1, "nothing left to roll back"
+
+    from rich.console import Console
+
+    write_sessions(cfg.lake_root, first, _rates(0.5, 40, 9))
+    console = Console(record=True, width=200)
+    promote.print_status(console, cfg)
+    text = console.export_text()
+    assert f"policy-v{first}" in text and f"policy-v{second}" in text and "rolled back" in text, text
+    assert "[" in text, f"no confidence interval in the status table:\n{text}"
