@@ -1,0 +1,214 @@
+"""The reward configuration of one deployment, read from one TOML file (default: rewards/rewards.toml).
+
+It says, per outcome kind, what a value is worth and how long to wait for it; per task type,
+which outcomes an episode waits for, whether the LLM judge scores it and with which rubric;
+the PARL shaping weights and their annealing schedule; penalties; and the join's timing rules.
+Everything the builder decides about a missing or late signal is written here, never guessed.
+
+Unknown keys are rejected by name, so a typo cannot silently switch a reward off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TOML = Path(__file__).with_name("rewards.toml")
+MISSING_POLICIES = ("drop", "ignore")  # besides a number: the value a missing outcome counts as
+
+
+class RewardConfigError(ValueError):
+    """The reward TOML is invalid; the message names the table and key."""
+
+
+@dataclass(frozen=True)
+class OutcomeKind:
+    """How one outcome kind becomes reward."""
+
+    name: str
+    weight: float = 1.0  # multiplies the kind's score in r_outcome
+    window_s: float = 3600.0  # maturity window, from session end: how long an episode waits for this kind
+    # What a required kind that never arrived within its window means: a number (its score),
+    # "drop" (the session is not emitted at all) or "ignore" (it contributes nothing).
+    missing: float | str = "ignore"
+    # Binary kinds (Cursor Tab: accepted +0.75, rejected -0.25): value >= threshold scores if_true,
+    # otherwise if_false. Without if_true/if_false the raw value is the score, clipped to [lo, hi].
+    if_true: float | None = None
+    if_false: float | None = None
+    threshold: float = 0.5
+    lo: float = -1.0
+    hi: float = 1.0
+
+    def score(self, value: float) -> float:
+        if self.if_true is not None and self.if_false is not None:
+            return self.if_true if value >= self.threshold else self.if_false
+        return min(self.hi, max(self.lo, value))
+
+
+@dataclass(frozen=True)
+class TaskType:
+    """Rules for one task family."""
+
+    name: str
+    wait_for: tuple[str, ...] = ()  # outcome kinds label 1 waits for (up to each kind's window)
+    judge: bool = False  # score the session with the LLM judge
+    rubric: str = "default"  # key into [rubrics]
+
+
+@dataclass(frozen=True)
+class Rubric:
+    name: str
+    version: str  # part of the judge cache key: edit the text, bump the version
+    text: str
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    model: str = "policy-v0"  # served model name at the judge endpoint
+    timeout_s: float = 10.0  # per request; a timeout is recorded, never retried in the same pass
+    weight: float = 0.5  # r_judge = weight * (score - 3) / 2, so scores 1..5 map to [-weight, +weight]
+    max_chars: int = 1500  # transcript characters sent (the tail); keeps the prompt inside the judge's context
+    budget_s: float = 60.0  # judge time per builder pass; sessions past it are recorded as "budget" (unjudged)
+
+
+@dataclass(frozen=True)
+class ParlSettings:
+    """PARL shaping: r = lambda1 * r_parallel + lambda2 * r_finish + r_outcome, lambdas annealed to 0."""
+
+    lambda1: float = 0.1  # weight of r_parallel at the start of the schedule
+    lambda2: float = 0.1  # weight of r_finish at the start of the schedule
+    parallel_cap: int = 4  # r_parallel = min(sub-agents, cap) / cap, so spawning more than cap earns nothing
+    anneal_start: int = 0  # policy version where annealing starts (full lambdas up to here)
+    anneal_end: int = 20  # policy version where both lambdas reach exactly 0
+
+
+@dataclass(frozen=True)
+class PenaltySettings:
+    malformed_tool_call: float = -0.5  # added to the llm_call that produced a malformed tool call (<= 0)
+
+
+@dataclass(frozen=True)
+class JoinSettings:
+    session_idle_timeout_s: float = 3600.0  # a session with no session_end ends this long after its last event
+    unknown_session_hold_s: float = 3600.0  # an outcome for a session never seen is held this long, then dropped
+    relabel_horizon_s: float = 7 * 86400.0  # after session end, outcomes still append a label for this long
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    outcomes: dict[str, OutcomeKind]
+    task_types: dict[str, TaskType]
+    rubrics: dict[str, Rubric]
+    judge: JudgeSettings = field(default_factory=JudgeSettings)
+    parl: ParlSettings = field(default_factory=ParlSettings)
+    penalties: PenaltySettings = field(default_factory=PenaltySettings)
+    join: JoinSettings = field(default_factory=JoinSettings)
+    source: str = ""  # the file it came from
+    digest: str = ""  # sha256 of the file's text, recorded in reward_detail so a label can be traced to its rules
+
+    def task(self, task_type: str | None) -> TaskType:
+        """The rules of a task type; unknown task types use [task_types.default]."""
+        return self.task_types.get(task_type or "default") or self.task_types["default"]
+
+    def kind(self, name: str) -> OutcomeKind | None:
+        return self.outcomes.get(name)
+
+
+def _build(cls: type, table: dict[str, Any], where: str, **extra: Any) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)} - set(extra)
+    unknown = sorted(set(table) - names)
+    if unknown:
+        raise RewardConfigError(f"[{where}]: unknown key(s) {unknown}; known: {sorted(names)}")
+    values = dict(extra)
+    for f in dataclasses.fields(cls):
+        if f.name not in table:
+            continue
+        value = table[f.name]
+        if isinstance(value, list):
+            value = tuple(value)
+        values[f.name] = value
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise RewardConfigError(f"[{where}]: {exc}") from exc
+
+
+def _check_number(where: str, name: str, value: Any, lo: float | None = None, hi: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RewardConfigError(f"{where}.{name}: expected a number, got {value!r}")
+    if lo is not None and value < lo:
+        raise RewardConfigError(f"{where}.{name}: must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise RewardConfigError(f"{where}.{name}: must be <= {hi}, got {value}")
+
+
+def parse(text: str, source: str = "<string>") -> RewardConfig:
+    """Parse and check a reward TOML document."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RewardConfigError(f"{source}: {exc}") from exc
+    known = {"outcomes", "task_types", "rubrics", "judge", "parl", "penalties", "join"}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise RewardConfigError(f"{source}: unknown table(s) {unknown}; known: {sorted(known)}")
+
+    outcomes = {name: _build(OutcomeKind, t, f"outcomes.{name}", name=name) for name, t in doc.get("outcomes", {}).items()}
+    for name, k in outcomes.items():
+        where = f"outcomes.{name}"
+        _check_number(where, "weight", k.weight)
+        _check_number(where, "window_s", k.window_s, lo=0)
+        if isinstance(k.missing, str) and k.missing not in MISSING_POLICIES:
+            raise RewardConfigError(f"{where}.missing: {k.missing!r} is neither a number nor one of {MISSING_POLICIES}")
+        if not isinstance(k.missing, str):
+            _check_number(where, "missing", k.missing)
+        if (k.if_true is None) != (k.if_false is None):
+            raise RewardConfigError(f"{where}: if_true and if_false go together (got if_true={k.if_true}, if_false={k.if_false})")
+
+    rubrics = {name: _build(Rubric, t, f"rubrics.{name}", name=name) for name, t in doc.get("rubrics", {}).items()}
+    if "default" not in rubrics:
+        rubrics["default"] = Rubric("default", "1", "Rate how well the assistant completed the user's task.")
+
+    task_types = {name: _build(TaskType, t, f"task_types.{name}", name=name) for name, t in doc.get("task_types", {}).items()}
+    task_types.setdefault("default", TaskType("default"))
+    for name, t in task_types.items():
+        for kind in t.wait_for:
+            if kind not in outcomes:
+                raise RewardConfigError(f"task_types.{name}.wait_for: outcome kind {kind!r} has no [outcomes.{kind}] table")
+        if t.rubric not in rubrics:
+            raise RewardConfigError(f"task_types.{name}.rubric: no [rubrics.{t.rubric}] table")
+
+    judge = _build(JudgeSettings, doc.get("judge", {}), "judge")
+    _check_number("judge", "timeout_s", judge.timeout_s, lo=0.001)
+    _check_number("judge", "budget_s", judge.budget_s, lo=0)
+    parl = _build(ParlSettings, doc.get("parl", {}), "parl")
+    if parl.parallel_cap < 1:
+        raise RewardConfigError(f"parl.parallel_cap: must be >= 1, got {parl.parallel_cap}")
+    if parl.anneal_end <= parl.anneal_start:
+        raise RewardConfigError(f"parl.anneal_end ({parl.anneal_end}) must be > parl.anneal_start ({parl.anneal_start})")
+    penalties = _build(PenaltySettings, doc.get("penalties", {}), "penalties")
+    _check_number("penalties", "malformed_tool_call", penalties.malformed_tool_call, hi=0)
+    join = _build(JoinSettings, doc.get("join", {}), "join")
+    for name in ("session_idle_timeout_s", "unknown_session_hold_s", "relabel_horizon_s"):
+        _check_number("join", name, getattr(join, name), lo=0)
+    max_window = max((k.window_s for k in outcomes.values()), default=0.0)
+    if join.relabel_horizon_s < max_window:
+        raise RewardConfigError(
+            f"join.relabel_horizon_s ({join.relabel_horizon_s}) must be >= the longest outcomes.*.window_s ({max_window})"
+        )
+    return RewardConfig(outcomes, task_types, rubrics, judge, parl, penalties, join, source,
+                        hashlib.sha256(text.encode()).hexdigest()[:16])
+
+
+def load(path: str | Path | None = None) -> RewardConfig:
+    """Load the reward TOML of a deployment (the packaged default when path is None or empty)."""
+    p = Path(path) if path else DEFAULT_TOML
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise RewardConfigError(f"rewards config {p}: {exc}") from exc
+    return parse(text, str(p))

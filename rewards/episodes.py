@@ -1,0 +1,617 @@
+"""`flywheel episodes [--follow]`: the episode builder (lake events + outcomes -> rewarded episodes).
+
+Each pass reads only the lake files new since its cursor, assembles the sessions they touch
+(pending sessions live in the builder's state, not in a re-scan of the lake), joins outcomes
+that arrive asynchronously, scores rewards and appends one immutable file to lake/episodes:
+
+    flywheel episodes                       # catch up with the lake, then exit
+    flywheel episodes --follow              # keep polling (SIGTERM finishes the pass and exits 0)
+    flywheel episodes --rewards-toml my.toml --state-dir var/state/episodes
+
+Join rules (the numbers are in the rewards TOML; see rewards/rewards.toml):
+* A session ends at its session_end event, or `join.session_idle_timeout_s` after its last event.
+* Label 1 of an ended session is emitted when every outcome kind its task type waits for is in,
+  or when the longest window among the missing kinds has passed since the session ended; each
+  missing kind then counts as its `missing` rule says (a number, "ignore", or "drop": the
+  session is not trained on). Outcomes that arrived before the session ended are included.
+* An outcome arriving after label N was emitted appends label N+1: every llm_call row of the
+  session again, with the reward recomputed from all its outcomes. Nothing is rewritten.
+  After `join.relabel_horizon_s` past the session end, late outcomes are dropped ("too_late").
+* An outcome whose outcome_id was seen before is dropped ("duplicate_outcome").
+* An outcome for a session the builder has not seen is held for `join.unknown_session_hold_s`
+  (its session's events may still be on their way through the other topic), then dropped
+  ("unknown_session"). Outcomes for a session dropped at label 1 are dropped ("session_dropped").
+* Events are de-duplicated by event_id; events for a session already emitted are dropped
+  ("late_event"). Every drop is counted by reason in the status heartbeat and logged.
+
+Output rows: one per llm_call (every agent's, sub-agents included), in the schema of
+ingest.schema.EPISODE_COLUMNS; the file is lake/episodes/date=<pass day>/episodes-0000-F-L.parquet
+with F..L the rows' sequence numbers, so the learner reads new rows with lake.files_since.
+Every decision of a pass uses the clock recorded in its intent, so a killed pass re-runs to the
+same rows (see rewards/state.py); only `emitted_ts` tells when a row was written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import signal
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from infra import defaults
+from infra.config import load_config, setting, setup_logging, write_resolved
+from infra.status import write_status
+from ingest import lake, schema
+from rewards import config as reward_config
+from rewards import judge as judge_mod
+from rewards import outcome_rewards, parl
+from rewards.session import Session, agent_order, assemble
+from rewards.state import BuilderState, Intent, StateStore
+
+if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
+
+log = logging.getLogger(__name__)
+SOURCE = "episodes"  # the episodes table's stream name in lake file names
+SEGMENT_COMPACT_AT = 64  # live index segments before a pass merges them into one
+
+
+@dataclass
+class EpisodesConfig:
+    """Episode builder: lake events + outcomes -> rewarded episodes."""
+
+    lake_root: str = setting(defaults.LAKE_ROOT, "lake root (path or pyarrow filesystem URI)")
+    state_dir: str = setting("var/state/episodes", "builder state: cursors, pending sessions, index, judge cache")
+    rewards_toml: str = setting("", "reward rules of this deployment (empty: the packaged rewards/rewards.toml)")
+    follow: bool = setting(False, "keep polling for new lake files instead of exiting when caught up")
+    poll_interval_s: float = setting(2.0, "seconds between passes in --follow mode when nothing is new")
+    max_files_per_pass: int = setting(256, "lake files per table consumed by one pass (bounds a pass's memory)")
+    judge_url: str = setting(defaults.VLLM_URL, "OpenAI-compatible endpoint of the LLM judge")
+    judge_model: str = setting("", "judge model name (empty: [judge].model of the rewards TOML)")
+    var_dir: str = setting(defaults.VAR_DIR, "where the status heartbeat is written")
+    log_level: str = setting("INFO", "logging level")
+
+    def check(self) -> None:
+        from infra.config import ConfigError
+
+        if self.max_files_per_pass < 1:
+            raise ConfigError(f"max_files_per_pass must be >= 1, got {self.max_files_per_pass}")
+        if self.poll_interval_s <= 0:
+            raise ConfigError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
+
+
+@dataclass
+class PassResult:
+    pass_no: int
+    new_event_rows: int = 0
+    new_outcome_rows: int = 0
+    sessions_emitted: int = 0  # label 1
+    relabels: int = 0  # label 2+
+    rows_written: int = 0
+    pending_sessions: int = 0
+    held_outcomes: int = 0
+    drops: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    idle: bool = False  # nothing new and nothing due: no file, no commit
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the lake
+# ---------------------------------------------------------------------------------------------
+def conform(table: "pa.Table", target: "pa.Schema") -> "pa.Table":
+    """Select and cast to `target`, adding absent optional columns as nulls (older schema versions)."""
+    import pyarrow as pa
+
+    columns = []
+    for f in target:
+        if f.name in table.column_names:
+            columns.append(table[f.name].cast(f.type))
+        else:
+            columns.append(pa.nulls(table.num_rows, f.type))
+    return pa.Table.from_arrays(columns, schema=target)
+
+
+def read_range(root: str, table: str, since: lake.Cursor, until: lake.Cursor, target: "pa.Schema") -> "pa.Table":
+    """Rows of `table` with offsets in (since, until] per stream."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    parts = []
+    for f in lake.files_since(root, table, since):
+        stop = until.get(f.key, -1)
+        if f.first > stop:
+            continue
+        t = lake.rows_after_cursor(lake.read_file(root, f), f, since)
+        if f.last > stop:
+            t = t.filter(pc.less_equal(t["_offset"], stop))
+        parts.append(conform(t, target))
+    return pa.concat_tables(parts) if parts else target.empty_table()
+
+
+def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int) -> lake.Cursor:
+    return lake.advance(cursor, lake.files_since(root, table, cursor)[:max_files])
+
+
+# ---------------------------------------------------------------------------------------------
+# The emitted-session index (segments)
+# ---------------------------------------------------------------------------------------------
+def segment_schema() -> "pa.Schema":
+    import pyarrow as pa
+
+    return pa.schema([
+        ("session_id", pa.string()),
+        ("label_version", pa.int64()),  # 0: the session was not emitted (dropped or no llm_call)
+        ("reason", pa.string()),
+        ("task_type", pa.string()),
+        ("end_ts", pa.timestamp("us", tz="UTC")),
+        ("expires_ts", pa.timestamp("us", tz="UTC")),
+        ("episode_file", pa.string()),  # lake path relative to the root: episodes/date=.../name
+        ("outcomes", pa.string()),  # JSON list of every outcome applied so far
+    ])
+
+
+def lookup_index(con: "duckdb.DuckDBPyConnection", store: StateStore, segments: list[str], session_ids: set[str]) -> dict[str, dict[str, Any]]:
+    """Latest index row of each given session found in the live segments."""
+    import pyarrow as pa
+
+    if not session_ids or not segments:
+        return {}
+    paths = [str(store.segment_path(s)) for s in segments]
+    con.register("wanted", pa.table({"sid": sorted(session_ids)}))
+    rows = con.sql(
+        f"SELECT s.* FROM read_parquet({paths!r}) s JOIN wanted w ON s.session_id = w.sid "
+        "QUALIFY row_number() OVER (PARTITION BY s.session_id ORDER BY s.label_version DESC) = 1"
+    ).to_arrow_table().to_pylist()
+    con.unregister("wanted")
+    return {r["session_id"]: r for r in rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcome records
+# ---------------------------------------------------------------------------------------------
+def _outcome_json(o: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in o.items()}
+
+
+def _outcome_py(o: dict[str, Any]) -> dict[str, Any]:
+    out = dict(o)
+    for key in ("ts", "_ingest_ts", "held_since"):
+        if isinstance(out.get(key), str):
+            out[key] = schema.parse_ts(out[key])
+    return out
+
+
+_OUTCOME_KEEP = ("outcome_id", "session_id", "agent_id", "kind", "value", "ts", "source")
+
+
+# ---------------------------------------------------------------------------------------------
+# The builder
+# ---------------------------------------------------------------------------------------------
+class Builder:
+    def __init__(self, cfg: EpisodesConfig, rewards: reward_config.RewardConfig) -> None:
+        import duckdb
+
+        self.cfg = cfg
+        self.rewards = rewards
+        self.store = StateStore(cfg.state_dir)
+        self.con = duckdb.connect()
+        self.con.execute("SET TimeZone='UTC'")
+        self.judge = judge_mod.Judge(cfg.judge_url, cfg.judge_model or rewards.judge.model, rewards.judge.timeout_s,
+                                     Path(cfg.state_dir) / "judge_cache")
+        self.state = self.store.load()
+        self.store.cleanup(self.state)
+        self.event_schema = schema.event_arrow_schema()
+        self.outcome_schema = schema.outcome_arrow_schema()
+        self.episode_schema = schema.episode_arrow_schema()
+
+    # -- one pass -------------------------------------------------------------------------------
+    def run_pass(self, now: dt.datetime | None = None) -> PassResult:
+        import pyarrow as pa
+
+        t0 = time.perf_counter()
+        st = self.state
+        intent = self.store.load_intent()
+        resumed = intent is not None and intent.base_pass == st.pass_no
+        if not resumed:
+            clock = now or dt.datetime.now(dt.timezone.utc)
+            intent = Intent(
+                base_pass=st.pass_no,
+                now=clock.isoformat(),
+                events_until=plan_until(self.cfg.lake_root, "events", st.events_cursor, self.cfg.max_files_per_pass),
+                outcomes_until=plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor, self.cfg.max_files_per_pass),
+                first_seq=st.next_seq,
+            )
+        else:
+            log.info("pass %d: resuming the plan of a pass that did not commit (same input, same clock)", st.pass_no + 1)
+        assert intent is not None
+        clock = schema.parse_ts(intent.now)
+        res = PassResult(st.pass_no + 1)
+        drops: Counter[str] = Counter()
+
+        new_events = read_range(self.cfg.lake_root, "events", st.events_cursor, intent.events_until, self.event_schema)
+        new_outcomes = read_range(self.cfg.lake_root, "outcomes", st.outcomes_cursor, intent.outcomes_until, self.outcome_schema)
+        res.new_event_rows, res.new_outcome_rows = new_events.num_rows, new_outcomes.num_rows
+        has_pending = st.pending is not None and st.pending.num_rows > 0
+        if not resumed and not new_events.num_rows and not new_outcomes.num_rows and not has_pending and not st.held_outcomes:
+            res.idle = True
+            res.seconds = time.perf_counter() - t0
+            return res
+        if not resumed:
+            self.store.save_intent(intent)
+
+        # 1. events: pending + new, de-duplicated by event_id (the first copy wins)
+        events, dup_events = self._merge_events(new_events)
+        drops["duplicate_event"] += dup_events
+        pending_ids = set(st.pending.column("session_id").to_pylist()) if has_pending else set()
+        new_event_sids = set(new_events.column("session_id").to_pylist())
+
+        # 2. outcomes: new ones de-duplicated among themselves and against those held
+        held = [_outcome_py(o) for o in st.held_outcomes]
+        seen_ids = {o["outcome_id"] for o in held}
+        fresh: list[dict[str, Any]] = []
+        for o in sorted(new_outcomes.to_pylist(), key=lambda o: (o["_topic"], o["_partition"], o["_offset"])):
+            if o["outcome_id"] in seen_ids:
+                drops["duplicate_outcome"] += 1
+                continue
+            seen_ids.add(o["outcome_id"])
+            fresh.append({k: o[k] for k in _OUTCOME_KEEP} | {"held_since": clock})
+
+        # 3. which sessions were emitted before (index lookup only for sessions not pending)
+        by_session = self._group(events)
+        unknown = (new_event_sids - pending_ids) | {o["session_id"] for o in fresh if o["session_id"] not in by_session}
+        index = lookup_index(self.con, self.store, st.segments, unknown)
+        for sid in [s for s in by_session if s in index]:
+            drops["late_event"] += len(by_session.pop(sid))
+            log.warning("episodes: events arrived for session %s after it was labelled; dropped (late_event)", sid)
+
+        # 4. route outcomes: to a pending session, a relabel, held, or dropped
+        outcomes_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        relabel: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        still_held: list[dict[str, Any]] = []
+        for o in held + fresh:
+            sid = o["session_id"]
+            if sid in by_session:
+                outcomes_of[sid].append(o)
+            elif sid in index:
+                entry = index[sid]
+                applied = {a["outcome_id"] for a in json.loads(entry["outcomes"])}
+                if o["outcome_id"] in applied:
+                    drops["duplicate_outcome"] += 1
+                elif entry["label_version"] == 0:
+                    drops["session_dropped"] += 1
+                elif clock > entry["expires_ts"]:
+                    drops["too_late"] += 1
+                else:
+                    relabel[sid].append(o)
+            elif clock - o["held_since"] >= dt.timedelta(seconds=self.rewards.join.unknown_session_hold_s):
+                drops["unknown_session"] += 1
+                log.warning("episodes: outcome %s for unknown session %s held %.0fs; dropped (unknown_session)",
+                            o["outcome_id"], sid, self.rewards.join.unknown_session_hold_s)
+            else:
+                still_held.append(o)
+
+        # 5. label 1 for sessions that are due; relabels for emitted sessions with new outcomes
+        rows: list[dict[str, Any]] = []
+        index_rows: list[dict[str, Any]] = []
+        keep_sids: set[str] = set()
+        judge_deadline = time.monotonic() + self.rewards.judge.budget_s
+        for sid in sorted(by_session):
+            session = assemble(sid, by_session[sid])
+            out = self._label_one(session, outcomes_of.get(sid, []), clock, judge_deadline, drops)
+            if out is None:
+                keep_sids.add(sid)
+                still_held.extend(outcomes_of.get(sid, []))
+                continue
+            new_rows, index_row = out
+            rows.extend(new_rows)
+            index_rows.append(index_row)
+            res.sessions_emitted += bool(new_rows)
+        for sid in sorted(relabel):
+            new_rows, index_row = self._relabel(index[sid], relabel[sid], clock)
+            rows.extend(new_rows)
+            index_rows.append(index_row)
+            res.relabels += 1
+
+        if not resumed and not (res.new_event_rows or res.new_outcome_rows or rows or index_rows or any(drops.values())) \
+                and len(still_held) == len(held):
+            # waiting sessions, nothing changed: no new generation for a pass that decided nothing
+            self.store.clear_intent()
+            res.idle = True
+            res.pending_sessions, res.held_outcomes = len(keep_sids), len(still_held)
+            res.seconds = time.perf_counter() - t0
+            return res
+
+        # 6. write the episode file, then the index segment, then commit the state
+        date = clock.date().isoformat()
+        episode_rel = ""
+        if rows:
+            first, last = intent.first_seq, intent.first_seq + len(rows) - 1
+            table = pa.Table.from_pylist([r | {"emitted_ts": clock} for r in rows], schema=self.episode_schema)
+            written = lake.write_file(self.cfg.lake_root, "episodes", date, SOURCE, 0, first, last, table)
+            episode_rel = f"episodes/date={written.date}/{Path(written.path).name}"
+            res.rows_written = len(rows)
+        segments = list(st.segments)
+        retired: list[str] = []
+        if index_rows:
+            for r in index_rows:
+                r["episode_file"] = episode_rel if r["label_version"] > 0 else ""
+            seg_table = pa.Table.from_pylist(index_rows, schema=segment_schema())
+            name = f"seg-{res.pass_no:012d}.parquet"
+            if len(segments) + 1 > SEGMENT_COMPACT_AT:
+                seg_table, retired = self._compact_segments(segments, seg_table, clock), segments
+                segments = []
+            self.store.write_segment(name, seg_table)
+            segments.append(name)
+
+        counters = Counter(st.counters)
+        counters.update({f"dropped_{k}": v for k, v in drops.items() if v})
+        counters.update({"sessions_emitted": res.sessions_emitted, "relabels": res.relabels, "rows_written": res.rows_written,
+                         "event_rows_read": res.new_event_rows, "outcome_rows_read": res.new_outcome_rows})
+        pending = self._pending_table(events, keep_sids)
+        new_state = BuilderState(
+            pass_no=res.pass_no,
+            next_seq=intent.first_seq + len(rows),
+            events_cursor=intent.events_until,
+            outcomes_cursor=intent.outcomes_until,
+            held_outcomes=[_outcome_json(o) for o in sorted(still_held, key=lambda o: o["outcome_id"])],
+            segments=segments,
+            counters=dict(counters),
+            pending=pending,
+        )
+        self.store.commit(new_state, retired)
+        self.state = new_state
+        res.pending_sessions = len(keep_sids)
+        res.held_outcomes = len(still_held)
+        res.drops = {k: v for k, v in drops.items() if v}
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    # -- pieces of a pass ---------------------------------------------------------------------
+    def _merge_events(self, new_events: "pa.Table") -> tuple["pa.Table", int]:
+        import pyarrow as pa
+
+        pending = self.state.pending if self.state.pending is not None else self.event_schema.empty_table()
+        both = pa.concat_tables([conform(pending, self.event_schema), new_events])
+        if not both.num_rows:
+            return both, 0
+        # an explicit row number: pending rows come first, so a replayed copy never displaces the original
+        numbered = both.append_column("_rn", pa.array(range(both.num_rows), pa.int64()))
+        self.con.register("ev_all", numbered)
+        deduped = self.con.sql(
+            "SELECT * EXCLUDE (_rn) FROM ev_all "
+            "QUALIFY row_number() OVER (PARTITION BY event_id ORDER BY _rn) = 1 ORDER BY _rn"
+        ).to_arrow_table()
+        self.con.unregister("ev_all")
+        deduped = conform(deduped, self.event_schema)
+        return deduped, both.num_rows - deduped.num_rows
+
+    @staticmethod
+    def _group(events: "pa.Table") -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in events.to_pylist():
+            out[e["session_id"]].append(e)
+        return out
+
+    def _pending_table(self, events: "pa.Table", keep: set[str]) -> "pa.Table":
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if not keep or not events.num_rows:
+            return self.event_schema.empty_table()
+        return events.filter(pc.is_in(events["session_id"], value_set=pa.array(sorted(keep), pa.string())))
+
+    def _label_one(self, s: Session, outcomes: list[dict[str, Any]], clock: dt.datetime, judge_deadline: float,
+                   drops: Counter[str]) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        """Label 1 of a session, or None while it is still open or waiting for outcomes."""
+        join = self.rewards.join
+        if s.ended:
+            end_ts, end_how = s.end_ts, "session_end"
+        elif clock - s.last_ts >= dt.timedelta(seconds=join.session_idle_timeout_s):
+            end_ts, end_how = s.last_ts + dt.timedelta(seconds=join.session_idle_timeout_s), "idle_timeout"
+        else:
+            return None
+        assert end_ts is not None
+        task = self.rewards.task(s.task_type)
+        due, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in outcomes}, end_ts, clock)
+        if not due:
+            return None
+        score = outcome_rewards.score_outcomes(self.rewards, task, outcomes, closed)
+        index_row = {
+            "session_id": s.session_id,
+            "label_version": 1,
+            "reason": "window_closed" if closed else "outcomes_in",
+            "task_type": s.task_type or task.name,
+            "end_ts": end_ts,
+            "expires_ts": end_ts + dt.timedelta(seconds=join.relabel_horizon_s),
+            "outcomes": json.dumps([_outcome_json({k: o[k] for k in _OUTCOME_KEEP}) for o in outcomes], sort_keys=True),
+        }
+        if score.drop or not s.llm_calls:
+            reason = "missing_outcome" if score.drop else "no_llm_calls"
+            drops[f"session_{reason}"] += 1
+            return [], index_row | {"label_version": 0, "reason": reason}
+        stats = parl.parl_stats(s, self.rewards.parl)
+        penalties, n_malformed = parl.malformed_penalties(s, self.rewards.penalties.malformed_tool_call)
+        judged = self._judge(s, task, judge_deadline)
+        r_judge = judged.r_judge(self.rewards.judge.weight) if judged is not None else None
+        detail_base = {
+            "outcomes": score.detail,
+            "judge": None if judged is None else {"status": judged.status, "score": judged.score,
+                                                   "rubric": task.rubric, "rubric_version": self.rewards.rubrics[task.rubric].version},
+            "parl": parl.detail(stats),
+            "malformed_tool_calls": n_malformed,
+            "context_edits": s.context_edits,
+            "context_tokens_removed": s.context_tokens_removed,
+            "end": end_how,
+            "end_ts": end_ts.isoformat(),
+            "status": s.status,
+            "label_reason": index_row["reason"],
+            "rewards_config": self.rewards.digest,
+        }
+        rows = []
+        for e in s.llm_calls:
+            r_penalty = penalties.get(e["event_id"], 0.0)
+            rows.append(self._row(s, e, label=1, r_outcome=score.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
+                                  detail=detail_base | {"penalty_this_call": r_penalty}, outcomes=outcomes))
+        return rows, index_row
+
+    def _judge(self, s: Session, task: reward_config.TaskType, deadline: float) -> judge_mod.JudgeResult | None:
+        if not task.judge:
+            return None
+        if time.monotonic() > deadline:
+            # this pass spent its judge budget: record it rather than hold the whole pass up
+            return judge_mod.JudgeResult(None, "budget")
+        main_calls = [e for e in s.llm_calls if e["agent_id"] == s.main_agent] or s.llm_calls
+        text = judge_mod.transcript(main_calls, self.rewards.judge.max_chars)
+        return self.judge.score(text, self.rewards.rubrics[task.rubric])
+
+    def _row(self, s: Session, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
+             r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+        reward = r_outcome + (r_judge or 0.0) + stats.r_parallel + stats.r_finish + r_penalty
+        return {
+            "episode_id": e["event_id"],
+            "label_version": label,
+            "session_id": s.session_id,
+            "agent_id": e["agent_id"],
+            "parent_agent_id": s.parent.get(e["agent_id"]),
+            "task_type": s.task_type or "default",
+            "group_id": e.get("group_id"),
+            "model": e["model"],
+            "policy_version": e["policy_version"],
+            "prompt_token_ids": e["prompt_token_ids"],
+            "completion_token_ids": e["completion_token_ids"],
+            "completion_logprobs": e["completion_logprobs"],
+            "loss_mask": [1] * len(e["completion_token_ids"]),
+            "reward": reward,
+            "r_outcome": r_outcome,
+            "r_judge": r_judge,
+            "r_parallel": stats.r_parallel,
+            "r_finish": stats.r_finish,
+            "r_penalty": r_penalty,
+            "reward_detail": json.dumps(detail, sort_keys=True, default=str),
+            "critical_steps": stats.critical_steps,
+            "call_ts": e["ts"],
+            "session_end_ts": s.end_ts,
+            "last_outcome_ts": max((o["ts"] for o in outcomes), default=None),
+        }
+
+    def _relabel(self, entry: dict[str, Any], new: list[dict[str, Any]], clock: dt.datetime) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Label N+1 of an emitted session: its rows of label N again, the outcome reward recomputed."""
+        import pyarrow.parquet as pq
+
+        label = int(entry["label_version"]) + 1
+        fs, base = lake.filesystem(self.cfg.lake_root)
+        prev = pq.read_table(f"{base}/{entry['episode_file']}", filesystem=fs,
+                             filters=[("session_id", "=", entry["session_id"]), ("label_version", "=", label - 1)]).to_pylist()
+        assert prev, f"index says session {entry['session_id']} label {label - 1} is in {entry['episode_file']}, found no rows"
+        outcomes = [_outcome_py(o) for o in json.loads(entry["outcomes"])] + [{k: o[k] for k in _OUTCOME_KEEP} for o in new]
+        task = self.rewards.task(entry["task_type"])
+        end_ts = entry["end_ts"]
+        _, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in outcomes}, end_ts, clock)
+        score = outcome_rewards.score_outcomes(self.rewards, task, outcomes, closed)
+        last_outcome = max(o["ts"] for o in outcomes)
+        rows = []
+        for r in sorted(prev, key=lambda r: r["episode_id"]):
+            detail = json.loads(r["reward_detail"]) | {"outcomes": score.detail, "label_reason": "late_outcome",
+                                                        "rewards_config": self.rewards.digest}
+            reward = score.r_outcome + (r["r_judge"] or 0.0) + r["r_parallel"] + r["r_finish"] + r["r_penalty"]
+            rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "reward": reward,
+                             "reward_detail": json.dumps(detail, sort_keys=True), "last_outcome_ts": last_outcome})
+        # keep row order identical to label 1 (agent order, then call order) for readers that rely on it
+        order = {r["episode_id"]: i for i, r in enumerate(prev)}
+        rows.sort(key=lambda r: order[r["episode_id"]])
+        index_row = entry | {
+            "label_version": label,
+            "reason": "late_outcome",
+            "outcomes": json.dumps([_outcome_json(o) for o in outcomes], sort_keys=True),
+        }
+        return rows, index_row
+
+    def _compact_segments(self, segments: list[str], current: "pa.Table", clock: dt.datetime) -> "pa.Table":
+        """Merge the live segments (latest row per session, unexpired) with this pass's rows."""
+        import pyarrow as pa
+
+        paths = [str(self.store.segment_path(s)) for s in segments]
+        self.con.register("cur", current)
+        merged = self.con.sql(
+            f"SELECT * FROM (SELECT * FROM read_parquet({paths!r}) UNION ALL BY NAME SELECT * FROM cur) "
+            f"WHERE expires_ts > TIMESTAMPTZ '{clock.isoformat()}' "
+            "QUALIFY row_number() OVER (PARTITION BY session_id ORDER BY label_version DESC) = 1 ORDER BY session_id"
+        ).to_arrow_table()
+        self.con.unregister("cur")
+        return conform(merged, segment_schema()) if merged.num_rows else pa.Table.from_pylist([], schema=segment_schema())
+
+    def status(self, res: PassResult | None) -> dict[str, Any]:
+        st = self.state
+        return {
+            "pass": st.pass_no,
+            "rows_total": st.next_seq,
+            "pending_sessions": res.pending_sessions if res else None,
+            "held_outcomes": len(st.held_outcomes),
+            "judge_calls": self.judge.calls,
+            "judge_failures": self.judge.failures,
+            "last_pass_s": round(res.seconds, 3) if res else None,
+            **st.counters,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Process entry points
+# ---------------------------------------------------------------------------------------------
+def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None, max_passes: int = 0) -> int:
+    rewards = rewards or reward_config.load(cfg.rewards_toml)
+    log.info("episodes: rewards config %s (digest %s), %d outcome kinds, %d task types",
+             rewards.source, rewards.digest, len(rewards.outcomes), len(rewards.task_types))
+    Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
+    write_resolved(cfg, Path(cfg.state_dir) / "episodes-config.toml")
+    builder = Builder(cfg, rewards)
+    log.info("episodes: state %s at pass %d (%d rows written so far), lake %s",
+             cfg.state_dir, builder.state.pass_no, builder.state.next_seq, cfg.lake_root)
+    if any(t.judge for t in rewards.task_types.values()):
+        log.info("episodes: LLM judge on for %s via %s model %s",
+                 [t.name for t in rewards.task_types.values() if t.judge], cfg.judge_url, builder.judge.model)
+    stop = {"flag": False}
+
+    def on_term(signum: int, frame: Any) -> None:
+        stop["flag"] = True  # finish the pass in hand, then exit 0
+
+    signal.signal(signal.SIGTERM, on_term)
+    passes = 0
+    last_status = 0.0
+    while not stop["flag"]:
+        res = builder.run_pass()
+        passes += 1
+        if not res.idle:
+            log.info("pass %d: read %d events, %d outcomes; labelled %d sessions, %d relabels, %d rows; "
+                     "%d sessions pending, %d outcomes held; drops %s; %.2fs",
+                     res.pass_no, res.new_event_rows, res.new_outcome_rows, res.sessions_emitted, res.relabels,
+                     res.rows_written, res.pending_sessions, res.held_outcomes, res.drops or "none", res.seconds)
+        if not res.idle or time.monotonic() - last_status > 5:
+            write_status("episodes", builder.status(res), cfg.var_dir)
+            last_status = time.monotonic()
+        if max_passes and passes >= max_passes:
+            break
+        caught_up = res.idle or (res.new_event_rows == 0 and res.new_outcome_rows == 0)
+        if caught_up:
+            if not cfg.follow:
+                break
+            time.sleep(cfg.poll_interval_s)
+    log.info("episodes: stopped after %d passes; %d rows in the episodes table", passes, builder.state.next_seq)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(EpisodesConfig, argv, "flywheel episodes")
+    setup_logging(cfg.log_level)
+    try:
+        rewards = reward_config.load(cfg.rewards_toml)
+    except reward_config.RewardConfigError as exc:
+        log.error("episodes: %s", exc)
+        return 2
+    return run(cfg, rewards)

@@ -1,0 +1,76 @@
+"""Verifiable outcome rewards: outcome records of one session -> r_outcome, and when label 1 is due.
+
+Pure functions over plain dicts (outcome records as in ingest.schema.OUTCOME_COLUMNS, with `ts`
+as an aware datetime), so the join rules are unit-tested without a lake.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from rewards.config import RewardConfig, TaskType
+
+
+@dataclass
+class OutcomeScore:
+    r_outcome: float
+    drop: bool  # a waited-for kind with missing = "drop" never came: do not train on this session
+    detail: dict[str, Any] = field(default_factory=dict)  # per kind: value, score, weight, or "missing: ..."
+
+
+def latest_per_kind(outcomes: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest outcome of each kind (by ts, then outcome_id so ties resolve the same way every run)."""
+    out: dict[str, dict[str, Any]] = {}
+    for o in sorted(outcomes, key=lambda o: (o["ts"], o["outcome_id"])):
+        out[o["kind"]] = o
+    return out
+
+
+def score_outcomes(cfg: RewardConfig, task: TaskType, outcomes: Iterable[dict[str, Any]], window_closed: bool) -> OutcomeScore:
+    """r_outcome of a session from its (de-duplicated) outcomes.
+
+    `window_closed` says whether the waited-for kinds that are absent count as missing (their
+    window passed) — only then does the kind's `missing` rule apply.
+    """
+    latest = latest_per_kind(outcomes)
+    total = 0.0
+    drop = False
+    detail: dict[str, Any] = {}
+    for kind, o in sorted(latest.items()):
+        rule = cfg.kind(kind)
+        if rule is None:
+            # an outcome kind nobody configured carries no reward; recorded so the gap is visible
+            detail[kind] = {"value": o["value"], "score": None, "note": "kind not in rewards config"}
+            continue
+        score = rule.score(float(o["value"]))
+        total += rule.weight * score
+        detail[kind] = {"value": o["value"], "score": score, "weight": rule.weight}
+    for kind in task.wait_for:
+        if kind in latest or not window_closed:
+            continue
+        rule = cfg.outcomes[kind]
+        if rule.missing == "drop":
+            drop = True
+            detail[kind] = {"missing": "drop"}
+        elif rule.missing == "ignore":
+            detail[kind] = {"missing": "ignore"}
+        else:
+            total += rule.weight * float(rule.missing)
+            detail[kind] = {"missing": float(rule.missing), "score": float(rule.missing), "weight": rule.weight}
+    return OutcomeScore(total, drop, detail)
+
+
+def label_due(cfg: RewardConfig, task: TaskType, kinds_present: set[str], end_ts: dt.datetime, now: dt.datetime) -> tuple[bool, bool]:
+    """(due, window_closed) for label 1 of an ended session.
+
+    Due when every waited-for kind is in, or when the longest window among the missing ones has
+    passed since the session ended (window_closed then says the missing rules apply).
+    """
+    missing = [k for k in task.wait_for if k not in kinds_present]
+    if not missing:
+        return True, False
+    deadline = end_ts + dt.timedelta(seconds=max(cfg.outcomes[k].window_s for k in missing))
+    closed = now >= deadline
+    return closed, closed

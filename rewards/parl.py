@@ -1,0 +1,152 @@
+"""PARL shaping for parallel agents (Kimi K2.5), critical steps, and the malformed-tool-call guard.
+
+    r = lambda1 * r_parallel + lambda2 * r_finish + r_outcome
+
+r_parallel rewards instantiating sub-agents, capped so spawning more than `parallel_cap` earns
+nothing more: min(n_spawned, cap) / cap. r_finish is the fraction of spawned sub-agents that
+reported a successful finish, so spawning without finishing is not rewarded ("spurious
+parallelism"). Both lambdas anneal linearly to exactly 0, so late training optimises the
+outcome alone. The schedule's clock is the policy version of the session's own llm_calls (the
+newest one in the session): it is known from the events, identical on every re-run of the
+builder, and tracks training progress because the learner trains on fresh samples.
+
+Critical steps (the latency measure PARL optimises instead of total steps): for an agent, its
+own llm_calls plus, for each stage where it spawned sub-agents in parallel, the slowest child's
+critical steps. A stage is a run of subagent_spawn events with no llm_call of the spawning agent
+between them. Children that logged events under the agent as parent but were never announced
+by a spawn event form one extra stage, so their work is not lost from the count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rewards.config import ParlSettings
+from rewards.session import Session
+
+
+@dataclass(frozen=True)
+class ParlStats:
+    n_spawned: int
+    n_finished_ok: int
+    r_parallel_raw: float  # before its lambda
+    r_finish_raw: float
+    lambda1: float
+    lambda2: float
+    critical_steps: int
+
+    @property
+    def r_parallel(self) -> float:
+        return self.lambda1 * self.r_parallel_raw
+
+    @property
+    def r_finish(self) -> float:
+        return self.lambda2 * self.r_finish_raw
+
+
+def anneal(lambda0: float, t: int, start: int, end: int) -> float:
+    """lambda0 up to `start`, linear down to exactly 0.0 at `end` and after."""
+    assert end > start, f"anneal end {end} must be after start {start}"
+    if t >= end:
+        return 0.0
+    if t <= start:
+        return lambda0
+    return lambda0 * (end - t) / (end - start)
+
+
+def spawned_children(s: Session) -> dict[str, bool]:
+    """Every spawned child (any depth) -> whether it reported a successful finish (the latest finish wins)."""
+    children: dict[str, bool] = {}
+    for evs in s.agents.values():
+        for e in evs:
+            if e["type"] == "subagent_spawn":
+                children.setdefault(e["child_agent_id"], False)
+    for evs in s.agents.values():
+        for e in evs:
+            if e["type"] == "subagent_finish" and e["child_agent_id"] in children:
+                children[e["child_agent_id"]] = bool(e.get("ok"))
+    return children
+
+
+def critical_steps(s: Session, agent_id: str | None = None, _seen: frozenset[str] = frozenset()) -> int:
+    """Longest chain of llm_call steps from `agent_id` (default: the main agent) through its sub-agents."""
+    agent_id = agent_id or s.main_agent
+    if agent_id in _seen or agent_id not in s.agents and agent_id not in s.parent:
+        return 0  # a cycle in bad data, or a child that never logged anything
+    seen = _seen | {agent_id}
+    steps = 0
+    stage: list[str] = []
+    announced: set[str] = set()
+
+    def close_stage() -> int:
+        return max((critical_steps(s, c, seen) for c in stage), default=0)
+
+    for e in s.agents.get(agent_id, []):
+        if e["type"] == "llm_call":
+            steps += 1 + close_stage()
+            stage = []
+        elif e["type"] == "subagent_spawn":
+            stage.append(e["child_agent_id"])
+            announced.add(e["child_agent_id"])
+    steps += close_stage()
+    unannounced = [a for a, p in s.parent.items() if p == agent_id and a not in announced and a != agent_id]
+    steps += max((critical_steps(s, c, seen) for c in unannounced), default=0)
+    return steps
+
+
+def parl_stats(s: Session, cfg: ParlSettings) -> ParlStats:
+    children = spawned_children(s)
+    n = len(children)
+    ok = sum(children.values())
+    version = max((int(e["policy_version"]) for e in s.llm_calls), default=0)
+    return ParlStats(
+        n_spawned=n,
+        n_finished_ok=ok,
+        r_parallel_raw=min(n, cfg.parallel_cap) / cfg.parallel_cap,
+        r_finish_raw=ok / n if n else 0.0,
+        lambda1=anneal(cfg.lambda1, version, cfg.anneal_start, cfg.anneal_end),
+        lambda2=anneal(cfg.lambda2, version, cfg.anneal_start, cfg.anneal_end),
+        critical_steps=critical_steps(s),
+    )
+
+
+def malformed_penalties(s: Session, penalty: float) -> tuple[dict[str, float], int]:
+    """event_id of an llm_call -> its penalty (<= 0), and the number of malformed tool calls.
+
+    A malformed tool call is charged to the llm_call of the same agent that came just before it
+    (the one that produced it). If the agent made no earlier call, the next one pays; if the
+    agent made none at all, the session's first call pays, so a malformed call is never free.
+    """
+    out: dict[str, float] = {}
+    count = 0
+    for evs in s.agents.values():
+        last_call: str | None = None
+        owed = 0
+        for e in evs:
+            if e["type"] == "llm_call":
+                last_call = e["event_id"]
+                if owed:
+                    out[last_call] = out.get(last_call, 0.0) + owed * penalty
+                    owed = 0
+            elif e["type"] == "tool_call" and e.get("malformed"):
+                count += 1
+                if last_call is None:
+                    owed += 1
+                else:
+                    out[last_call] = out.get(last_call, 0.0) + penalty
+        if owed and s.llm_calls:
+            first = s.llm_calls[0]["event_id"]
+            out[first] = out.get(first, 0.0) + owed * penalty
+    return out, count
+
+
+def detail(stats: ParlStats) -> dict[str, Any]:
+    return {
+        "n_spawned": stats.n_spawned,
+        "n_finished_ok": stats.n_finished_ok,
+        "r_parallel_raw": stats.r_parallel_raw,
+        "r_finish_raw": stats.r_finish_raw,
+        "lambda1": stats.lambda1,
+        "lambda2": stats.lambda2,
+    }

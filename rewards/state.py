@@ -1,0 +1,176 @@
+"""Durable state of the episode builder, and how a pass commits it.
+
+    <state_dir>/CURRENT                  name of the committed generation, replaced atomically
+    <state_dir>/gen-<pass>/state.json     cursors, next row sequence, held outcomes, live segments, counters
+    <state_dir>/gen-<pass>/pending.parquet events of sessions not yet emitted (lake event schema)
+    <state_dir>/intent.json              the plan of the pass in flight: its input range, clock and first row seq
+    <state_dir>/segments/seg-<pass>.parquet  index of emitted sessions (label, episode file, outcomes), immutable
+
+Crash safety: a pass first writes its intent (input range = cursor after, `now`, first row
+sequence number), then its episode file (name fixed by the intent's sequence numbers) and its
+index segment, and only then commits the new generation by replacing CURRENT. A builder killed
+anywhere re-runs the same intent from the same committed generation, so it rewrites the same
+file names with the same rows: the episodes table ends up as a clean run's, nothing lost,
+nothing duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ingest import lake
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+@dataclass
+class BuilderState:
+    pass_no: int = 0
+    next_seq: int = 0  # first row sequence number of the next episode file
+    events_cursor: lake.Cursor = field(default_factory=dict)
+    outcomes_cursor: lake.Cursor = field(default_factory=dict)
+    held_outcomes: list[dict[str, Any]] = field(default_factory=list)  # outcomes of pending or unknown sessions
+    segments: list[str] = field(default_factory=list)  # live index segment file names
+    counters: dict[str, int] = field(default_factory=dict)  # lifetime totals (emitted, dropped by reason ...)
+    pending: "pa.Table | None" = None  # events of sessions not emitted yet
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pass_no": self.pass_no,
+            "next_seq": self.next_seq,
+            "events_cursor": self.events_cursor,
+            "outcomes_cursor": self.outcomes_cursor,
+            "held_outcomes": self.held_outcomes,
+            "segments": self.segments,
+            "counters": self.counters,
+        }
+
+
+@dataclass(frozen=True)
+class Intent:
+    base_pass: int  # the committed generation this plan starts from
+    now: str  # the pass's clock (ISO UTC): every time-based decision of the pass uses it
+    events_until: lake.Cursor  # consume event rows up to these offsets
+    outcomes_until: lake.Cursor
+    first_seq: int
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class StateStore:
+    def __init__(self, state_dir: str | Path) -> None:
+        self.dir = Path(state_dir)
+        self.segments_dir = self.dir / "segments"
+
+    def gen_dir(self, pass_no: int) -> Path:
+        return self.dir / f"gen-{pass_no:012d}"
+
+    def segment_path(self, name: str) -> Path:
+        return self.segments_dir / name
+
+    def load(self) -> BuilderState:
+        import pyarrow.parquet as pq
+
+        try:
+            current = (self.dir / "CURRENT").read_text().strip()
+        except FileNotFoundError:
+            return BuilderState()
+        gen = self.dir / current
+        record = json.loads((gen / "state.json").read_text())
+        state = BuilderState(**record)
+        pending = gen / "pending.parquet"
+        state.pending = pq.read_table(pending) if pending.exists() else None
+        return state
+
+    def load_intent(self) -> Intent | None:
+        try:
+            return Intent(**json.loads((self.dir / "intent.json").read_text()))
+        except FileNotFoundError:
+            return None
+
+    def save_intent(self, intent: Intent) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.dir / "intent.json", json.dumps(intent.to_json(), sort_keys=True))
+
+    def clear_intent(self) -> None:
+        try:
+            (self.dir / "intent.json").unlink()
+        except FileNotFoundError:
+            pass
+
+    def write_segment(self, name: str, table: "pa.Table") -> None:
+        import pyarrow.parquet as pq
+
+        self.segments_dir.mkdir(parents=True, exist_ok=True)
+        path = self.segment_path(name)
+        tmp = path.with_name(f".{name}.{uuid.uuid4().hex}.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+
+    def commit(self, state: BuilderState, retired_segments: list[str]) -> None:
+        """Publish `state` as the committed generation, then clear the intent and old files."""
+        import pyarrow.parquet as pq
+
+        gen = self.gen_dir(state.pass_no)
+        if gen.exists():  # left by a pass killed before its commit
+            shutil.rmtree(gen)
+        tmp = self.dir / f".gen-{uuid.uuid4().hex}.tmp"
+        tmp.mkdir(parents=True)
+        (tmp / "state.json").write_text(json.dumps(state.to_json(), sort_keys=True))
+        if state.pending is not None and state.pending.num_rows:
+            pq.write_table(state.pending, tmp / "pending.parquet")
+        for path in tmp.iterdir():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, gen)
+        previous = None
+        try:
+            previous = (self.dir / "CURRENT").read_text().strip()
+        except FileNotFoundError:
+            pass
+        _write_atomic(self.dir / "CURRENT", gen.name)  # the commit point
+        try:
+            (self.dir / "intent.json").unlink()
+        except FileNotFoundError:
+            pass
+        if previous and previous != gen.name:
+            shutil.rmtree(self.dir / previous, ignore_errors=True)
+        for name in retired_segments:
+            try:
+                self.segment_path(name).unlink()
+            except FileNotFoundError:
+                pass
+
+    def cleanup(self, state: BuilderState) -> None:
+        """Remove what a killed pass left behind: temp dirs, superseded generations, unreferenced segments."""
+        if not self.dir.exists():
+            return
+        current = self.gen_dir(state.pass_no).name
+        for path in self.dir.iterdir():
+            if path.name.startswith(".gen-") or (path.name.startswith("gen-") and path.name != current):
+                shutil.rmtree(path, ignore_errors=True)
+        if self.segments_dir.exists():
+            live = set(state.segments)
+            for path in self.segments_dir.iterdir():
+                if path.name not in live:
+                    path.unlink(missing_ok=True)
