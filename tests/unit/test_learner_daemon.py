@@ -1,0 +1,97 @@
+"""The learner daemon in-process on a tmp lake and a tiny random model (no services: MLflow and publish off)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ingest import lake
+from learner import checkpoint
+from learner.config import LearnerConfig
+from learner.daemon import run
+from learner.synthetic import random_rows, tiny_model, write_episodes
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def _cfg(tmp_path: Path, model_dir: Path, **kw: object) -> LearnerConfig:
+    base = dict(lake_root=str(tmp_path / "lake"), base_model=str(model_dir), run_dir=str(tmp_path / "run"),
+                policies_dir=str(tmp_path / "policies"), var_dir=str(tmp_path / "var"), mlflow_tracking_uri="",
+                publish=False, batch_size=8, min_batch=8, micro_batch=4, lora_rank=4, lr=1e-3, device="cpu",
+                poll_s=0.2, idle_exit_s=1.5, publish_every_steps=2)
+    base.update(kw)
+    cfg = LearnerConfig(**base)  # type: ignore[arg-type]
+    cfg.check()
+    return cfg
+
+
+def test_trains_every_episode_once_publishes_and_resumes(tmp_path: Path, model_dir: Path) -> None:
+    rows = [random_rows(8, seed=i, vocab_size=512) for i in range(3)]
+    for i, r in enumerate(rows):
+        write_episodes(tmp_path / "lake", r, seq=i)
+    cfg = _cfg(tmp_path, model_dir)
+    assert run(cfg) == 0
+    log = checkpoint.read_trained(tmp_path / "run")
+    assert [line["step"] for line in log] == [1, 2, 3]
+    trained = [i for line in log for i in line["episode_ids"]]
+    assert sorted(trained) == sorted(r["episode_id"] for rs in rows for r in rs)
+    assert (tmp_path / "policies" / "policy-v1" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "policies" / "policy-v1" / "policy.json").is_file()
+    state, _ = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
+    assert state.step == 3 and state.policy_version == 1 and state.cursor == {"synthetic/0": 2}
+    assert (tmp_path / "run" / "learner-config.toml").is_file()
+    # a restart with nothing new trains nothing again; new rows are picked up after the cursor
+    write_episodes(tmp_path / "lake", random_rows(8, seed=9), seq=3)
+    assert run(cfg) == 0
+    log = checkpoint.read_trained(tmp_path / "run")
+    assert [line["step"] for line in log] == [1, 2, 3, 4]
+    assert len({i for line in log for i in line["episode_ids"]}) == 32
+
+
+def test_empty_stream_waits_with_backoff_and_stops_on_request(tmp_path: Path, model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    listings: list[float] = []
+    real = lake.files_since
+
+    def counting(*args: object, **kw: object) -> list[lake.LakeFile]:
+        listings.append(time.monotonic())
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lake, "files_since", counting)
+    cfg = _cfg(tmp_path, model_dir, idle_exit_s=0.0, poll_s=1.0)
+    stop = threading.Event()
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(run(cfg, stop)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not listings and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(4.0)
+    assert thread.is_alive(), "an empty stream must not end or crash the daemon"
+    first = listings[0]
+    recent = [t for t in listings if t > first]
+    assert len(listings) <= 8, f"{len(listings)} lake listings in ~4 s: the wait is spinning"
+    stop.set()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and result == [0]
+    assert recent, "it kept polling while waiting"
+    status = (tmp_path / "var" / "run" / "status" / "learner.json").read_text()
+    assert '"phase": "stopped"' in status
+
+
+def test_stale_episodes_never_reach_a_step(tmp_path: Path, model_dir: Path) -> None:
+    write_episodes(tmp_path / "lake", random_rows(8, seed=1, policy_version=0), seq=0)
+    write_episodes(tmp_path / "lake", random_rows(8, seed=2, policy_version=9), seq=1)
+    cfg = _cfg(tmp_path, model_dir, start_version=10, max_staleness=2)
+    assert run(cfg) == 0
+    log = checkpoint.read_trained(tmp_path / "run")
+    trained = {i for line in log for i in line["episode_ids"]}
+    assert trained == {r["episode_id"] for r in random_rows(8, seed=2)}, "only the version-9 rows (lag 1 <= K=2)"
+    state, _ = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
+    assert state.cursor == {"synthetic/0": 1}, "dropped rows are consumed: the cursor moves past them"
