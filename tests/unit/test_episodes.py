@@ -1,0 +1,247 @@
+"""The episode builder's join on a tmp_path lake: every outcome timing gives its documented result.
+
+Lake files are written as the lake writer writes them (rewards.synthetic.LakeFeeder); each pass
+runs with an explicit clock, so window decisions are exact.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ingest import lake
+from rewards import config, episodes, synthetic
+
+T0 = dt.datetime(2026, 1, 1, 12, tzinfo=dt.timezone.utc)
+TOML = """
+[outcomes.task_success]
+window_s = 600
+missing = 0.0
+lo = 0.0
+hi = 1.0
+[outcomes.accepted]
+window_s = 60
+missing = "ignore"
+if_true = 0.75
+if_false = -0.25
+[outcomes.tests_passed]
+window_s = 60
+missing = "drop"
+[task_types.tool_use]
+wait_for = ["task_success"]
+[task_types.strict]
+wait_for = ["tests_passed"]
+[penalties]
+malformed_tool_call = -0.5
+[join]
+session_idle_timeout_s = 1800
+unknown_session_hold_s = 300
+relabel_horizon_s = 86400
+"""
+
+
+class Rig:
+    def __init__(self, tmp: Path) -> None:
+        self.root = str(tmp / "lake")
+        self.feed = synthetic.LakeFeeder(self.root)
+        self.cfg = episodes.EpisodesConfig(lake_root=self.root, state_dir=str(tmp / "state"), var_dir=str(tmp / "var"))
+        self.rewards = config.parse(TOML)
+        self.builder = episodes.Builder(self.cfg, self.rewards)
+
+    def session(self, sid: str, ended: bool = True, calls: int = 2, task_type: str = "tool_use") -> tuple[list[dict], dt.datetime]:
+        b = synthetic.SessionBuilder(sid, T0, task_type=task_type).begin()
+        for _ in range(calls):
+            b.llm_call()
+            b.tool()
+        end = b.end() if ended else T0 + dt.timedelta(seconds=10)
+        return b.events, end
+
+    def run(self, at: dt.datetime) -> episodes.PassResult:
+        return self.builder.run_pass(now=at)
+
+    def rows(self) -> list[dict]:
+        files = lake.list_files(self.root, "episodes")
+        if not files:
+            return []
+        return pa.concat_tables([lake.read_file(self.root, f) for f in files]).to_pylist()
+
+    def labels(self, sid: str) -> dict[int, list[dict]]:
+        out: dict[int, list[dict]] = {}
+        for r in self.rows():
+            if r["session_id"] == sid:
+                out.setdefault(r["label_version"], []).append(r)
+        return out
+
+    def counters(self) -> dict[str, int]:
+        return self.builder.state.counters
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Rig:
+    return Rig(tmp_path)
+
+
+def after(t: dt.datetime, s: float) -> dt.datetime:
+    return t + dt.timedelta(seconds=s)
+
+
+def test_outcome_before_session_end_is_joined_into_label_1(rig: Rig) -> None:
+    events, _ = rig.session("s1", ended=True)
+    *body, end_event = events
+    rig.feed.write("events", body)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(T0, 5))])
+    rig.run(after(T0, 30))
+    assert rig.rows() == [], "an open session must not be emitted"
+    assert len(rig.builder.state.held_outcomes) == 1
+    rig.feed.write("events", [end_event])
+    res = rig.run(after(T0, 40))
+    labels = rig.labels("s1")
+    assert list(labels) == [1] and len(labels[1]) == 2, res
+    assert {r["r_outcome"] for r in labels[1]} == {1.0}
+    assert rig.builder.state.held_outcomes == []
+
+
+def test_outcome_after_end_within_window_waits_for_it(rig: Rig) -> None:
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.run(after(end, 10))
+    assert rig.rows() == [], "label 1 must wait for task_success within its 600 s window"
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 20))])
+    rig.run(after(end, 30))
+    labels = rig.labels("s1")
+    assert list(labels) == [1] and labels[1][0]["reward"] == 1.0
+    assert labels[1][0]["last_outcome_ts"] == after(end, 20)
+
+
+def test_outcome_after_window_appends_label_2_and_leaves_label_1(rig: Rig) -> None:
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.run(after(end, 601))
+    (first_file,) = lake.list_files(rig.root, "episodes")
+    digest = hashlib.sha256(Path(first_file.path).read_bytes()).hexdigest()
+    label1 = rig.labels("s1")[1]
+    assert {r["r_outcome"] for r in label1} == {0.0}, "missing task_success counts as its configured 0.0"
+    assert '"missing": 0.0' in label1[0]["reward_detail"]
+
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 900))])
+    res = rig.run(after(end, 901))
+    assert res.relabels == 1
+    labels = rig.labels("s1")
+    assert sorted(labels) == [1, 2]
+    assert [r["episode_id"] for r in labels[2]] == [r["episode_id"] for r in labels[1]]
+    assert {r["r_outcome"] for r in labels[2]} == {1.0} and {r["reward"] for r in labels[2]} == {1.0}
+    assert hashlib.sha256(Path(first_file.path).read_bytes()).hexdigest() == digest, "label 1's file was rewritten"
+
+    # a third outcome of another kind appends label 3 with both outcomes
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "accepted", 0.0, after(end, 950))])
+    rig.run(after(end, 960))
+    labels = rig.labels("s1")
+    assert sorted(labels) == [1, 2, 3]
+    assert {r["r_outcome"] for r in labels[3]} == {1.0 - 0.25}
+
+
+def test_duplicated_outcome_counts_once(rig: Rig) -> None:
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    o = synthetic.outcome("s1", "task_success", 1.0, after(end, 5), outcome_id="dup-1")
+    rig.feed.write("outcomes", [o, o])
+    rig.run(after(end, 10))
+    rig.feed.write("outcomes", [o])  # replayed again after label 1 was emitted
+    res = rig.run(after(end, 20))
+    assert sorted(rig.labels("s1")) == [1], "a replayed outcome must not create a new label"
+    assert res.relabels == 0
+    assert rig.counters()["dropped_duplicate_outcome"] == 2, rig.counters()
+
+
+def test_unknown_session_outcome_is_held_then_dropped(rig: Rig) -> None:
+    rig.feed.write("outcomes", [synthetic.outcome("ghost", "task_success", 1.0, T0)])
+    rig.run(after(T0, 10))
+    assert len(rig.builder.state.held_outcomes) == 1
+    rig.run(after(T0, 200))  # still inside the 300 s hold
+    assert len(rig.builder.state.held_outcomes) == 1
+    rig.feed.write("events", [])  # nothing arrives for it
+    rig.run(after(T0, 400))
+    assert rig.builder.state.held_outcomes == []
+    assert rig.counters().get("dropped_unknown_session") == 1, rig.counters()
+
+
+def test_outcome_whose_session_arrives_later_is_joined(rig: Rig) -> None:
+    events, end = rig.session("s1")
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 2))
+    rig.feed.write("events", events)
+    rig.run(after(end, 100))
+    assert {r["r_outcome"] for r in rig.labels("s1")[1]} == {1.0}
+
+
+def test_duplicate_events_and_missing_session_end(rig: Rig) -> None:
+    events, _ = rig.session("s1", ended=False, calls=3)
+    rig.feed.write("events", events + events[:4])  # a replayed batch
+    rig.run(after(T0, 60))
+    assert rig.rows() == []
+    res = rig.run(after(T0, 60 + 1800 + 601))  # idle timeout ends it, then task_success's window closes
+    label1 = rig.labels("s1")[1]
+    assert len(label1) == 3, f"3 llm_calls expected, got {len(label1)} rows"
+    assert '"end": "idle_timeout"' in label1[0]["reward_detail"]
+    assert rig.counters()["dropped_duplicate_event"] == 4, res
+
+
+def test_missing_outcome_with_drop_rule_is_not_emitted(rig: Rig) -> None:
+    events, end = rig.session("s1", task_type="strict")
+    rig.feed.write("events", events)
+    rig.run(after(end, 61))
+    assert rig.rows() == []
+    assert rig.counters()["dropped_session_missing_outcome"] == 1
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "tests_passed", 1.0, after(end, 70))])
+    rig.run(after(end, 80))
+    assert rig.rows() == [] and rig.counters()["dropped_session_dropped"] == 1
+
+
+def test_rows_carry_tokens_and_trace_ids(rig: Rig) -> None:
+    b = synthetic.SessionBuilder("s1", T0).begin()
+    call = b.llm_call(version=3, n_prompt=5, n_completion=4)
+    b.tool(malformed=True)
+    b.spawn("kid")
+    b.llm_call(agent="kid", parent="main", version=3)
+    b.finish("kid", ok=True)
+    b.context_edit(tokens_removed=50)
+    end = b.end()
+    rig.feed.write("events", b.events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 2))
+    rows = {r["episode_id"]: r for r in rig.rows()}
+    r = rows[call["event_id"]]
+    assert r["prompt_token_ids"] == call["prompt_token_ids"] and r["completion_token_ids"] == call["completion_token_ids"]
+    assert r["completion_logprobs"] == pytest.approx(call["completion_logprobs"], abs=1e-6)
+    assert r["loss_mask"] == [1, 1, 1, 1] and r["policy_version"] == 3 and r["model"] == "policy-v3"
+    assert r["r_penalty"] == -0.5 and r["critical_steps"] == 2
+    lam = rig.rewards.parl.lambda1 * (1 - 3 / rig.rewards.parl.anneal_end)
+    assert r["r_parallel"] == pytest.approx(lam * 1 / 4) and r["r_finish"] == pytest.approx(lam * 1.0)
+    assert r["reward"] == pytest.approx(1.0 - 0.5 + r["r_parallel"] + r["r_finish"])
+    kid = [x for x in rows.values() if x["agent_id"] == "kid"][0]
+    assert kid["parent_agent_id"] == "main" and kid["r_penalty"] == 0.0
+    assert '"context_edits": 1' in r["reward_detail"] and '"context_tokens_removed": 50' in r["reward_detail"]
+    (f,) = lake.list_files(rig.root, "episodes")
+    assert (f.source, f.partition, f.first, f.last) == ("episodes", 0, 0, 1)
+    assert pq.read_schema(f.path).equals(rig.builder.episode_schema, check_metadata=False)
+
+
+def test_restart_resumes_from_the_cursor(rig: Rig, tmp_path: Path) -> None:
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 2))
+    fresh = episodes.Builder(rig.cfg, rig.rewards)  # a new process on the same state
+    res = fresh.run_pass(now=after(end, 3))
+    assert res.idle and res.new_event_rows == 0
+    events2, end2 = rig.session("s2")
+    rig.feed.write("events", events2)
+    rig.feed.write("outcomes", [synthetic.outcome("s2", "task_success", 0.0, after(end2, 1))])
+    res = fresh.run_pass(now=after(end2, 2))
+    assert res.new_event_rows == len(events2) and res.sessions_emitted == 1
+    assert [f.first for f in lake.list_files(rig.root, "episodes")] == [0, 2]
