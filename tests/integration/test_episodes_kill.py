@@ -1,0 +1,105 @@
+"""A builder killed with SIGKILL at random moments, restarted each time, ends with a clean run's table.
+
+The builder runs as `flywheel episodes` subprocesses (one input file per pass, so a kill lands
+mid-pass most of the time); the reference is one uninterrupted run over a copy of the same lake.
+Sessions lie two days in the past, so every maturity window is closed whenever the passes run and
+both builds make the same decisions; a third of the outcomes arrive several files late, so
+relabels (label 2) are part of what must survive the kills.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+from ingest import lake
+from rewards import synthetic
+
+TOML = """
+[outcomes.task_success]
+window_s = 600
+missing = 0.0
+lo = 0.0
+hi = 1.0
+[task_types.tool_use]
+wait_for = ["task_success"]
+"""
+FILES = 24
+PER_FILE = 10
+
+
+def build_lake(root: Path) -> None:
+    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)
+    feed = synthetic.LakeFeeder(str(root))
+    late: list[dict] = []
+    for i in range(FILES):
+        events, outcomes = synthetic.generate(PER_FILE, start + dt.timedelta(minutes=10 * i), seed=i, sub_agents=0.5)
+        feed.write("events", events)
+        on_time = [o for j, o in enumerate(outcomes) if j % 3]
+        late.extend(o for j, o in enumerate(outcomes) if not j % 3)
+        if i >= 4:  # outcomes of sessions four files back: their label 1 went out with task_success missing
+            on_time += late[:PER_FILE // 3 + 1]
+            del late[:PER_FILE // 3 + 1]
+        feed.write("outcomes", on_time)
+    feed.write("outcomes", late)
+
+
+def flywheel(lake_root: Path, state: Path, toml: Path) -> list[str]:
+    return [sys.executable, "-m", "infra.cli", "episodes", "--lake-root", str(lake_root), "--state-dir", str(state),
+            "--rewards-toml", str(toml), "--max-files-per-pass", "1", "--var-dir", str(state.parent / "var"),
+            "--log-level", "WARNING"]
+
+
+def table(root: Path) -> tuple[list[tuple[int, int]], list[dict]]:
+    files = lake.list_files(str(root), "episodes")
+    rows = pa.concat_tables([lake.read_file(str(root), f) for f in files]).drop(["emitted_ts"]).to_pylist()
+    return [(f.first, f.last) for f in files], sorted(rows, key=lambda r: (r["episode_id"], r["label_version"]))
+
+
+def test_sigkill_mid_pass_gives_the_clean_table(tmp_path: Path) -> None:
+    toml = tmp_path / "rewards.toml"
+    toml.write_text(TOML)
+    build_lake(tmp_path / "clean")
+    shutil.copytree(tmp_path / "clean", tmp_path / "killed")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cwd = Path(__file__).resolve().parents[2]
+
+    clean = subprocess.run(flywheel(tmp_path / "clean", tmp_path / "state-clean", toml), env=env, cwd=cwd,
+                           capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+
+    rng = random.Random(5)
+    kills = 0
+    for attempt in range(40):
+        proc = subprocess.Popen(flywheel(tmp_path / "killed", tmp_path / "state-killed", toml), env=env, cwd=cwd,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # startup (imports) takes about a second; kill somewhere in the passes after it
+        deadline = time.monotonic() + rng.uniform(1.0, 2.5)
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        if proc.poll() is None and kills < 8:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            continue
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        break
+    assert kills >= 3, f"only {kills} kills landed before the build finished; the test proved little"
+
+    clean_files, clean_rows = table(tmp_path / "clean")
+    killed_files, killed_rows = table(tmp_path / "killed")
+    labels = {r["label_version"] for r in clean_rows}
+    assert labels == {1, 2}, f"the lake should produce relabels; labels seen {labels}"
+    assert killed_files == clean_files, f"file ranges differ after {kills} kills"
+    assert len(killed_rows) == len(clean_rows), f"{len(killed_rows)} rows after {kills} kills vs {len(clean_rows)} clean"
+    assert killed_rows == clean_rows, f"row contents differ after {kills} kills"
