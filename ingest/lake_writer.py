@@ -533,6 +533,8 @@ def _consumer(cfg: LakeWriterConfig) -> "KafkaConsumer":
         # a record up to schema.MAX_RECORD_BYTES must fit in one fetch, or the writer could not dead-letter it
         max_partition_fetch_bytes=2 * schema.MAX_RECORD_BYTES,
         fetch_max_bytes=64 * 1024 * 1024,
+        # a topic or partition created after start is noticed within seconds, not the default 5 minutes
+        metadata_max_age_ms=5000,
     )
 
 
@@ -598,6 +600,7 @@ def run(cfg: LakeWriterConfig, stop: Callable[[], bool] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+    _wait_for_topics(consumer, sorted(cfg.tables()))
     consumer.subscribe(topics=sorted(cfg.tables()), listener=Listener())
     log.info("setup: subscribed; entering the loop")
 
@@ -626,6 +629,23 @@ def run(cfg: LakeWriterConfig, stop: Callable[[], bool] | None = None) -> int:
     write_status(status_name, {"state": "stopped", **vars(writer.stats)}, var_dir=cfg.var_dir)
     log.info("stop: %s", vars(writer.stats))
     return 0
+
+
+def _wait_for_topics(consumer: "KafkaConsumer", topics: list[str], timeout_s: float = 10.0) -> None:
+    """Join with the topics' partitions known: an assignment computed without them would be empty
+    until the next metadata refresh."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(topics)
+    while missing and time.monotonic() < deadline:
+        consumer.topics()  # refreshes cluster metadata
+        missing = [t for t in topics if not consumer.partitions_for_topic(t)]
+        if missing:
+            time.sleep(0.2)
+    for topic in missing:
+        log.warning("setup: topic %s does not exist yet; its partitions are taken once it appears", topic)
+    for topic in topics:
+        if topic not in missing:
+            log.info("setup: topic %s has %d partitions", topic, len(consumer.partitions_for_topic(topic)))
 
 
 def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer", writer: LakeWriter, dt_s: float,

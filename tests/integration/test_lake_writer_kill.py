@@ -1,0 +1,160 @@
+"""Exactly-once under SIGKILL: the lake holds each produced event once, whatever instant writers die.
+
+The writers run as real subprocesses (`python -m ingest.lake_writer`) against the real broker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from ingest import lake, schema
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | None = None) -> list[str]:
+    """Produce n small events round-robin over the partitions (at most `rate` per second)."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=256 * 1024,
+                             compression_type="lz4", acks=1)
+    ts = schema.now_ts()
+    ids = []
+    t0 = time.monotonic()
+    for i in range(n):
+        eid = uuid.uuid4().hex
+        ids.append(eid)
+        record = {"schema_version": 1, "event_id": eid, "session_id": f"s{i % 97}", "agent_id": "main", "seq": i,
+                  "ts": ts, "type": "session_start", "task_type": "t"}
+        producer.send(topic, value=json.dumps(record).encode(), partition=i % partitions)
+        if rate is not None and i % 500 == 0:
+            time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+    producer.flush()
+    producer.close()
+    return ids
+
+
+def start_writer(bootstrap: str, topic: str, group: str, instance: str, root: Path, var: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
+            "--outcomes-topic", "", "--dlq-topic", f"{topic}.dlq", "--group-id", group, "--instance-id", instance,
+            "--lake-root", str(root), "--var-dir", str(var), "--roll-max-age-s", "0.5", "--roll-max-records", "2000",
+            "--session-timeout-s", "6", "--log-level", "WARNING"]
+    log = open(var / f"{instance}.log", "ab")
+    return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def landed(root: Path, topic: str) -> int:
+    return sum(lake.next_offsets(str(root), "events", topic).values())
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.3)
+
+
+def check_exact(root: Path, topic: str, produced: list[str], partitions: int) -> None:
+    import duckdb
+
+    files = lake.list_files(str(root), "events")
+    for p in range(partitions):
+        ranges = sorted((f.first, f.last) for f in files if f.partition == p)
+        assert ranges and ranges[0][0] == 0, f"partition {p}: files start at {ranges[:1]}"
+        gaps = [(a, b) for a, b in zip(ranges, ranges[1:]) if b[0] != a[1] + 1]
+        assert not gaps, f"partition {p}: files overlap or leave gaps: {gaps[:5]}"
+    con = duckdb.connect()
+    glob = f"{root}/events/**/*.parquet"
+    total, distinct = con.execute(f"SELECT count(*), count(DISTINCT event_id) FROM read_parquet('{glob}')").fetchone()
+    ids = [r[0] for r in con.execute(f"SELECT event_id FROM read_parquet('{glob}') ORDER BY event_id").fetchall()]
+    want = hashlib.sha256("".join(sorted(produced)).encode()).hexdigest()
+    got = hashlib.sha256("".join(ids).encode()).hexdigest()
+    assert (total, distinct) == (len(produced), len(produced)), \
+        f"lake holds {total} rows, {distinct} distinct event_ids; produced {len(produced)}"
+    assert got == want, "event_id checksum of the lake differs from the produced events"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_100k_events_survive_20_sigkills(kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
+    n, partitions, kills = 100_000, 4, 20
+    topic = new_topic("lw-kill", partitions=partitions)
+    root, var = tmp_path / "lake", tmp_path / "var"
+    var.mkdir()
+    group = f"test-lw-kill-{uuid.uuid4().hex[:8]}"
+    produced: list[str] = []
+    # produce while the writer is being killed, as in production, spread over the kill loop
+    producer = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, n, partitions, 1500)))
+    producer.start()
+    rng = random.Random(4)
+    proc = start_writer(kafka_bootstrap, topic, group, "w1", root, var)
+    progress = []
+    try:
+        for _ in range(kills):
+            # kill at a random instant once this incarnation is publishing: mid-file, mid-publish, mid-DLQ
+            before = landed(root, topic)
+            wait_for(lambda: landed(root, topic) > before or (not producer.is_alive() and before >= n), 30,
+                     "the restarted writer to publish")
+            time.sleep(rng.uniform(0.0, 1.0))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            progress.append(landed(root, topic))
+            proc = start_writer(kafka_bootstrap, topic, group, "w1", root, var)
+        producer.join()
+        wait_for(lambda: landed(root, topic) >= n, 180, f"{n} events in the lake (progress per kill {progress})")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    # the kills must land while work is in flight, or the test proves nothing about crashes
+    mid_stream = sum(1 for a, b in zip(progress, progress[1:]) if b > a and b < n)
+    print(f"lake offsets after each kill: {progress}")
+    assert mid_stream >= 10, f"only {mid_stream} kills came between progress and completion: {progress}"
+    check_exact(root, topic, produced, partitions)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_topic: Callable[..., str],
+                                                     tmp_path: Path) -> None:
+    from infra.status import read_statuses
+
+    n, partitions = 20_000, 4
+    topic = new_topic("lw-pair", partitions=partitions)
+    root, var = tmp_path / "lake", tmp_path / "var"
+    var.mkdir()
+    group = f"test-lw-pair-{uuid.uuid4().hex[:8]}"
+    a = start_writer(kafka_bootstrap, topic, group, "a", root, var)
+    b = start_writer(kafka_bootstrap, topic, group, "b", root, var)
+
+    def both_own_partitions() -> bool:
+        st = read_statuses(var)
+        return all(st.get(f"lake-writer-{w}", {}).get("partitions", 0) > 0 for w in ("a", "b"))
+
+    try:
+        wait_for(both_own_partitions, 60, "both writers to own partitions")
+        produced = produce(kafka_bootstrap, topic, n // 2, partitions)
+        wait_for(lambda: landed(root, topic) > 0, 30, "the first files")
+        a.send_signal(signal.SIGKILL)  # mid-stream: a holds open files of its partitions
+        a.wait()
+        produced += produce(kafka_bootstrap, topic, n - n // 2, partitions)
+        wait_for(lambda: landed(root, topic) >= n, 90, f"{n} events after b took over a's partitions")
+        wait_for(lambda: read_statuses(var)["lake-writer-b"].get("partitions") == partitions, 10,
+                 "b's heartbeat to show all partitions")
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=30)
+    check_exact(root, topic, produced, partitions)
