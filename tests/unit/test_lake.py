@@ -1,0 +1,110 @@
+"""ingest/lake.py: layout, atomic publish, listing hand-off, recovery and range claims."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from ingest import lake
+
+SRC = "flywheel.events"
+
+
+def table(offsets: list[int]) -> pa.Table:
+    return pa.table({"_offset": pa.array(offsets, pa.int64()), "x": pa.array([o * 10 for o in offsets])})
+
+
+def put(root: Path | str, first: int, last: int, partition: int = 0, date: str = "2026-11-30") -> lake.LakeFile:
+    return lake.write_file(str(root), "events", date, SRC, partition, first, last, table(list(range(first, last + 1))))
+
+
+def test_file_names_round_trip_and_reject_strangers() -> None:
+    name = lake.file_name(SRC, 3, 7, 42)
+    assert name == "flywheel.events-0003-00000000000000000007-00000000000000000042.parquet"
+    assert lake.parse_file_name(name) == (SRC, 3, 7, 42)
+    assert lake.parse_file_name("part-0.parquet") is None
+    with pytest.raises(AssertionError):
+        lake.file_name(SRC, 0, 5, 4)
+
+
+def test_publish_leaves_no_temp_and_readers_ignore_hidden_names(tmp_path: Path) -> None:
+    f = put(tmp_path, 0, 9)
+    directory = Path(f.path).parent
+    assert [p.name for p in directory.iterdir()] == [Path(f.path).name]
+    (directory / ".abc.tmp").write_bytes(b"half a file")
+    (directory / "_SUCCESS").write_bytes(b"")
+    assert lake.list_files(str(tmp_path), "events") == [f]
+    assert lake.read_file(str(tmp_path), f).column("_offset").to_pylist() == list(range(10))
+
+
+def test_covered_files_are_hidden_mid_compaction(tmp_path: Path) -> None:
+    small = [put(tmp_path, 0, 4), put(tmp_path, 5, 9)]
+    wide = put(tmp_path, 0, 9)
+    assert lake.list_files(str(tmp_path), "events") == [wide]
+    assert sorted(lake.list_all_files(str(tmp_path), "events")) == sorted(small + [wide])
+    assert lake.delete_files(str(tmp_path), small) == 2
+    assert lake.list_all_files(str(tmp_path), "events") == [wide]
+
+
+def test_next_offsets_per_partition_across_dates(tmp_path: Path) -> None:
+    put(tmp_path, 0, 9, partition=0, date="2026-11-29")
+    put(tmp_path, 10, 12, partition=0, date="2026-11-30")
+    put(tmp_path, 0, 3, partition=2)
+    assert lake.next_offsets(str(tmp_path), "events", SRC) == {0: 13, 2: 4}
+    assert lake.next_offsets(str(tmp_path), "events", "other") == {}
+    assert lake.next_offsets(str(tmp_path / "missing"), "events", SRC) == {}
+
+
+def test_cursor_hand_off(tmp_path: Path) -> None:
+    put(tmp_path, 0, 4)
+    put(tmp_path, 5, 9)
+    cursor: lake.Cursor = {}
+    new = lake.files_since(str(tmp_path), "events", cursor)
+    cursor = lake.advance(cursor, new[:1])
+    assert cursor == {f"{SRC}/0": 4}
+    assert [(f.first, f.last) for f in lake.files_since(str(tmp_path), "events", cursor)] == [(5, 9)]
+    # after compaction a file straddles the cursor: only rows past it are new
+    wide = put(tmp_path, 0, 9)
+    (straddling,) = lake.files_since(str(tmp_path), "events", cursor)
+    assert straddling == wide
+    rows = lake.rows_after_cursor(lake.read_file(str(tmp_path), wide), wide, cursor)
+    assert rows.column("_offset").to_pylist() == [5, 6, 7, 8, 9]
+    lake.save_cursor(tmp_path / "c" / "cursor.json", cursor)
+    assert lake.load_cursor(tmp_path / "c" / "cursor.json") == cursor
+    assert lake.load_cursor(tmp_path / "none.json") == {}
+
+
+def test_uri_roots_go_through_pyarrow_filesystems(tmp_path: Path) -> None:
+    root = f"file://{tmp_path}/lake"
+    f = put(root, 0, 2)
+    assert lake.list_files(root, "events") == [f]
+    assert lake.next_offsets(root, "events", SRC) == {0: 3}
+    assert lake.claim_range(root, "events", SRC, 0, 3, 5, "2026-11-30") == lake.Claim(3, 5, "2026-11-30")
+    assert lake.claim_range(root, "events", SRC, 0, 3, 9, "2026-12-01") == lake.Claim(3, 5, "2026-11-30")
+
+
+def test_the_first_claim_wins_and_later_ones_read_it(tmp_path: Path) -> None:
+    assert lake.read_claim(str(tmp_path), "events", SRC, 0, 100) is None
+    first = lake.claim_range(str(tmp_path), "events", SRC, 0, 100, 150, "2026-11-30")
+    assert first == lake.Claim(100, 150, "2026-11-30")
+    assert lake.claim_range(str(tmp_path), "events", SRC, 0, 100, 130, "2026-12-01") == first
+    assert lake.read_claim(str(tmp_path), "events", SRC, 0, 100) == first
+    assert lake.claim_range(str(tmp_path), "events", SRC, 1, 100, 130, "2026-11-30").last == 130, "per partition"
+    assert not [p for p in (tmp_path / lake.CLAIMS_DIR).rglob("*") if p.name.endswith(".tmp")]
+    assert lake.list_files(str(tmp_path), "events") == [], "claims are not lake files"
+
+
+def _claim(args: tuple[str, int]) -> int:
+    root, last = args
+    return lake.claim_range(root, "events", SRC, 0, 0, last, "2026-11-30").last
+
+
+def test_concurrent_claims_have_exactly_one_winner(tmp_path: Path) -> None:
+    lasts = list(range(10, 26))
+    with mp.get_context("spawn").Pool(4) as pool:
+        results = pool.map(_claim, [(str(tmp_path), last) for last in lasts])
+    assert len(set(results)) == 1, f"processes saw different claims: {results}"
+    assert results[0] in lasts
