@@ -324,16 +324,23 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
     champion_kind = slots[CHAMPION].kind if CHAMPION in slots else "full"
     decisions: list[Decision] = []
     challenger = slots.get(CHALLENGER)
-    offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None = None
+    # Score both sides every round while they are served (cached once per version): a full-weight
+    # champion stops being served the moment a full-weight challenger is pushed, and its score from
+    # before is the only one the gate can ever compare against.
+    tasks = tasks if tasks is not None else evaluate.load_tasks(cfg.eval_tasks)
+    sides = [(champion, champion_kind)]
     if challenger is not None and challenger.policy_version != champion:
-        champ_r, chal_r = rewards.get(champion, []), rewards.get(challenger.policy_version, [])
-        if len(champ_r) >= cfg.min_sessions and len(chal_r) >= cfg.min_sessions:  # eval only when it can matter
-            try:
-                tasks = tasks if tasks is not None else evaluate.load_tasks(cfg.eval_tasks)
-                offline = (offline_score(registry, champion, champion_kind, cfg, tasks),
-                           offline_score(registry, challenger.policy_version, challenger.kind, cfg, tasks))
-            except evaluate.EvalUnavailable as exc:
-                offline = str(exc)
+        sides.append((challenger.policy_version, challenger.kind))
+    scores: dict[int, evaluate.EvalScore] = {}
+    missing: list[str] = []
+    for version, kind in sides:
+        try:
+            scores[version] = offline_score(registry, version, kind, cfg, tasks)
+        except evaluate.EvalUnavailable as exc:
+            missing.append(str(exc))
+    offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None = "; ".join(missing) or None
+    if challenger is not None and not missing and len(scores) == 2:
+        offline = (scores[champion], scores[challenger.policy_version])
     decision = decide(champion, challenger.policy_version if challenger else None, rewards, offline, cfg)
     apply(decision, registry, cfg)
     record(decision, cfg, registry)

@@ -33,6 +33,9 @@ from serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
 
+# The router's config is the tier's: servers, registry, challenger_share, alias_refresh_s (FLYWHEEL_* env works).
+RouterConfig = TierConfig
+
 
 @dataclass(frozen=True)
 class Route:
