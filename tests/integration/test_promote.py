@@ -136,3 +136,31 @@ def test_manual_rollback_command_and_status(cfg: promote.PromoteConfig, base_mod
     text = console.export_text()
     assert f"policy-v{first}" in text and f"policy-v{second}" in text and "rolled back" in text, text
     assert "[" in text, f"no confidence interval in the status table:\n{text}"
+
+
+def test_full_weight_versions_gate_on_cached_champion_score_and_reject_restores_champion_weights(
+        cfg: promote.PromoteConfig, vllm_url: str, base_model_dir: Path, tmp_path: Path, vllm_weights_lock: None) -> None:
+    registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
+    versions = [random.randint(7_000_000, 7_999_999) for _ in range(3)]
+    dirs = [synthetic.make_full_version(base_model_dir, tmp_path / f"policy-v{v}", v, seed=40 + i)
+            for i, v in enumerate(versions)]
+    a, b, c = versions
+    try:
+        publisher.publish(dirs[0], cfg)
+        registry.make_champion(a)
+        assert promote.gate_once(cfg, registry, tasks=TASKS)[0].action == "none"  # scores A while it is served
+        publisher.publish(dirs[1], cfg)  # B replaces A's weights on the server
+        write_sessions(cfg.lake_root, a, _rates(0.3, 40, 41))
+        write_sessions(cfg.lake_root, b, _rates(0.8, 40, 42))
+        decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
+        assert decision.action == "promote", decision.reason
+        assert "offline_p_worse" in decision.numbers, "A's offline score must come from the cache"
+
+        publisher.publish(dirs[2], cfg)
+        write_sessions(cfg.lake_root, c, _rates(0.1, 40, 43))
+        decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
+        assert decision.action == "reject", decision.reason
+        assert publisher.weight_version(vllm_url) == b, "after a reject the server must hold the champion's weights"
+        assert Router(cfg).route("s").policy_version == b
+    finally:
+        publisher._reload(vllm_url, base_model_dir.resolve(), 0, cfg)
