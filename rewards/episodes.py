@@ -61,6 +61,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SOURCE = "episodes"  # the episodes table's stream name in lake file names
 SEGMENT_COMPACT_AT = 64  # live index segments before a pass merges them into one
+# The event columns the builder reads (and keeps for pending sessions); free text such as tool
+# output, arguments and tags is never needed for rewards, so it is not read at all.
+EVENT_COLUMNS_USED = (
+    "event_id", "session_id", "agent_id", "parent_agent_id", "seq", "ts", "type", "task_type", "model", "policy_version",
+    "prompt_token_ids", "completion_token_ids", "completion_logprobs", "group_id", "prompt_text", "completion_text",
+    "malformed", "ok", "child_agent_id", "edit_kind", "tokens_removed", "status", "_offset",
+)
 
 
 @dataclass
@@ -128,11 +135,20 @@ def read_range(root: str, table: str, since: lake.Cursor, until: lake.Cursor, ta
         stop = until.get(f.key, -1)
         if f.first > stop:
             continue
-        t = lake.rows_after_cursor(lake.read_file(root, f), f, since)
+        t = lake.rows_after_cursor(_read_columns(root, f, target.names), f, since)
         if f.last > stop:
             t = t.filter(pc.less_equal(t["_offset"], stop))
         parts.append(conform(t, target))
     return pa.concat_tables(parts) if parts else target.empty_table()
+
+
+def _read_columns(root: str, f: lake.LakeFile, names: list[str]) -> "pa.Table":
+    """One lake file, only the columns the builder uses (tool outputs and tags stay on disk)."""
+    import pyarrow.parquet as pq
+
+    fs, _ = lake.filesystem(root)
+    present = set(pq.read_schema(f.path, filesystem=fs).names)
+    return pq.read_table(f.path, filesystem=fs, columns=[n for n in names if n in present])
 
 
 def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int) -> lake.Cursor:
@@ -197,6 +213,7 @@ _OUTCOME_KEEP = ("outcome_id", "session_id", "agent_id", "kind", "value", "ts", 
 class Builder:
     def __init__(self, cfg: EpisodesConfig, rewards: reward_config.RewardConfig) -> None:
         import duckdb
+        import pyarrow as pa
 
         self.cfg = cfg
         self.rewards = rewards
@@ -207,7 +224,8 @@ class Builder:
                                      Path(cfg.state_dir) / "judge_cache")
         self.state = self.store.load()
         self.store.cleanup(self.state)
-        self.event_schema = schema.event_arrow_schema()
+        full = schema.event_arrow_schema()
+        self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED])
         self.outcome_schema = schema.outcome_arrow_schema()
         self.episode_schema = schema.episode_arrow_schema()
 
@@ -394,6 +412,11 @@ class Builder:
 
     @staticmethod
     def _group(events: "pa.Table") -> dict[str, list[dict[str, Any]]]:
+        import pyarrow as pa
+
+        # timestamps as integer microseconds: building tz-aware datetimes is most of to_pylist's cost
+        i = events.schema.get_field_index("ts")
+        events = events.set_column(i, "ts", events["ts"].cast(pa.int64())).drop(["_offset"])
         out: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for e in events.to_pylist():
             out[e["session_id"]].append(e)

@@ -32,12 +32,22 @@ class Session:
         return self.end_ts or self.last_ts
 
 
+def as_datetime(ts: dt.datetime | int) -> dt.datetime:
+    """Event ts as an aware datetime (the builder hands them over as integer microseconds since the epoch)."""
+    if isinstance(ts, dt.datetime):
+        return ts
+    return _EPOCH + dt.timedelta(microseconds=ts)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
 def order_key(e: dict[str, Any]) -> tuple[Any, ...]:
     return (e["ts"], e["seq"], e["event_id"])
 
 
 def assemble(session_id: str, events: Iterable[dict[str, Any]]) -> Session:
-    """Build a Session from its de-duplicated events (any order)."""
+    """Build a Session from its de-duplicated events (any order; ts as datetimes or integer microseconds)."""
     agents: dict[str, list[dict[str, Any]]] = {}
     parent: dict[str, str | None] = {}
     task_type = None
@@ -65,7 +75,8 @@ def assemble(session_id: str, events: Iterable[dict[str, Any]]) -> Session:
         # no session_start seen (yet): the root agent is the one without a parent, earliest first
         roots = sorted((a for a, p in parent.items() if p is None), key=lambda a: order_key(agents[a][0]))
         main = roots[0] if roots else min(agents, key=lambda a: order_key(agents[a][0]))
-    s = Session(session_id, task_type, main, agents, parent, end_ts is not None, status, end_ts, last_ts)
+    s = Session(session_id, task_type, main, agents, parent, end_ts is not None, status,
+                None if end_ts is None else as_datetime(end_ts), as_datetime(last_ts))
     for agent_id in agent_order(s):
         for e in s.agents[agent_id]:
             if e["type"] == "llm_call":
