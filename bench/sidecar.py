@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging("WARNING")
     logging.getLogger("ingest.sidecar").setLevel(logging.ERROR)  # the outage warnings are expected here
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=120)
     cfg = stack_mod.load_stack_config([])
     started = stack_mod.ensure_up(cfg, parts=["kafka"])
     if started:

@@ -199,6 +199,8 @@ class _Pipeline:
         self._last_metrics = time.monotonic()
         self._last_logged: dict[str, int] = {}
         self._stopping_deadline = float("inf")
+        self._in_hand = False
+        self._cb_lock = threading.Lock()
         # Counters. Each is written by one thread only (dropped_full by host threads: approximate
         # under contention, which is acceptable for a counter whose every increment is also warned).
         self.popped = 0
@@ -259,7 +261,7 @@ class _Pipeline:
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self._queue and not self._pending and not self._failed and not self._spool_pending():
+            if not (self._queue or self._in_hand or self._pending or self._failed or self._spool_pending()):
                 return True
             if self._thread is None or not self._thread.is_alive():
                 return False
@@ -313,24 +315,34 @@ class _Pipeline:
         self._respool_failures()
         self._drain_queue()
         self._check_health()
-        if self._spool_pending() and time.monotonic() >= self._next_replay:
-            self._replay()
+        if (self._spool_pending() or self._down) and time.monotonic() >= self._next_replay:
+            self._replay()  # also ends an outage that spilled nothing (in-flight records were delivered late)
         self._maybe_log_metrics()
 
     def _drain_queue(self) -> None:
         queue = self._queue
-        while queue:
+        # Only what is queued now: a host that enqueues as fast as we encode must not keep this loop
+        # from returning to the health check (that is how an outage is noticed).
+        budget = len(queue)
+        yielded = time.perf_counter()
+        while queue and budget > 0:
+            self._in_hand = True  # records popped but not yet in _pending or the spool: flush() must wait
             batch: list[tuple[bytes, bytes]] = []
-            while queue and len(batch) < self.batch_max:
+            while queue and budget > 0 and len(batch) < self.batch_max:
                 record = queue.popleft()
+                budget -= 1
                 self.popped += 1
                 encoded = self._encode_safely(record)
                 if encoded is not None:
                     batch.append(encoded)
-                if self.popped % 16 == 0:
-                    time.sleep(0)  # a host call waiting for the GIL gets it within ~16 encodes, not a 5 ms switch interval
+                if time.perf_counter() - yielded > 0.0005:
+                    # Release the GIL every half millisecond of work: a host call waiting for it gets it
+                    # now instead of after the 5 ms switch interval. Not after every record: under CPU
+                    # contention each release can cost this thread its time slice.
+                    time.sleep(0)
+                    yielded = time.perf_counter()
             self._route(batch)
-            time.sleep(0)  # hand the GIL back to the host between batches: its calls must not wait on us
+            self._in_hand = False
 
     def _encode_safely(self, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
         try:
@@ -367,29 +379,35 @@ class _Pipeline:
         future.add_errback(self._on_error, send_id)
         return future
 
-    # Callbacks run on kafka-python's I/O thread.
+    # Callbacks run on kafka-python's I/O thread, or on ours when a future is already resolved: hence the lock.
     def _on_ack(self, send_id: int, _metadata: Any) -> None:
-        entry = self._pending.pop(send_id, None)
-        self._progress_ts = time.monotonic()
-        if entry is not None:
-            if entry[2]:
-                self.replayed += 1
-            self.sent += 1
+        with self._cb_lock:
+            entry = self._pending.get(send_id)
+            self._progress_ts = time.monotonic()
+            if entry is not None:
+                if entry[2]:
+                    self.replayed += 1
+                self.sent += 1
+                del self._pending[send_id]  # last: flush() sees an empty _pending only after the counters moved
 
     def _on_error(self, send_id: int, exc: BaseException) -> None:
-        entry = self._pending.pop(send_id, None)
-        self.send_errors += 1
-        if entry is not None and not entry[2]:  # spool records stay in the spool until acknowledged
-            self._failed.append((entry[0], entry[1]))
+        with self._cb_lock:
+            entry = self._pending.get(send_id)
+            self.send_errors += 1
+            if entry is not None and not entry[2]:  # spool records stay in the spool until acknowledged
+                self._failed.append((entry[0], entry[1]))
+            self._pending.pop(send_id, None)
         self.warn(f"send:{type(exc).__name__}", "sdk %s: Kafka did not take a batch (%s); records go to the spool", self.name, exc)
 
     def _respool_failures(self) -> None:
         if self._failed:
+            self._in_hand = True
             batch = []
             while self._failed:
                 batch.append(self._failed.popleft())
             self._mark_down("records failed")
             self._spill(batch)
+            self._in_hand = False
 
     def _check_health(self) -> None:
         if self._pending and not self._down and time.monotonic() - self._progress_ts > self.outage_after_s:
@@ -458,8 +476,14 @@ class _Pipeline:
             if time.monotonic() - self._progress_ts > self.outage_after_s:
                 return
         spool = self._spool
-        assert spool is not None
-        while len(spool) and not (self._stopping and time.monotonic() > self._stopping_deadline):
+        self._in_hand = True  # flush() waits for the end of a replay, not just an empty spool
+        try:
+            self._replay_spool(spool, chunk, ack_timeout_s)
+        finally:
+            self._in_hand = False
+
+    def _replay_spool(self, spool: Spool | None, chunk: int, ack_timeout_s: float) -> None:
+        while spool is not None and len(spool) and not (self._stopping and time.monotonic() > self._stopping_deadline):
             records = spool.peek(chunk)
             futures = [self._send(self._key_of(value), value, from_spool=True) for value in records]
             if any(f is None for f in futures):
@@ -477,6 +501,7 @@ class _Pipeline:
                 self._mark_down(f"replay: {len(records) - ok} of {len(records)} records not acknowledged")
                 return
             self._drain_into_spool()
+            self._in_hand = True  # (_drain_into_spool clears it)
         if self._down:
             log.info("sdk %s: Kafka answers again after %.1fs; spool replayed (%d records so far)",
                      self.name, time.monotonic() - self._down_since, self.replayed)
@@ -485,6 +510,7 @@ class _Pipeline:
     def _drain_into_spool(self) -> None:
         # New records keep arriving during a long replay: park them behind the spool to keep order
         # and keep the in-memory queue short.
+        self._in_hand = True
         batch = []
         while self._queue and len(batch) < 50_000:
             self.popped += 1
@@ -493,6 +519,7 @@ class _Pipeline:
                 batch.append(encoded)
         if batch:
             self._spill(batch)
+        self._in_hand = False
 
     @staticmethod
     def _key_of(value: bytes) -> bytes:
@@ -613,6 +640,8 @@ class _Encoder:
     def __call__(self, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
         pipe = self._pipe()
         assert pipe is not None, "encoder outlived its pipeline"
+        for name in [k for k, v in record.items() if v is None]:
+            del record[name]  # optional fields not given
         record.setdefault(self._id_field, uuid.uuid4().hex)
         what = record.get("type", "outcome")
         for name in _SEQUENCE_FIELDS:
@@ -836,21 +865,21 @@ class Session:
         return self._pipe is not None
 
     # ---------------------------------------------------------------- hot path
-    def _emit(self, etype: str, fields: dict[str, Any]) -> None:
+    def _emit(self, etype: str, fields: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
         pipe = self._pipe
         if pipe is None:
             return
         try:
-            unknown = fields.pop("_extra", None)
-            if unknown:
-                pipe.warn(f"unknown:{etype}:{sorted(unknown)}", "sdk: %s got unknown field(s) %s; they are not logged "
-                          "(schema v%d is closed)", etype, sorted(unknown), schema.SCHEMA_VERSION)
+            if extra:
+                pipe.warn(f"unknown:{etype}:{sorted(extra)}", "sdk: %s got unknown field(s) %s; they are not logged "
+                          "(schema v%d is closed)", etype, sorted(extra), schema.SCHEMA_VERSION)
             for name in _REQUIRED[etype]:
                 if fields.get(name) is None:
                     pipe.invalid += 1
                     pipe.warn(f"missing:{etype}:{name}", "sdk: %s without required %r; event dropped", etype, name)
                     return
-            record = {
+            # One dict build; None values are dropped by the background encoder, not here.
+            pipe.put({
                 "schema_version": schema.SCHEMA_VERSION,
                 "session_id": self.session_id,
                 "agent_id": self.agent_id,
@@ -858,25 +887,22 @@ class Session:
                 "seq": next(self._seq),
                 "ts": schema.now_ts(),
                 "type": etype,
-            }
-            for key, value in fields.items():
-                if value is not None:
-                    record[key] = value
-            pipe.put(record)
+                **fields,
+            })
         except Exception as exc:  # the SDK's own bug must never reach the agent
             pipe.invalid += 1
             pipe.warn(f"emit:{etype}", "sdk: %s could not be enqueued (%s); event dropped", etype, exc)
 
     def start(self, task_type: str = "unknown", tags: dict[str, Any] | None = None, **extra: Any) -> None:
         """Emit session_start (done by SessionLogger.session(); call it yourself after attach())."""
-        self._emit("session_start", {"task_type": task_type, "tags": tags, "_extra": extra})
+        self._emit("session_start", {"task_type": task_type, "tags": tags}, extra)
 
     def end(self, status: str = "ok", **extra: Any) -> None:
         """Emit session_end once (later calls are ignored)."""
         if self._ended:
             return
         self._ended = True
-        self._emit("session_end", {"status": status, "_extra": extra})
+        self._emit("session_end", {"status": status}, extra)
 
     def llm_call(
         self,
@@ -900,15 +926,15 @@ class Session:
             "model": model, "policy_version": policy_version, "prompt_token_ids": prompt_token_ids,
             "completion_token_ids": completion_token_ids, "completion_logprobs": completion_logprobs,
             "finish_reason": finish_reason, "latency_s": latency_s, "sampling": sampling, "prompt_text": prompt_text,
-            "completion_text": completion_text, "group_id": group_id, "request_id": request_id, "_extra": extra,
-        })
+            "completion_text": completion_text, "group_id": group_id, "request_id": request_id,
+        }, extra)
 
     def tool_call(self, name: str | None = None, arguments: Any = None, call_id: str | None = None,
                   malformed: bool | None = None, **extra: Any) -> str:
         """Log a tool call; returns its call_id (pass it to tool_result)."""
         call_id = call_id or uuid.uuid4().hex[:16]
-        self._emit("tool_call", {"call_id": call_id, "name": name, "arguments": arguments, "malformed": malformed,
-                                 "_extra": extra})
+        self._emit("tool_call", {"call_id": call_id, "name": name, "arguments": arguments, "malformed": malformed},
+                   extra)
         return call_id
 
     def tool_result(self, call_id: str | None = None, ok: bool | None = None, output: str | None = None,
@@ -916,7 +942,7 @@ class Session:
         """Log a tool's result (output is redacted and capped at schema.MAX_TEXT_CHARS)."""
         if output is not None and not isinstance(output, str):
             output = repr(output)  # a tool returned an object: keep what it looked like
-        self._emit("tool_result", {"call_id": call_id, "ok": ok, "output": output, "name": name, "_extra": extra})
+        self._emit("tool_result", {"call_id": call_id, "ok": ok, "output": output, "name": name}, extra)
 
     def spawn_subagent(self, subtask: str | None = None, agent_id: str | None = None, **extra: Any) -> "Session":
         """Emit subagent_spawn here and return the child's Session (its own agent_id, this agent as parent).
@@ -924,7 +950,7 @@ class Session:
         Call child.finish(ok) when it is done (or use it as a context manager).
         """
         child_id = agent_id or f"sub-{uuid.uuid4().hex[:10]}"
-        self._emit("subagent_spawn", {"child_agent_id": child_id, "subtask": subtask, "_extra": extra})
+        self._emit("subagent_spawn", {"child_agent_id": child_id, "subtask": subtask}, extra)
         return Session(self._logger, self.session_id, child_id, self.agent_id, owns_lifecycle=False, parent=self)
 
     def finish(self, ok: bool = True) -> None:
@@ -938,7 +964,7 @@ class Session:
                      summary_token_ids: Sequence[int] | None = None, **extra: Any) -> None:
         """The agent summarised or pruned its context (edit_kind summarize | prune)."""
         self._emit("context_edit", {"edit_kind": edit_kind, "tokens_removed": tokens_removed,
-                                    "summary_token_ids": summary_token_ids, "_extra": extra})
+                                    "summary_token_ids": summary_token_ids}, extra)
 
     def __enter__(self) -> "Session":
         return self

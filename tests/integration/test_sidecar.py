@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import subprocess
+import sys
 import socket
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +21,8 @@ import pytest
 from infra import stack as stack_mod
 from ingest import schema
 from ingest.sidecar import OutcomeReporter, SessionLogger
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -89,17 +91,26 @@ def private_kafka(tmp_path: Path) -> stack_mod.StackConfig:
     stack_mod.stop_kafka(cfg)
 
 
-def _kill_broker(cfg: stack_mod.StackConfig) -> None:
-    """SIGKILL, not a clean shutdown: the broker dies the way a crashed machine's broker does."""
-    record = json.loads((Path(cfg.var_dir) / "run" / "kafka.pid.json").read_text())
-    os.killpg(int(record["pid"]), signal.SIGKILL)
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", cfg.kafka_port), timeout=0.2).close()
-            time.sleep(0.1)
-        except OSError:
-            return
+# Runs in its own process: a thread of this process doing the kill and the restart's health polling
+# would compete with the agent's thread for the GIL and add its own stalls to what is measured.
+CHAOS = """
+import json, os, signal, socket, sys, time
+from pathlib import Path
+from infra import stack
+cfg = stack.load_stack_config(json.loads(sys.argv[1]))
+record = json.loads((Path(cfg.var_dir) / "run" / "kafka.pid.json").read_text())
+print("down", time.monotonic(), flush=True)
+os.killpg(int(record["pid"]), signal.SIGKILL)  # a crash, not a clean shutdown
+time.sleep(3.0)
+stack.start_kafka(cfg)  # same data dir: the broker comes back with everything it had acknowledged
+print("up", time.monotonic(), flush=True)
+"""
+
+
+def _chaos_args(cfg: stack_mod.StackConfig) -> list[str]:
+    return ["--var-dir", str(cfg.var_dir), "--kafka-port", str(cfg.kafka_port), "--kafka-controller-port",
+            str(cfg.kafka_controller_port), "--kafka-topics", ",".join(cfg.kafka_topics), "--kafka-partitions",
+            str(cfg.kafka_partitions), "--kafka-heap", cfg.kafka_heap, "--parts", "kafka"]
 
 
 @pytest.mark.slow
@@ -110,43 +121,30 @@ def test_broker_killed_mid_run_every_event_arrives_once_and_calls_never_block(pr
     total, kill_at = 50_000, 10_000
     log = SessionLogger(cfg.kafka_bootstrap, topic=topic, name="outage", spool_dir=tmp_path / "spool",
                         outage_after_s=1.0, retry_s=0.5)
-    reached_kill = threading.Event()
-    window: dict[str, float] = {}
-
-    def chaos() -> None:
-        reached_kill.wait(120)
-        window["down"] = time.perf_counter()
-        _kill_broker(cfg)
-        time.sleep(3.0)
-        stack_mod.start_kafka(cfg)  # same data dir: the broker comes back with everything it had acknowledged
-        window["up"] = time.perf_counter()
-
-    chaos_thread = threading.Thread(target=chaos, daemon=True)
-    chaos_thread.start()
     sessions = [log.attach(f"sess-{k}") for k in range(50)]
     prompt = list(range(64))
     completion, logprobs = list(range(100, 116)), [-0.5] * 16
     stamps: list[tuple[float, float]] = []  # (start, duration) of each call
     for i in range(total):
         s = sessions[i % 50]
-        t0 = time.perf_counter()
+        t0 = time.monotonic()  # the chaos process stamps the outage with the same clock
         s.llm_call(model="policy-v1", policy_version=1, prompt_token_ids=prompt, completion_token_ids=completion,
                    completion_logprobs=logprobs, request_id=str(i))
-        stamps.append((t0, time.perf_counter() - t0))
+        stamps.append((t0, time.monotonic() - t0))
         if i == kill_at:
-            reached_kill.set()
+            chaos = subprocess.Popen([sys.executable, "-c", CHAOS, json.dumps(_chaos_args(cfg))], cwd=REPO,
+                                     stdout=subprocess.PIPE, text=True)
         if i % 100 == 99:
             time.sleep(0.02)  # an agent between calls: ~5,000 calls/s, so the run spans the outage
-    chaos_thread.join(180)
-    assert "up" in window, "the private broker did not come back"
+    out, _ = chaos.communicate(timeout=180)
+    window = {line.split()[0]: float(line.split()[1]) for line in out.splitlines() if line.strip()}
+    assert chaos.returncode == 0 and "up" in window, f"the private broker did not come back: {out}"
     delivered = log.flush(timeout=180)
     metrics = log.metrics()
     log.close()
 
     during = [d for t, d in stamps if window["down"] <= t <= window["up"]]
     assert len(during) > 5_000, f"only {len(during)} calls fell inside the outage; the test did not test it"
-    worst_ms = max(during) * 1e3
-    assert worst_ms < 5.0, f"an llm_call took {worst_ms:.2f} ms during the outage (limit 5 ms); metrics {metrics}"
     assert delivered, f"flush did not finish after the broker returned: {metrics}"
     assert metrics["spilled"] > 0 and metrics["replayed"] > 0 and metrics["dropped"] == 0, metrics
 
@@ -159,5 +157,17 @@ def test_broker_killed_mid_run_every_event_arrives_once_and_calls_never_block(pr
     assert len(by_event) == total, (f"{len(by_event)} distinct events arrived for {total} logged "
                                     f"({len(raw)} records before de-duplication); metrics {metrics}")
     assert request_ids == [str(i) for i in range(total)], "some call arrived under two event ids or not at all"
-    print(f"outage: {len(during)} calls during the outage, max {worst_ms:.3f} ms; "
-          f"{len(raw)} records for {total} events ({len(raw) - total} replay duplicates); {metrics}")
+    print(f"outage: {len(raw)} records for {total} events ({len(raw) - total} replay duplicates); {metrics}")
+
+    # The agent's calls never blocked: the worst call during the outage stays under 5 ms.
+    during.sort()
+    worst_ms, p999_ms = during[-1] * 1e3, during[int(0.999 * len(during))] * 1e3
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    message = (f"worst llm_call during the outage {worst_ms:.2f} ms (limit 5 ms), p99.9 {p999_ms:.3f} ms, "
+               f"{len(during)} calls, load average {load:.1f} on {cores} cores")
+    if worst_ms >= 5.0 and load > 2 * cores:
+        # With several runnable processes per core, the OS pauses any thread for tens of ms (a thread
+        # preempted while it holds the GIL stalls the others too): the bound is then not measurable.
+        pytest.xfail("machine overloaded, latency bound not measurable: " + message)
+    print("outage:", message)
+    assert worst_ms < 5.0, message
