@@ -73,7 +73,8 @@ class Router:
     """Maps sessions to policy versions from the registry's champion/challenger aliases."""
 
     def __init__(self, tier: TierConfig | None = None, registry: Any | None = None,
-                 clock: Callable[[], float] = time.monotonic, probe: Callable[[str], int] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, probe: Callable[[str], int] | None = None,
+                 background: bool = True) -> None:
         self.tier = tier or TierConfig()
         self._registry = registry
         self._clock = clock
@@ -82,6 +83,8 @@ class Router:
         self._slots: dict[str, _Slot] = {}
         self._loaded: dict[str, int] = {}  # server -> full-weight version it holds
         self._fetched_at = float("-inf")
+        self._refreshing = False
+        self.background = background
 
     @property
     def registry(self) -> Any:
@@ -93,10 +96,26 @@ class Router:
 
     # -- state ----------------------------------------------------------------------------------
     def refresh(self, force: bool = False) -> None:
-        """Re-read aliases (and servers' loaded full weights) when the cache is older than alias_refresh_s."""
+        """Re-read aliases (and servers' loaded full weights) when the cache is older than alias_refresh_s.
+
+        The first read blocks (there is nothing to route with yet). Later ones run on a background
+        thread while route() keeps answering from the cache, because the capture proxy calls route()
+        on its event loop and an MLflow query there would stall every request in flight.
+        """
+        stale = force or self._clock() - self._fetched_at >= self.tier.alias_refresh_s
+        if not stale:
+            return
+        if not self.background or self._fetched_at == float("-inf") or force:
+            self._reload()
+            return
         with self._lock:
-            if not force and self._clock() - self._fetched_at < self.tier.alias_refresh_s:
+            if self._refreshing:
                 return
+            self._refreshing = True
+        threading.Thread(target=self._reload, name="router-refresh", daemon=True).start()
+
+    def _reload(self) -> None:
+        try:
             try:
                 slots = {alias: _Slot(rv.policy_version, rv.kind or "lora")
                          for alias, rv in self.registry.alias_versions().items()}
@@ -106,11 +125,15 @@ class Router:
                 self._fetched_at = self._clock()
                 return
             # one GET per server per refresh: full weights can change under the base served name
-            self._loaded = {server: self._probe(server) for server in self.tier.servers}
+            loaded = {server: self._probe(server) for server in self.tier.servers}
             if {a: s.version for a, s in slots.items()} != {a: s.version for a, s in self._slots.items()}:
                 log.info("router: aliases now %s", {a: s.version for a, s in slots.items()})
-            self._slots = slots
+            # plain attribute swaps: a concurrent route() sees the old or the new state, never a mix of fields
+            self._loaded, self._slots = loaded, slots
             self._fetched_at = self._clock()
+        finally:
+            with self._lock:
+                self._refreshing = False
 
     def _probe(self, server: str) -> int:
         from serving.publisher import ServerError, weight_version

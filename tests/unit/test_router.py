@@ -35,7 +35,7 @@ def make(aliases: dict[str, tuple[int, str]], share: float = 0.1, loaded: dict[s
          servers: list[str] | None = None) -> tuple[Router, MemoryRegistry, Clock]:
     tier = TierConfig(servers=servers or ["http://a"], challenger_share=share, alias_refresh_s=2.0)
     reg, clock = MemoryRegistry(aliases), Clock()
-    router = Router(tier, registry=reg, clock=clock, probe=lambda s: (loaded or {}).get(s, 0))
+    router = Router(tier, registry=reg, clock=clock, probe=lambda s: (loaded or {}).get(s, 0), background=False)
     return router, reg, clock
 
 
@@ -102,3 +102,24 @@ def test_logged_version_is_none_when_a_reload_happened_during_the_request() -> N
 def test_shares() -> None:
     router, _, _ = make({"champion": (1, "lora"), "challenger": (2, "lora")}, share=0.25)
     assert router.shares() == {1: 0.75, 2: 0.25}
+
+
+def test_background_refresh_never_blocks_route_after_the_first_read() -> None:
+    import threading
+
+    tier = TierConfig(servers=["http://a"], challenger_share=0.0, alias_refresh_s=2.0)
+    reg, clock = MemoryRegistry({"champion": (1, "lora")}), Clock()
+    gate = threading.Event()
+    router = Router(tier, registry=reg, clock=clock, probe=lambda s: 0)
+    assert router.route("s").policy_version == 1  # first read is synchronous
+    slow = reg.alias_versions
+    reg.alias_versions = lambda: (gate.wait(5), slow())[1]  # a registry that hangs until released
+    reg.set({"champion": (2, "lora")})
+    clock.now = 3.0
+    assert router.route("s").policy_version == 1, "route() answered from the cache while the refresh hangs"
+    gate.set()
+    for _ in range(100):
+        if router.route("s").policy_version == 2:
+            break
+        threading.Event().wait(0.02)
+    assert router.route("s").policy_version == 2, "the background refresh never landed"
