@@ -21,7 +21,10 @@ Headers (all optional; without a session id the request is forwarded but not log
                                a started session that sees no request for idle_timeout_s ends with
                                status idle_timeout
 The agent does not choose the policy: the model name it sends is replaced by the routed one
-(`route(session_id) -> (served name, policy version)`), and the reply shows its own name back.
+(`route(session_id) -> Routed(served name, policy version, server)`; `--router serving` uses
+serving.router's sticky champion/challenger split), and the reply shows its own name back.
+For a full-weight route the proxy reads the server's loaded version before and after the call
+and logs the call only when both agree (a reload in between makes the version unknowable).
 Authorization is forwarded to vLLM and never logged.
 """
 
@@ -42,7 +45,17 @@ from ingest.sidecar import MAIN_AGENT, SessionLogger
 
 log = logging.getLogger(__name__)
 
-RouteFn = Callable[[str], tuple[str, int]]
+@dataclass(frozen=True)
+class Routed:
+    """Where one session's request goes and which policy version is logged for it."""
+
+    model: str  # served model name sent to vLLM
+    policy_version: int
+    server: str | None = None  # vLLM base URL; None: the configured upstream
+    loaded_version: Callable[[], int] | None = None  # full weights: read the server's version (before/after check)
+
+
+RouteFn = Callable[[str], Routed]
 
 H_SESSION = "X-Flywheel-Session-Id"
 H_AGENT = "X-Flywheel-Agent-Id"
@@ -82,24 +95,23 @@ class ProxyConfig:
 
 def static_route(model: str, policy_version: int) -> RouteFn:
     """Every session to one served model (the default until serving.router is in use)."""
-    return lambda _session_id: (model, policy_version)
+    fixed = Routed(model, policy_version)
+    return lambda _session_id: fixed
 
 
 def serving_route() -> RouteFn:
-    """serving.router.Router: champion/challenger, sticky per session."""
+    """serving.router.Router (config from FLYWHEEL_* like every process): champion/challenger, sticky per session."""
     try:
         from serving import router as serving_router
     except ImportError as exc:
         raise ConfigError(f"router: serving.router is not importable ({exc}); use --router static") from exc
-    router_cls = getattr(serving_router, "Router", None)
-    cfg_cls = getattr(serving_router, "RouterConfig", None)
-    if router_cls is None:
-        raise ConfigError("router: serving.router has no Router class; use --router static")
-    router = router_cls(load_config(cfg_cls, [], prog="router")) if cfg_cls is not None else router_cls()
+    router = serving_router.Router(load_config(serving_router.RouterConfig, [], prog="router"))
 
-    def route(session_id: str) -> tuple[str, int]:
+    def route(session_id: str) -> Routed:
         chosen = router.route(session_id)
-        return str(chosen.model), int(chosen.policy_version)
+        server = chosen.server or None
+        exact = (lambda: router.loaded_version(server)) if chosen.kind == "full" and server else None
+        return Routed(str(chosen.model), int(chosen.policy_version), server, exact)
 
     return route
 
@@ -135,6 +147,7 @@ class _Call:
     response_id: str | None = None
     prompt_text: str | None = None
     echo: bool = False
+    version_before: int | None = None
 
 
 class CaptureProxy:
@@ -147,7 +160,8 @@ class CaptureProxy:
         self.upstream = cfg.upstream.rstrip("/")
         self.sessions: dict[str, _SessionState] = {}
         self.counters = {"requests": 0, "logged_calls": 0, "unlogged_no_session": 0, "upstream_errors": 0,
-                         "bad_requests": 0, "log_errors": 0, "client_disconnects": 0, "idle_timeouts": 0}
+                         "bad_requests": 0, "log_errors": 0, "client_disconnects": 0, "idle_timeouts": 0,
+                         "version_ambiguous": 0}
         self._http: Any = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -223,13 +237,24 @@ class CaptureProxy:
         except ValueError as exc:
             self.counters["bad_requests"] += 1
             return _error(400, f"request body is not valid JSON: {exc}")
-        call = self._begin(request, kind, body, started)
+        loop = asyncio.get_running_loop()
+        session_id = request.headers.get(H_SESSION) or ""
+        try:  # the router may read the registry or probe servers: never on the event loop
+            routed = await loop.run_in_executor(None, self.route, session_id)
+        except Exception as exc:
+            self.counters["upstream_errors"] += 1
+            log.warning("proxy: routing session %r failed (%s); answered 503", session_id, exc)
+            return _error(503, f"no policy route for this session: {exc}")
+        call = self._begin(request, kind, body, started, routed)
+        if routed.loaded_version is not None:
+            call.version_before = await self._loaded_version(routed)
         upstream_body = self._upstream_body(kind, body, call)
         headers = self._forward_headers(request)
+        url = f"{(routed.server or self.upstream).rstrip('/')}{path}"
         try:
             if body.get("stream"):
-                return await self._stream(request, path, upstream_body, headers, call)
-            async with self._http.post(f"{self.upstream}{path}", json=upstream_body, headers=headers) as resp:
+                return await self._stream(request, url, upstream_body, headers, call, routed)
+            async with self._http.post(url, json=upstream_body, headers=headers) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
                     self.counters["upstream_errors"] += 1
@@ -237,18 +262,41 @@ class CaptureProxy:
                 payload = json.loads(raw)
         except (OSError, asyncio.TimeoutError) as exc:
             self.counters["upstream_errors"] += 1
-            log.warning("proxy: upstream %s%s failed (%s); answered 502", self.upstream, path, exc)
-            return _error(502, f"upstream {self.upstream} unavailable: {exc}")
+            log.warning("proxy: upstream %s failed (%s); answered 502", url, exc)
+            return _error(502, f"upstream {url} unavailable: {exc}")
         self._collect(call, payload, streaming=False)
+        await self._check_version(call, routed)
         self._log(call)
         self._strip(call, payload, streaming=False)
         self._after(request, call)
         return web.json_response(payload)
 
-    async def _stream(self, request: Any, path: str, upstream_body: dict[str, Any], headers: dict[str, str], call: _Call) -> Any:
+    async def _loaded_version(self, routed: Routed) -> int | None:
+        assert routed.loaded_version is not None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, routed.loaded_version)
+        except Exception as exc:
+            log.warning("proxy: cannot read the loaded version of %s (%s)", routed.server, exc)
+            return None
+
+    async def _check_version(self, call: _Call, routed: Routed) -> None:
+        """Full weights can be replaced under one served name: log only when the version is certain."""
+        if routed.loaded_version is None:
+            return
+        after = await self._loaded_version(routed)
+        if call.version_before is None or after != call.version_before:
+            self.counters["version_ambiguous"] += 1
+            log.warning("proxy: session %s: %s held policy-v%s before and policy-v%s after the call; llm_call not logged",
+                        call.session_id, routed.server, call.version_before, after)
+            call.session_id = None  # nothing is logged for it
+        else:
+            call.policy_version = after
+
+    async def _stream(self, request: Any, url: str, upstream_body: dict[str, Any], headers: dict[str, str], call: _Call,
+                      routed: Routed) -> Any:
         from aiohttp import web
 
-        async with self._http.post(f"{self.upstream}{path}", json=upstream_body, headers=headers) as resp:
+        async with self._http.post(url, json=upstream_body, headers=headers) as resp:
             if resp.status != 200:
                 self.counters["upstream_errors"] += 1
                 return web.Response(status=resp.status, body=await resp.read(), content_type=resp.content_type)
@@ -283,6 +331,7 @@ class CaptureProxy:
                     self.counters["client_disconnects"] += 1
                     return out
             if complete or call.finish:
+                await self._check_version(call, routed)
                 self._log(call)
             self._after(request, call)
             try:
@@ -292,11 +341,11 @@ class CaptureProxy:
             return out
 
     # ---------------------------------------------------------------- request side
-    def _begin(self, request: Any, kind: str, body: dict[str, Any], started: float) -> _Call:
+    def _begin(self, request: Any, kind: str, body: dict[str, Any], started: float, routed: Routed) -> _Call:
         h = request.headers
         session_id = h.get(H_SESSION) or None
         agent_id = h.get(H_AGENT) or MAIN_AGENT
-        model, version = self.route(session_id or "")
+        model, version = routed.model, routed.policy_version
         call = _Call(
             kind=kind, session_id=session_id, agent_id=agent_id, parent_agent_id=h.get(H_PARENT) or None,
             model=model, policy_version=version, started=started,
@@ -464,7 +513,7 @@ def run(cfg: ProxyConfig) -> int:
     from aiohttp import web
 
     route = build_route(cfg)
-    log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "serving.router")
+    log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "serving.router.Router")
     logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name)
     log.info("proxy: logging llm_call events to %s on %s", cfg.events_topic, cfg.kafka_bootstrap)
     proxy = CaptureProxy(cfg, logger, route)

@@ -34,6 +34,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _start_proxy(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), *args]
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1).read()
+            return proc, url
+        except (urllib.error.URLError, OSError):
+            assert proc.poll() is None, f"proxy exited: {log_path.read_text()}"
+            time.sleep(0.3)
+    proc.kill()
+    pytest.fail(f"proxy did not answer on {url} within 60s: {log_path.read_text()}")
+
+
+def _stop_proxy(proc: subprocess.Popen, log_path: Path) -> None:
+    proc.terminate()
+    code = proc.wait(timeout=30)
+    assert code == 0, f"proxy exited {code} on SIGTERM: {log_path.read_text()[-2000:]}"
+
+
 @pytest.fixture(scope="module")
 def proxy(kafka_bootstrap: str, vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from kafka.admin import KafkaAdminClient, NewTopic
@@ -41,29 +65,11 @@ def proxy(kafka_bootstrap: str, vllm_url: str, tmp_path_factory: pytest.TempPath
     topic = f"test.proxy.{uuid.uuid4().hex[:10]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="tests")
     admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), "--upstream", vllm_url,
-           "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic, "--idle-timeout-s", "2",
-           "--spool-name", f"test-proxy-{uuid.uuid4().hex[:8]}"]
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1).read()
-            break
-        except (urllib.error.URLError, OSError):
-            assert proc.poll() is None, f"proxy exited: {log_path.read_text()}"
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"proxy did not answer on {url} within 60s: {log_path.read_text()}")
+    proc, url = _start_proxy(["--upstream", vllm_url, "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
+                              "--idle-timeout-s", "2", "--spool-name", f"test-proxy-{uuid.uuid4().hex[:8]}"], log_path)
     yield {"url": url, "topic": topic, "proc": proc, "log": log_path}
-    proc.terminate()
-    code = proc.wait(timeout=30)
-    assert code == 0, f"proxy exited {code} on SIGTERM: {log_path.read_text()[-2000:]}"
+    _stop_proxy(proc, log_path)
     admin.delete_topics([topic])
     admin.close()
 
@@ -189,3 +195,24 @@ def test_bad_requests_get_clear_errors_and_the_proxy_keeps_working(proxy: dict) 
     ok = _client(proxy["url"]).chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].message is not None
     assert "policy-v0" in [m.id for m in _client(proxy["url"]).models.list().data]
+
+
+def test_serving_router_logs_the_version_the_server_holds(kafka_bootstrap: str, vllm_url: str, new_topic: Any,
+                                                          tmp_path: Path, vllm_weights_lock: None) -> None:
+    """--router serving: an empty registry means the base model; the logged version is what vLLM reports."""
+    from serving.publisher import weight_version
+
+    topic = new_topic("proxy-router")
+    env = {"FLYWHEEL_REGISTERED_MODEL": f"test-proxy-{uuid.uuid4().hex[:8]}", "FLYWHEEL_SERVERS": vllm_url}
+    proc, url = _start_proxy(["--router", "serving", "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
+                              "--spool-name", f"test-proxy-r-{uuid.uuid4().hex[:8]}"], tmp_path / "proxy.log", env)
+    try:
+        session = f"s-{uuid.uuid4().hex}"
+        reply = _client(url).chat.completions.create(model="m", messages=MESSAGES, max_tokens=4,
+                                                     extra_headers={"X-Flywheel-Session-Id": session})
+        assert reply.model == "m"
+        held = weight_version(vllm_url)
+        events = [e for e in _events(kafka_bootstrap, topic, session, 1) if e["type"] == "llm_call"]
+        assert len(events) == 1 and events[0]["policy_version"] == held and events[0]["model"] == "policy-v0", events
+    finally:
+        _stop_proxy(proc, tmp_path / "proxy.log")
