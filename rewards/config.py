@@ -93,6 +93,9 @@ class PenaltySettings:
 
 @dataclass(frozen=True)
 class JoinSettings:
+    # after session_end, wait this long past the session's newest event before labelling: the proxy's
+    # llm_call events and the SDK's session_end travel as different producers and may arrive out of order
+    end_grace_s: float = 0.0
     session_idle_timeout_s: float = 3600.0  # a session with no session_end ends this long after its last event
     unknown_session_hold_s: float = 3600.0  # an outcome for a session never seen is held this long, then dropped
     relabel_horizon_s: float = 7 * 86400.0  # after session end, outcomes still append a label for this long
@@ -193,7 +196,7 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
     penalties = _build(PenaltySettings, doc.get("penalties", {}), "penalties")
     _check_number("penalties", "malformed_tool_call", penalties.malformed_tool_call, hi=0)
     join = _build(JoinSettings, doc.get("join", {}), "join")
-    for name in ("session_idle_timeout_s", "unknown_session_hold_s", "relabel_horizon_s"):
+    for name in ("end_grace_s", "session_idle_timeout_s", "unknown_session_hold_s", "relabel_horizon_s"):
         _check_number("join", name, getattr(join, name), lo=0)
     max_window = max((k.window_s for k in outcomes.values()), default=0.0)
     if join.relabel_horizon_s < max_window:

@@ -224,6 +224,7 @@ class Builder:
                                      Path(cfg.state_dir) / "judge_cache")
         self.state = self.store.load()
         self.store.cleanup(self.state)
+        self.emitted = self._load_emitted()
         full = schema.event_arrow_schema()
         self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED])
         self.outcome_schema = schema.outcome_arrow_schema()
@@ -284,7 +285,8 @@ class Builder:
         # 3. which sessions were emitted before (index lookup only for sessions not pending)
         by_session = self._group(events)
         unknown = (new_event_sids - pending_ids) | {o["session_id"] for o in fresh if o["session_id"] not in by_session}
-        index = lookup_index(self.con, self.store, st.segments, unknown)
+        # only sessions the in-memory filter knows are looked up, so a pass never scans the whole index
+        index = lookup_index(self.con, self.store, st.segments, {sid for sid in unknown if hash(sid) in self.emitted})
         for sid in [s for s in by_session if s in index]:
             drops["late_event"] += len(by_session.pop(sid))
             log.warning("episodes: events arrived for session %s after it was labelled; dropped (late_event)", sid)
@@ -385,6 +387,7 @@ class Builder:
         )
         self.store.commit(new_state, retired)
         self.state = new_state
+        self.emitted.update(hash(r["session_id"]) for r in index_rows)
         res.pending_sessions = len(keep_sids)
         res.held_outcomes = len(still_held)
         res.drops = {k: v for k, v in drops.items() if v}
@@ -392,6 +395,18 @@ class Builder:
         return res
 
     # -- pieces of a pass ---------------------------------------------------------------------
+    def _load_emitted(self) -> set[int]:
+        """Hashes of every session in the live index: read once per process, then kept up to date.
+
+        A hash collision only costs one extra index lookup; Python's per-process string hash is
+        fine because the set never leaves the process.
+        """
+        if not self.state.segments:
+            return set()
+        paths = [str(self.store.segment_path(s)) for s in self.state.segments]
+        ids = self.con.sql(f"SELECT DISTINCT session_id FROM read_parquet({paths!r})").to_arrow_table()
+        return {hash(sid) for sid in ids.column(0).to_pylist()}
+
     def _merge_events(self, new_events: "pa.Table") -> tuple["pa.Table", int]:
         import pyarrow as pa
 
@@ -436,6 +451,8 @@ class Builder:
         join = self.rewards.join
         if s.ended:
             end_ts, end_how = s.end_ts, "session_end"
+            if clock - s.last_ts < dt.timedelta(seconds=join.end_grace_s):
+                return None  # events from the other emitter (proxy vs SDK) may still be in flight
         elif clock - s.last_ts >= dt.timedelta(seconds=join.session_idle_timeout_s):
             end_ts, end_how = s.last_ts + dt.timedelta(seconds=join.session_idle_timeout_s), "idle_timeout"
         else:

@@ -245,3 +245,42 @@ def test_restart_resumes_from_the_cursor(rig: Rig, tmp_path: Path) -> None:
     res = fresh.run_pass(now=after(end2, 2))
     assert res.new_event_rows == len(events2) and res.sessions_emitted == 1
     assert [f.first for f in lake.list_files(rig.root, "episodes")] == [0, 2]
+
+
+def test_late_events_after_label_are_dropped(rig: Rig) -> None:
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 2))
+    straggler = synthetic.SessionBuilder("s1", after(end, 3))
+    straggler.llm_call()
+    rig.feed.write("events", straggler.events)
+    res = rig.run(after(end, 10))
+    assert res.rows_written == 0 and rig.counters()["dropped_late_event"] == 1, rig.counters()
+    assert rig.builder.state.pending is None or rig.builder.state.pending.num_rows == 0
+
+
+def test_relabel_after_a_restart(rig: Rig) -> None:
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.run(after(end, 700))
+    rig.builder = episodes.Builder(rig.cfg, rig.rewards)  # a new process: the emitted set comes from the index
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 800))])
+    res = rig.run(after(end, 801))
+    assert res.relabels == 1 and sorted(rig.labels("s1")) == [1, 2]
+
+
+def test_end_grace_waits_for_stragglers(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.rewards = config.parse(TOML.replace("[join]", "[join]\nend_grace_s = 30"))
+    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 5))
+    assert rig.rows() == [], "label 1 must wait end_grace_s after the newest event"
+    late_call = synthetic.SessionBuilder("s1", after(end, 6))
+    late_call.llm_call()
+    rig.feed.write("events", late_call.events)
+    rig.run(after(end, 40))
+    assert len(rig.labels("s1")[1]) == 3, "the proxy's late llm_call belongs to label 1"
