@@ -73,3 +73,33 @@ def write_episodes(root: str | Path, rows: Iterable[dict[str, Any]], seq: int, s
     table = pa.Table.from_pylist(list(rows), schema=schema.episode_arrow_schema())
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     return lake.write_file(str(root), "episodes", date, source, partition, seq, seq, table)
+
+
+def sample_rows(vllm_url: str, model: str, prompts: list[list[int]], *, n: int, max_tokens: int,
+                policy_version: int, reward_fn: Any, task_type: str = "t", temperature: float = 1.0,
+                timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Sample n completions per prompt from a real vLLM server and turn them into episode rows.
+
+    Token ids and behaviour logprobs are the server's own (return_token_ids + logprobs), exactly
+    what the capture proxy logs in production; `reward_fn(completion_ids) -> float`. The n samples
+    of one prompt share a group_id, so they get group-relative advantages.
+    """
+    import json
+    import urllib.request
+
+    rows: list[dict[str, Any]] = []
+    for prompt in prompts:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "n": n, "temperature": temperature,
+                "logprobs": 0, "return_token_ids": True, "ignore_eos": True}
+        request = urllib.request.Request(f"{vllm_url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            choices = json.loads(response.read())["choices"]
+        group = uuid.uuid4().hex
+        for choice in choices:
+            ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            rows.append(episode_row(prompt=list(prompt), completion=ids, logprobs=logprobs,
+                                    reward=float(reward_fn(ids)), policy_version=policy_version,
+                                    task_type=task_type, group_id=group))
+    return rows
