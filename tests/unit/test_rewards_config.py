@@ -53,3 +53,14 @@ def test_mistakes_are_named(extra: str, message: str) -> None:
 def test_missing_file_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(config.RewardConfigError, match="nothere.toml"):
         config.load(tmp_path / "nothere.toml")
+
+
+def test_builder_refuses_a_bad_rewards_file(tmp_path, caplog) -> None:
+    from rewards import episodes
+
+    bad = tmp_path / "r.toml"
+    bad.write_text("[outcomes.accepted]\nwieght = 1\n")
+    code = episodes.main(["--rewards-toml", str(bad), "--state-dir", str(tmp_path / "state"), "--lake-root", str(tmp_path / "lake")])
+    assert code == 2
+    assert "wieght" in caplog.text
+    assert not (tmp_path / "state").exists(), "nothing may be written before the config is valid"
