@@ -202,9 +202,13 @@ _KIND_CHECK = {
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
     "bool": lambda v: isinstance(v, bool),
     "ts": lambda v: isinstance(v, str) and _parse_ts(v) is not None,
-    "ints": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
-    "floats": lambda v: isinstance(v, list)
-    and all(isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) for x in v),
+    # token-id lists run to thousands of items per event: a C-level pass over the item types settles
+    # the common case, the per-item check only runs for unusual items (the lake writer's hot path)
+    "ints": lambda v: isinstance(v, list) and (
+        set(map(type, v)) <= {int} or all(isinstance(x, int) and not isinstance(x, bool) for x in v)),
+    "floats": lambda v: isinstance(v, list) and (
+        (set(map(type, v)) <= {int, float} and not any(map(math.isnan, v)))
+        or all(isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) for x in v)),
     "strs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "json": lambda v: True,
 }

@@ -30,7 +30,7 @@ def run_until(cfg: LakeWriterConfig, done: Callable[[], bool], timeout_s: float 
     deadline = time.monotonic() + timeout_s
     state = {"last": 0.0}
 
-    def stop() -> bool:
+    def stop(_writer: object) -> bool:
         if time.monotonic() > deadline:
             return True
         if time.monotonic() - state["last"] < 0.5:

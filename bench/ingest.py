@@ -1,0 +1,270 @@
+"""`flywheel bench ingest`: the lake writer's rate against kafka-python's raw consume rate, and
+how long an event takes from produce to visible in the lake.
+
+    flywheel bench ingest [--events 20000] [--partitions 4] [--live-rate 500] [--live-seconds 10]
+
+1. Produce N realistic session events (llm_calls of several KB with prompt/completion token
+   ids and logprobs, plus tool calls) into a fresh topic.
+2. (a) raw: a kafka-python consumer reads the same records with no processing.
+   (b) writer: the lake writer (in this process) reads them and publishes Parquet.
+   Both rates run from the first record received to the last record handled (consumed,
+   resp. published), so group join and connection set-up are not counted for either.
+3. Live: a lake writer subprocess follows a second topic while this process produces at a
+   steady rate, stamping each event's ts at send time; a watcher lists the lake every 50 ms
+   and records when each event became visible. p95_visible_s is over all events.
+
+Starts Kafka when it is not running (and stops only that). Prints a table, then the JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ingest import lake, schema
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def realistic_event(rng: random.Random, i: int, ts: str | None = None) -> dict[str, Any]:
+    """An event as the SDK emits it: mostly llm_calls with ~1-2k token ids, some tool events."""
+    base = {"schema_version": 1, "event_id": uuid.uuid4().hex, "session_id": f"sess-{i // 20:06d}",
+            "agent_id": "main", "seq": i % 20, "ts": ts or schema.now_ts()}
+    kind = i % 4
+    if kind in (0, 1, 2):
+        n_prompt, n_completion = rng.randint(600, 1400), rng.randint(60, 250)
+        return {**base, "type": "llm_call", "model": "policy-v3", "policy_version": 3,
+                "prompt_token_ids": [rng.randrange(512) for _ in range(n_prompt)],
+                "completion_token_ids": [rng.randrange(512) for _ in range(n_completion)],
+                "completion_logprobs": [round(-rng.random() * 3, 4) for _ in range(n_completion)],
+                "finish_reason": "stop", "latency_s": 0.4, "sampling": {"temperature": 1.0, "max_tokens": 256},
+                "completion_text": "x" * n_completion * 3, "request_id": uuid.uuid4().hex}
+    return {**base, "type": "tool_result", "call_id": uuid.uuid4().hex, "name": "run_tests", "ok": rng.random() < 0.5,
+            "output": "F" * rng.randint(200, 2000)}
+
+
+def _producer(bootstrap: str) -> Any:
+    from kafka import KafkaProducer
+
+    return KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1024 * 1024, acks=1,
+                         compression_type="lz4", max_request_size=8 * 1024 * 1024)
+
+
+def produce_prefilled(bootstrap: str, topic: str, n: int, seed: int) -> int:
+    """Produce n events; return their total wire bytes."""
+    from rich.progress import Progress
+
+    rng = random.Random(seed)
+    producer = _producer(bootstrap)
+    total = 0
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"produce {n} events", total=n)
+        for i in range(n):
+            value = json.dumps(realistic_event(rng, i)).encode()
+            total += len(value)
+            producer.send(topic, key=f"sess-{i // 20}".encode(), value=value)
+            if i % 500 == 0:
+                progress.update(task, completed=i)
+        producer.flush()
+    producer.close()
+    return total
+
+
+def raw_consume(bootstrap: str, topic: str, n: int) -> float:
+    """Seconds kafka-python takes to hand over n records (first to last), with the writer's fetch settings."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
+                             max_partition_fetch_bytes=2 * schema.MAX_RECORD_BYTES, fetch_max_bytes=64 * 1024 * 1024)
+    parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+    consumer.assign(parts)
+    consumer.seek_to_beginning(*parts)
+    for tp in parts:
+        consumer.position(tp)  # resolve the start offsets before the clock starts, as the writer's assignment does
+    seen, t_first = 0, None
+    while seen < n:
+        t_poll = time.perf_counter()
+        batches = consumer.poll(timeout_ms=500, max_records=5000)
+        if batches and t_first is None:
+            t_first = t_poll  # from the start of the first poll that returned records, as for the writer
+        seen += sum(len(m) for m in batches.values())
+    elapsed = time.perf_counter() - (t_first or time.perf_counter())
+    consumer.close()
+    return elapsed
+
+
+def writer_rate(bootstrap: str, topic: str, n: int, lake_root: str, var_dir: str) -> tuple[float, int]:
+    """Seconds the lake writer takes from its first record to n records published; and its file count."""
+    from ingest.lake_writer import LakeWriter, LakeWriterConfig, run
+
+    cfg = LakeWriterConfig(kafka_bootstrap=bootstrap, events_topic=topic, outcomes_topic="",
+                           dlq_topic=f"{topic}.dlq", group_id=f"bench-{uuid.uuid4().hex[:8]}", lake_root=lake_root,
+                           var_dir=var_dir, log_level="WARNING")
+    marks: dict[str, float] = {"prev": time.perf_counter()}
+
+    def stop(writer: LakeWriter) -> bool:
+        # stop() runs after each poll: the previous call's time is the start of this poll
+        if "first" not in marks and writer.stats.records:
+            marks["first"] = marks["prev"]
+        marks["prev"] = time.perf_counter()
+        if sum(last + 1 for last in writer.published.values()) >= n:
+            marks["done"] = time.perf_counter()
+            return True
+        return False
+
+    run(cfg, stop=stop)
+    return marks["done"] - marks["first"], len(lake.list_files(lake_root, "events"))
+
+
+def live_latency(bootstrap: str, topic: str, rate: float, seconds: float, lake_root: str, var_dir: str) -> list[float]:
+    """Produce at `rate`/s for `seconds` while a writer subprocess follows; return produce-to-visible seconds."""
+    from infra.status import read_statuses
+
+    name = f"bench-{uuid.uuid4().hex[:6]}"
+    args = [sys.executable, "-m", "ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
+            "--outcomes-topic", "", "--dlq-topic", f"{topic}.dlq", "--group-id", name, "--writer-id", name,
+            "--lake-root", lake_root, "--var-dir", var_dir, "--log-level", "WARNING"]
+    proc = subprocess.Popen(args, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while read_statuses(var_dir).get(f"lake-writer-{name}", {}).get("partitions", 0) == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "the lake writer did not take its partitions"
+            time.sleep(0.2)
+        sent: dict[str, float] = {}  # event_id -> produce time
+        visible: dict[str, float] = {}
+        done = threading.Event()
+
+        def watch() -> None:
+            import pyarrow.parquet as pq
+
+            seen_files: set[str] = set()
+            while not done.is_set():
+                now = time.time()
+                for f in lake.list_files(lake_root, "events"):
+                    if f.path not in seen_files:
+                        seen_files.add(f.path)
+                        for eid in pq.read_table(f.path, columns=["event_id"]).column("event_id").to_pylist():
+                            visible.setdefault(eid, now)
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        rng = random.Random(7)
+        producer = _producer(bootstrap)
+        n = int(rate * seconds)
+        t0 = time.time()
+        for i in range(n):
+            time.sleep(max(0.0, t0 + i / rate - time.time()))
+            event = realistic_event(rng, i)
+            sent[event["event_id"]] = time.time()
+            producer.send(topic, key=event["session_id"].encode(), value=json.dumps(event).encode())
+            producer.flush() if i % 10 == 0 else None  # the SDK's linger is ms; keep sends prompt
+        producer.flush()
+        producer.close()
+        deadline = time.monotonic() + 30
+        while len(visible) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        done.set()
+        watcher.join()
+        return [visible[e] - t for e, t in sent.items() if e in visible] + [float("inf")] * (n - len(visible))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flywheel bench ingest", description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=20_000, help="events for the rate comparison")
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--live-rate", type=float, default=300.0, help="events/s in the visibility run")
+    parser.add_argument("--live-seconds", type=float, default=10.0)
+    parser.add_argument("--kafka-bootstrap", default=os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    args = parser.parse_args(argv)
+
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from rich.console import Console
+    from rich.table import Table
+
+    from infra import stack
+
+    console = Console(stderr=True)
+    scfg = stack.load_stack_config(["--kafka-bootstrap", args.kafka_bootstrap]) if _stack_takes_flag() else stack.load_stack_config([])
+    started = stack.ensure_up(scfg, parts=["kafka"])
+    if started:
+        console.print(f"started {started} for this benchmark")
+    suffix = uuid.uuid4().hex[:8]
+    rate_topic, live_topic = f"bench.ingest.{suffix}", f"bench.ingest-live.{suffix}"
+    admin = KafkaAdminClient(bootstrap_servers=args.kafka_bootstrap)
+    admin.create_topics([NewTopic(rate_topic, args.partitions, 1), NewTopic(live_topic, args.partitions, 1)])
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
+            console.print(f"producing {args.events} events into {rate_topic} ...")
+            wire_bytes = produce_prefilled(args.kafka_bootstrap, rate_topic, args.events, seed=1)
+            console.print("raw kafka-python consume ...")
+            raw_s = raw_consume(args.kafka_bootstrap, rate_topic, args.events)
+            console.print("lake writer ...")
+            writer_s, files = writer_rate(args.kafka_bootstrap, rate_topic, args.events, f"{tmp}/lake", f"{tmp}/var")
+            console.print(f"live: {args.live_rate:.0f} events/s for {args.live_seconds:.0f} s ...")
+            latencies = live_latency(args.kafka_bootstrap, live_topic, args.live_rate, args.live_seconds,
+                                     f"{tmp}/live-lake", f"{tmp}/var")
+    finally:
+        admin.delete_topics([rate_topic, live_topic])
+        admin.close()
+        if started:
+            stack.down(scfg, parts=started)
+
+    raw_rate, rate = args.events / raw_s, args.events / writer_s
+    result = {
+        "events": args.events,
+        "mean_event_bytes": round(wire_bytes / args.events),
+        "raw_consume_events_per_s": round(raw_rate, 1),
+        "events_per_s": round(rate, 1),
+        "mb_per_s": round(wire_bytes / writer_s / 1e6, 2),
+        "ratio": round(rate / raw_rate, 3),
+        "files": files,
+        "live_rate": args.live_rate,
+        "p50_visible_s": round(_percentile(latencies, 0.5), 3),
+        "p95_visible_s": round(_percentile(latencies, 0.95), 3),
+        "max_visible_s": round(max(latencies), 3),
+        "cpu_count": os.cpu_count(),
+    }
+    table = Table(title="ingest: Kafka -> Parquet lake")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("events (mean bytes)", f"{args.events} ({result['mean_event_bytes']} B)")
+    table.add_row("raw kafka-python consume", f"{raw_rate:,.0f} events/s")
+    table.add_row("lake writer to published Parquet", f"{rate:,.0f} events/s, {result['mb_per_s']} MB/s, {files} files")
+    table.add_row("ratio writer / raw (target >= 0.7)", f"{result['ratio']:.2f}")
+    table.add_row(f"produce -> visible at {args.live_rate:.0f}/s: p50 / p95 / max (target p95 < 5 s)",
+                  f"{result['p50_visible_s']} / {result['p95_visible_s']} / {result['max_visible_s']} s")
+    Console().print(table)
+    print(json.dumps(result))
+    return 0
+
+
+def _stack_takes_flag() -> bool:
+    import dataclasses
+
+    from infra import stack
+
+    return any(f.name == "kafka_bootstrap" for f in dataclasses.fields(stack.StackConfig))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
