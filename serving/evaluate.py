@@ -19,6 +19,7 @@ import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from serving.publisher import ServerError, http
@@ -77,11 +78,21 @@ def arithmetic_tasks(n: int = 64, seed: int = 0) -> list[EvalTask]:
 
 
 def load_tasks(spec: str) -> list[EvalTask]:
-    """Tasks from "module:function" (called with no arguments)."""
+    """Tasks from "module:function" or "path/to/file.py:function" (called with no arguments)."""
     module_name, _, func_name = spec.partition(":")
     if not func_name:
         raise ValueError(f"eval task set {spec!r}: expected 'module:function'")
-    func = getattr(importlib.import_module(module_name), func_name)
+    if module_name.endswith(".py"):  # a file path: a demo's task family need not be an installed module
+        import importlib.util
+
+        spec_obj = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+        if spec_obj is None or spec_obj.loader is None:
+            raise ValueError(f"eval task set {spec!r}: cannot load {module_name}")
+        module = importlib.util.module_from_spec(spec_obj)
+        spec_obj.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    func = getattr(module, func_name)
     tasks = list(func())
     if not tasks or not all(isinstance(t, EvalTask) for t in tasks):
         raise ValueError(f"eval task set {spec!r}: must return a non-empty iterable of EvalTask")

@@ -164,3 +164,24 @@ def test_full_weight_versions_gate_on_cached_champion_score_and_reject_restores_
         assert Router(cfg).route("s").policy_version == b
     finally:
         publisher._reload(vllm_url, base_model_dir.resolve(), 0, cfg)
+
+
+def test_promote_auto_loop_from_the_command_line(cfg: promote.PromoteConfig, base_model_dir: Path,
+                                                 tmp_path: Path) -> None:
+    registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
+    a = _publish(cfg, base_model_dir, tmp_path, 50)
+    registry.make_champion(a)
+    b = _publish(cfg, base_model_dir, tmp_path, 51)
+    write_sessions(cfg.lake_root, a, _rates(0.2, 40, 50))
+    write_sessions(cfg.lake_root, b, _rates(0.9, 40, 51))
+    argv = ["--auto", "--rounds", "2", "--interval-s", "0.1", "--registered-model", cfg.registered_model,
+            "--mlflow-tracking-uri", cfg.mlflow_tracking_uri, "--experiment", cfg.experiment,
+            "--lake-root", cfg.lake_root, "--servers", cfg.servers[0], "--eval-tasks", f"{__file__}:small_tasks"]
+    assert promote.main(argv) == 0
+    assert registry.aliases() == {"champion": b}
+    assert [r["decision"] for r in _runs(cfg)] == ["promote"], "round 2 has no challenger: nothing to record"
+
+
+def small_tasks() -> list[evaluate.EvalTask]:
+    """A pluggable task set, as the demo passes its own."""
+    return evaluate.arithmetic_tasks(n=8, seed=1)
