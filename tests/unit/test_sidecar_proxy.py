@@ -1,0 +1,154 @@
+"""The capture proxy's response handling without a server: what it logs from vLLM replies (whole and
+streamed), what it strips before the agent sees them, and how sessions end."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ingest import schema
+from ingest.proxy import CaptureProxy, ProxyConfig, Routed, static_route
+from ingest.sidecar import SessionLogger
+from ingest.spool import Spool
+
+
+class _Headers(dict):
+    def get(self, key: str, default: Any = None) -> Any:  # HTTP headers are case-insensitive
+        return next((v for k, v in self.items() if k.lower() == key.lower()), default)
+
+
+class _Request:
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = _Headers(headers)
+
+
+def _dead_bootstrap() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> CaptureProxy:
+    logger = SessionLogger(_dead_bootstrap(), name="p", spool_dir=tmp_path / "spool", linger_s=0.01)
+    proxy = CaptureProxy(ProxyConfig(idle_timeout_s=5.0), logger, static_route("policy-v4", 4))
+    proxy.spool_dir = tmp_path / "spool"  # type: ignore[attr-defined]
+    return proxy
+
+
+def _logged(proxy: CaptureProxy) -> list[dict]:
+    proxy.logger.close(timeout=5)
+    spool = Spool(proxy.spool_dir)  # type: ignore[attr-defined]
+    events = [json.loads(r) for r in spool.peek(10_000)]
+    spool.close()
+    for event in events:
+        schema.validate_event(event)
+    return events
+
+
+def _call(proxy: CaptureProxy, body: dict, headers: dict[str, str], kind: str = "chat") -> Any:
+    return proxy._begin(_Request(headers), kind, body, 0.0, proxy.route(headers.get("X-Flywheel-Session-Id", "")))
+
+
+CHAT_REPLY = {
+    "id": "chatcmpl-1", "model": "policy-v4", "prompt_token_ids": [1, 2, 3],
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop", "token_ids": [7, 8],
+         "logprobs": {"content": [{"token": "h", "logprob": -0.1}, {"token": "i", "logprob": -0.2}]}},
+        {"index": 1, "message": {"role": "assistant", "content": "yo"}, "finish_reason": "length", "token_ids": [9, 10],
+         "logprobs": {"content": [{"token": "y", "logprob": -1.0}, {"token": "o", "logprob": -2.0}]}},
+    ],
+}
+
+
+def test_whole_reply_logs_each_choice_and_strips_unrequested_fields(proxy: CaptureProxy) -> None:
+    body = {"model": "agent-name", "messages": [], "n": 2, "temperature": 0.7}
+    call = _call(proxy, body, {"X-Flywheel-Session-Id": "s1", "X-Flywheel-Agent-Id": "a", "Authorization": "Bearer sk-x"})
+    upstream = proxy._upstream_body("chat", body, call)
+    assert upstream["model"] == "policy-v4" and upstream["return_token_ids"] is True and upstream["logprobs"] is True
+    reply = json.loads(json.dumps(CHAT_REPLY))
+    proxy._collect(call, reply, streaming=False)
+    proxy._log(call)
+    proxy._strip(call, reply, streaming=False)
+    assert reply["model"] == "agent-name" and reply["prompt_token_ids"] is None
+    assert all(c["logprobs"] is None and c["token_ids"] is None for c in reply["choices"])
+    events = _logged(proxy)
+    assert [(e["completion_token_ids"], e["completion_logprobs"], e["finish_reason"]) for e in events] == [
+        ([7, 8], [-0.1, -0.2], "stop"), ([9, 10], [-1.0, -2.0], "length")]
+    assert all(e["prompt_token_ids"] == [1, 2, 3] and e["policy_version"] == 4 and e["model"] == "policy-v4" for e in events)
+    assert all(e["group_id"] == "chatcmpl-1" and e["agent_id"] == "a" for e in events), "n>1 choices form one group"
+    assert events[0]["sampling"] == {"temperature": 0.7, "n": 2} and events[0]["completion_text"] == "hi"
+
+
+def test_stream_chunks_are_accumulated_and_requested_fields_kept(proxy: CaptureProxy) -> None:
+    body = {"model": "m", "messages": [], "stream": True, "logprobs": True, "return_token_ids": True}
+    call = _call(proxy, body, {"X-Flywheel-Session-Id": "s2"})
+    chunks = [
+        {"id": "c", "model": "policy-v4", "prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"id": "c", "model": "policy-v4", "choices": [{"index": 0, "delta": {"content": "ab"}, "token_ids": [11, 12],
+                                                       "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.25}]}}]},
+        {"id": "c", "model": "policy-v4", "choices": [{"index": 0, "delta": {"content": "c"}, "token_ids": [13],
+                                                       "logprobs": {"content": [{"logprob": -3.0}]}, "finish_reason": "stop"}]},
+    ]
+    for chunk in chunks:
+        proxy._collect(call, chunk, streaming=True)
+        proxy._strip(call, chunk, streaming=True)
+    proxy._log(call)
+    assert chunks[0]["prompt_token_ids"] == [5, 6] and chunks[1]["choices"][0]["token_ids"] == [11, 12], "asked-for fields kept"
+    assert chunks[1]["model"] == "m"
+    (event,) = _logged(proxy)
+    assert event["prompt_token_ids"] == [5, 6] and event["completion_token_ids"] == [11, 12, 13]
+    assert event["completion_logprobs"] == [-0.5, -0.25, -3.0] and event["completion_text"] == "abc"
+
+
+def test_completions_logprobs_and_echo(proxy: CaptureProxy) -> None:
+    body = {"model": "m", "prompt": "x", "echo": True}
+    call = _call(proxy, body, {"X-Flywheel-Session-Id": "s3"}, kind="completion")
+    assert proxy._upstream_body("completion", body, call)["logprobs"] == 0
+    reply = {"id": "cmpl", "model": "policy-v4", "choices": [{
+        "index": 0, "text": "xyz", "prompt_token_ids": [1], "token_ids": [2, 3], "finish_reason": "length",
+        "logprobs": {"token_logprobs": [None, -0.5, -0.7], "tokens": ["x", "y", "z"]}}]}
+    proxy._collect(call, reply, streaming=False)
+    proxy._log(call)
+    proxy._strip(call, reply, streaming=False)
+    assert reply["choices"][0]["logprobs"] is None and reply["choices"][0]["prompt_token_ids"] is None
+    (event,) = _logged(proxy)
+    assert event["completion_logprobs"] == [-0.5, -0.7], "echo: the prompt's logprobs are not behaviour logprobs"
+
+
+def test_mismatched_reply_is_not_logged_but_counted(proxy: CaptureProxy) -> None:
+    call = _call(proxy, {"model": "m", "messages": []}, {"X-Flywheel-Session-Id": "s4"})
+    reply = {"id": "x", "prompt_token_ids": [1], "choices": [{"index": 0, "message": {"content": "a"}, "token_ids": [1, 2],
+                                                              "logprobs": {"content": [{"logprob": -1.0}]}}]}
+    proxy._collect(call, reply, streaming=False)
+    proxy._log(call)
+    assert proxy.counters["log_errors"] == 1 and proxy.counters["logged_calls"] == 0
+    assert _logged(proxy) == []
+
+
+def test_session_start_end_and_idle_timeout(proxy: CaptureProxy) -> None:
+    start = {"X-Flywheel-Session-Id": "s5", "X-Flywheel-Session-Event": "start", "X-Flywheel-Task-Type": "qa"}
+    _call(proxy, {"model": "m"}, start)
+    _call(proxy, {"model": "m"}, {"X-Flywheel-Session-Id": "s6", "X-Flywheel-Session-Event": "start"})
+    call = _call(proxy, {"model": "m"}, {"X-Flywheel-Session-Id": "s5", "X-Flywheel-Session-Event": "end"})
+    proxy._after(_Request({"X-Flywheel-Session-Id": "s5", "X-Flywheel-Session-Event": "end"}), call)
+    _call(proxy, {"model": "m"}, {})  # no session: not logged
+    proxy.reap_once(now=1e9)  # long after everything: s6 is idle
+    assert proxy.counters["unlogged_no_session"] == 1 and proxy.counters["idle_timeouts"] == 1
+    events = _logged(proxy)
+    got = [(e["session_id"], e["type"], e.get("status") or e.get("task_type")) for e in events]
+    assert got == [("s5", "session_start", "qa"), ("s6", "session_start", "unknown"), ("s5", "session_end", "ok"),
+                   ("s6", "session_end", "idle_timeout")], got
+    assert not proxy.sessions, "idle sessions are forgotten"
+
+
+def test_routed_server_and_model_come_from_the_route(tmp_path: Path) -> None:
+    logger = SessionLogger(_dead_bootstrap(), name="r", spool_dir=tmp_path / "spool")
+    proxy = CaptureProxy(ProxyConfig(), logger, lambda sid: Routed("policy-v9", 9, "http://other:8000"))
+    call = proxy._begin(_Request({"X-Flywheel-Session-Id": "s"}), "chat", {"model": "agent"}, 0.0, proxy.route("s"))
+    assert (call.model, call.policy_version) == ("policy-v9", 9)
+    logger.close(timeout=1)
