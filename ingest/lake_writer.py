@@ -29,7 +29,7 @@ Exactly-once, whatever instant the process dies:
   is at-least-once; its key topic/partition/offset de-duplicates) but never loses one. An
   envelope too large for the DLQ topic is written to `<lake_root>/_dlq/` instead.
 
-Files roll on record count, bytes, age (default at most 2 s after the first record of the
+Files roll on record count, bytes, age (default at most 1 s after the first record of the
 file arrived, so a quiet topic is visible within seconds) and on a change of the record's
 UTC date. Lag and rates go to `flywheel status` through infra/status.py.
 
@@ -87,7 +87,7 @@ class LakeWriterConfig:
     lake_root: str = setting(defaults.LAKE_ROOT, "lake root: a local path or a pyarrow filesystem URI (s3://...)")
     roll_max_records: int = setting(100_000, "publish a file once it holds this many records")
     roll_max_bytes: int = setting(64 * 1024 * 1024, "publish a file once its records' wire bytes reach this")
-    roll_max_age_s: float = setting(2.0, "publish a file at most this long after its first record arrived")
+    roll_max_age_s: float = setting(1.0, "publish a file at most this long after its first record arrived")
     compression: str = setting("zstd", "Parquet compression codec")
     session_timeout_s: float = setting(10.0, "group session timeout: how soon a dead writer's partitions move")
     poll_timeout_s: float = setting(0.2, "longest wait in one consumer poll")
@@ -711,6 +711,7 @@ class CompactConfig:
     target_rows: int = setting(1_000_000, "a merged file holds at most this many offsets")
     compression: str = setting("zstd", "Parquet compression codec")
     dry_run: bool = setting(False, "only print what would be merged")
+    stale_temp_s: float = setting(3600.0, "delete temp files of killed writers older than this in closed dates")
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
@@ -754,6 +755,27 @@ def plan_compaction(files: list[lake.LakeFile], sizes: dict[str, int], before: s
     return runs
 
 
+def _delete_stale_temps(fs: Any, root: str, table: str, before: str, older_than_s: float) -> int:
+    """Remove temp files a killed writer left in closed date partitions (late events may still be
+    written into a closed date, so only temps older than `older_than_s` go)."""
+    import pyarrow.fs as pafs
+
+    base = lake.filesystem(root)[1]
+    table_dir = f"{base}/{table}"
+    if fs.get_file_info(table_dir).type == pafs.FileType.NotFound:
+        return 0
+    now = time.time()
+    count = 0
+    for info in fs.get_file_info(pafs.FileSelector(table_dir, recursive=True)):
+        parent = info.path.rsplit("/", 2)[-2]
+        if (info.type == pafs.FileType.File and info.base_name.startswith(".") and info.base_name.endswith(".tmp")
+                and parent.startswith("date=") and parent[5:] < before and info.mtime is not None
+                and now - info.mtime.timestamp() > older_than_s):
+            fs.delete_file(info.path)
+            count += 1
+    return count
+
+
 def compact(cfg: CompactConfig) -> dict[str, int]:
     """Merge runs of small files; publish each merged file before deleting what it covers."""
     import pyarrow as pa
@@ -762,7 +784,7 @@ def compact(cfg: CompactConfig) -> dict[str, int]:
 
     before = cfg.before or dt.datetime.now(dt.timezone.utc).date().isoformat()
     fs, _ = lake.filesystem(cfg.lake_root)
-    totals = {"runs": 0, "merged_files": 0, "leftovers_deleted": 0}
+    totals = {"runs": 0, "merged_files": 0, "leftovers_deleted": 0, "stale_temps_deleted": 0}
     for table in cfg.tables:
         on_disk = lake.list_all_files(cfg.lake_root, table)
         visible = lake.list_files(cfg.lake_root, table)
@@ -770,6 +792,8 @@ def compact(cfg: CompactConfig) -> dict[str, int]:
         leftovers = [f for f in set(on_disk) - set(visible) if f.date and f.date < before]
         if leftovers and not cfg.dry_run:
             totals["leftovers_deleted"] += lake.delete_files(cfg.lake_root, leftovers)
+        if not cfg.dry_run:
+            totals["stale_temps_deleted"] += _delete_stale_temps(fs, cfg.lake_root, table, before, cfg.stale_temp_s)
         infos = fs.get_file_info([f.path for f in visible])
         sizes = {i.path: i.size for i in infos if i.type == pafs.FileType.File}
         runs = plan_compaction(visible, sizes, before, cfg.small_file_bytes, cfg.target_rows)

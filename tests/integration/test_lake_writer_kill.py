@@ -157,4 +157,5 @@ def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_t
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=30)
+    assert b.returncode == 0, f"SIGTERM must finish the current work and exit 0, got {b.returncode}"
     check_exact(root, topic, produced, partitions)

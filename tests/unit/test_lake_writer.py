@@ -302,3 +302,53 @@ def test_config_rejects_contradictions() -> None:
         LakeWriterConfig(dlq_topic=schema.EVENTS_TOPIC).check()
     with pytest.raises(ConfigError, match="session_timeout_s"):
         LakeWriterConfig(session_timeout_s=1).check()
+
+
+def test_compact_command_and_stale_temps(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from ingest.lake_writer import compact_main
+
+    w = make_writer(tmp_path, roll_max_records=2)
+    w.assign([(TOPIC, 0)])
+    for i in range(6):
+        w.add(TOPIC, 0, i, wire(event(i, ts="2026-11-28T08:00:00+00:00")))
+    w.flush_all()
+    day = tmp_path / "events" / "date=2026-11-28"
+    old_tmp, new_tmp = day / ".dead.tmp", day / ".inflight.tmp"
+    old_tmp.write_bytes(b"x")
+    new_tmp.write_bytes(b"y")
+    os.utime(old_tmp, (time.time() - 7200, time.time() - 7200))
+    assert compact_main(["--lake-root", str(tmp_path), "--before", "2026-11-29", "--dry-run"]) == 0
+    assert len(lake.list_files(str(tmp_path), "events")) == 3, "a dry run must not change the lake"
+    assert compact_main(["--lake-root", str(tmp_path), "--before", "2026-11-29"]) == 0
+    assert [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 5)]
+    assert not old_tmp.exists() and new_tmp.exists(), "only temps older than stale_temp_s may go"
+
+
+class _TooLarge:
+    """A producer whose broker refuses every record as too large."""
+
+    def send(self, topic: str, key: bytes, value: bytes) -> object:
+        from kafka.errors import MessageSizeTooLargeError
+
+        raise MessageSizeTooLargeError(f"{len(value)} bytes")
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_dead_letter_too_large_for_the_topic_is_kept_in_the_lake(tmp_path: Path) -> None:
+    import base64
+
+    dlq = DeadLetters(_TooLarge(), "flywheel.dlq", str(tmp_path))
+    from ingest.lake_writer import dlq_envelope
+
+    dlq.send(dlq_envelope("oversized", "big", TOPIC, 3, 77, b"\x00" * 1000))
+    dlq.flush()
+    (kept,) = (tmp_path / "_dlq" / TOPIC).iterdir()
+    envelope = json.loads(kept.read_text())
+    assert (envelope["reason"], envelope["offset"]) == ("oversized", 77)
+    assert base64.b64decode(envelope["original_b64"]) == b"\x00" * 1000
+    assert lake.list_files(str(tmp_path), "events") == [], "spilled letters are not lake rows"
