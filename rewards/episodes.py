@@ -225,6 +225,7 @@ class Builder:
         self.state = self.store.load()
         self.store.cleanup(self.state)
         self.emitted = self._load_emitted()
+        self.judge_memo: dict[str, tuple[int | None, str]] = {}
         full = schema.event_arrow_schema()
         self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED])
         self.outcome_schema = schema.outcome_arrow_schema()
@@ -322,6 +323,9 @@ class Builder:
         index_rows: list[dict[str, Any]] = []
         keep_sids: set[str] = set()
         judge_deadline = time.monotonic() + self.rewards.judge.budget_s
+        # a re-run of this intent reuses the judge answers (failures included) its killed attempt
+        # recorded, so it writes the same rows as the attempt a reader may already have seen
+        self.judge_memo = self.store.load_judge_memo() if resumed else {}
         for sid in sorted(by_session):
             session = assemble(sid, by_session[sid])
             out = self._label_one(session, outcomes_of.get(sid, []), clock, judge_deadline, drops)
@@ -349,6 +353,8 @@ class Builder:
             return res
 
         # 6. write the episode file, then the index segment, then commit the state
+        if self.judge_memo:
+            self.store.save_judge_memo(self.judge_memo)
         date = clock.date().isoformat()
         episode_rel = ""
         if rows:
@@ -504,12 +510,20 @@ class Builder:
     def _judge(self, s: Session, task: reward_config.TaskType, deadline: float) -> judge_mod.JudgeResult | None:
         if not task.judge:
             return None
-        if time.monotonic() > deadline:
-            # this pass spent its judge budget: record it rather than hold the whole pass up
-            return judge_mod.JudgeResult(None, "budget")
         main_calls = [e for e in s.llm_calls if e["agent_id"] == s.main_agent] or s.llm_calls
         text = judge_mod.transcript(main_calls, self.rewards.judge.max_chars)
-        return self.judge.score(text, self.rewards.rubrics[task.rubric])
+        rubric = self.rewards.rubrics[task.rubric]
+        key = judge_mod.cache_key(text, rubric, self.judge.model)
+        if key in self.judge_memo:
+            score, status = self.judge_memo[key]
+            return judge_mod.JudgeResult(score, status)
+        if time.monotonic() > deadline:
+            # this pass spent its judge budget: record it rather than hold the whole pass up
+            self.judge_memo[key] = (None, "budget")
+            return judge_mod.JudgeResult(None, "budget")
+        result = self.judge.score(text, rubric)
+        self.judge_memo[key] = (result.score, result.status)
+        return result
 
     def _row(self, s: Session, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
              r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]]) -> dict[str, Any]:

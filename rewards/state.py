@@ -4,6 +4,7 @@
     <state_dir>/gen-<pass>/state.json     cursors, next row sequence, held outcomes, live segments, counters
     <state_dir>/gen-<pass>/pending.parquet events of sessions not yet emitted (lake event schema)
     <state_dir>/intent.json              the plan of the pass in flight: its input range, clock and first row seq
+    <state_dir>/intent-judge.json        the judge answers of the pass in flight, written before its episode file
     <state_dir>/segments/seg-<pass>.parquet  index of emitted sessions (label, episode file, outcomes), immutable
 
 Crash safety: a pass first writes its intent (input range = cursor after, `now`, first row
@@ -11,7 +12,9 @@ sequence number), then its episode file (name fixed by the intent's sequence num
 index segment, and only then commits the new generation by replacing CURRENT. A builder killed
 anywhere re-runs the same intent from the same committed generation, so it rewrites the same
 file names with the same rows: the episodes table ends up as a clean run's, nothing lost,
-nothing duplicated.
+nothing duplicated. Judge answers are the one input from outside the lake: the pass records
+them (failures included) before it writes its episode file, and a re-run uses that record, so
+the rewritten file holds the same rewards as the one a reader may already have read.
 """
 
 from __future__ import annotations
@@ -110,10 +113,21 @@ class StateStore:
         _write_atomic(self.dir / "intent.json", json.dumps(intent.to_json(), sort_keys=True))
 
     def clear_intent(self) -> None:
+        for name in ("intent.json", "intent-judge.json"):
+            try:
+                (self.dir / name).unlink()
+            except FileNotFoundError:
+                pass
+
+    def load_judge_memo(self) -> dict[str, tuple[int | None, str]]:
+        """Judge answers recorded by the in-flight intent (empty when it wrote none)."""
         try:
-            (self.dir / "intent.json").unlink()
+            return {k: (v[0], v[1]) for k, v in json.loads((self.dir / "intent-judge.json").read_text()).items()}
         except FileNotFoundError:
-            pass
+            return {}
+
+    def save_judge_memo(self, memo: dict[str, tuple[int | None, str]]) -> None:
+        _write_atomic(self.dir / "intent-judge.json", json.dumps({k: list(v) for k, v in memo.items()}, sort_keys=True))
 
     def write_segment(self, name: str, table: "pa.Table") -> None:
         import pyarrow.parquet as pq
@@ -149,10 +163,7 @@ class StateStore:
         except FileNotFoundError:
             pass
         _write_atomic(self.dir / "CURRENT", gen.name)  # the commit point
-        try:
-            (self.dir / "intent.json").unlink()
-        except FileNotFoundError:
-            pass
+        self.clear_intent()
         if previous and previous != gen.name:
             shutil.rmtree(self.dir / previous, ignore_errors=True)
         for name in retired_segments:

@@ -284,3 +284,39 @@ def test_end_grace_waits_for_stragglers(tmp_path: Path) -> None:
     rig.feed.write("events", late_call.events)
     rig.run(after(end, 40))
     assert len(rig.labels("s1")[1]) == 3, "the proxy's late llm_call belongs to label 1"
+
+
+def test_rerun_of_a_killed_pass_reuses_its_judge_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The judge is the one input outside the lake: a re-run must not re-ask it and write different rows."""
+    from rewards import judge as judge_mod
+    from rewards.state import StateStore
+
+    rig = Rig(tmp_path)
+    rig.rewards = config.parse(TOML.replace("[task_types.tool_use]", "[task_types.tool_use]\njudge = true"))
+    rig.cfg.judge_url = "http://127.0.0.1:9"  # nothing listens: the first attempt records an error
+    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+
+    def killed(self: StateStore, *args: object) -> None:
+        raise KeyboardInterrupt("killed before commit")
+
+    monkeypatch.setattr(StateStore, "commit", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rig.run(after(end, 2))
+    first = rig.rows()
+    assert len(first) == 2 and {r["r_judge"] for r in first} == {None}
+    monkeypatch.undo()
+
+    class Answering(judge_mod.Judge):  # a judge that would now answer 5
+        def score(self, text: str, rubric: config.Rubric) -> judge_mod.JudgeResult:
+            return judge_mod.JudgeResult(5, "ok")
+
+    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    rig.builder.judge = Answering(rig.cfg.judge_url, rig.builder.judge.model, 1.0, None)
+    res = rig.run(after(end, 500))  # the clock passed in is ignored: the intent's clock rules
+    strip = lambda rows: sorted((r["episode_id"], r["r_judge"], r["reward_detail"]) for r in rows)  # noqa: E731
+    assert res.sessions_emitted == 1
+    assert strip(rig.rows()) == strip(first), "the re-run wrote different rows than the killed attempt"
+    assert not (tmp_path / "state" / "intent-judge.json").exists()
