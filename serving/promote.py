@@ -57,6 +57,7 @@ class PromoteConfig(TierConfig):
     auto_rollback: bool = setting(True, "with --auto, roll back when the champion is significantly worse than the previous")
     interval_s: float = setting(30.0, "seconds between rounds with --auto")
     rounds: int = setting(0, "with --auto, stop after this many rounds (0: until SIGTERM)")
+    var_dir: str = setting(defaults.VAR_DIR, "local state folder; the heartbeat goes to <var_dir>/run/status/promote.json")
 
     def check(self) -> None:
         super().check()
@@ -373,7 +374,7 @@ def run(cfg: PromoteConfig) -> int:
             show(d, console)
         rounds += 1
         write_status("promote", {"round": rounds, "champion": decisions[0].champion,
-                                 "challenger": decisions[0].challenger, "last": decisions[0].action})
+                                 "challenger": decisions[0].challenger, "last": decisions[0].action}, cfg.var_dir)
         if not cfg.auto or (cfg.rounds and rounds >= cfg.rounds) or stop.wait(cfg.interval_s):
             return 0
 

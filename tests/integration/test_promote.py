@@ -174,7 +174,7 @@ def test_promote_auto_loop_from_the_command_line(cfg: promote.PromoteConfig, bas
     b = _publish(cfg, base_model_dir, tmp_path, 51)
     write_sessions(cfg.lake_root, a, _rates(0.2, 40, 50))
     write_sessions(cfg.lake_root, b, _rates(0.9, 40, 51))
-    argv = ["--auto", "--rounds", "2", "--interval-s", "0.1", "--registered-model", cfg.registered_model,
+    argv = ["--auto", "--rounds", "2", "--var-dir", str(tmp_path / "var"), "--interval-s", "0.1", "--registered-model", cfg.registered_model,
             "--mlflow-tracking-uri", cfg.mlflow_tracking_uri, "--experiment", cfg.experiment,
             "--lake-root", cfg.lake_root, "--servers", cfg.servers[0], "--eval-tasks", f"{__file__}:small_tasks"]
     assert promote.main(argv) == 0
