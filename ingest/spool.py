@@ -205,11 +205,19 @@ class Spool:
             os.fsync(self._writer.fileno())
             self._writer.close()
             self._writer = None
-        # An empty, fully replayed spool leaves only its lock behind.
-        if len(self) == 0:
+        # An empty, fully replayed spool leaves nothing behind (a process per pid would otherwise
+        # leave one empty directory per run).
+        empty = len(self) == 0
+        if empty:
             for segment in self._segments:
                 segment.path.unlink(missing_ok=True)
             self._segments = []
             (self.directory / "head.json").unlink(missing_ok=True)
+            (self.directory / "lock").unlink(missing_ok=True)
         fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
         self._lock_fh.close()
+        if empty:
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass  # something else lives there

@@ -35,7 +35,8 @@ def _spooled(directory: Path) -> list[dict]:
 
 
 def _logger(dead_bootstrap: str, tmp_path: Path, **kw) -> SessionLogger:
-    return SessionLogger(dead_bootstrap, name="t", spool_dir=tmp_path / "spool", linger_s=0.01, retry_s=0.2, **kw)
+    options = {"name": "t", "spool_dir": tmp_path / "spool", "linger_s": 0.01, "retry_s": 0.2, **kw}
+    return SessionLogger(dead_bootstrap, **options)
 
 
 def _full_session(log: SessionLogger) -> str:
@@ -174,3 +175,18 @@ def test_forked_child_gets_its_own_pipeline(dead_bootstrap: str, tmp_path: Path)
     child_events = _spooled(tmp_path / f"spool-{pid}")
     assert [e["name"] for e in child_events] == [f"c{i}" for i in range(5)], child_events
     assert [e["name"] for e in _spooled(tmp_path / "spool")] == ["before_fork"]
+
+
+def test_containers_reused_by_the_agent_do_not_change_logged_events(dead_bootstrap: str, tmp_path: Path) -> None:
+    log = _logger(dead_bootstrap, tmp_path, linger_s=10.0)  # the background thread encodes only at close
+    s = log.attach("sess-reuse")
+    ids, args = [1, 2, 3], {"path": "a.py"}
+    s.llm_call(model="m", policy_version=0, prompt_token_ids=ids, completion_token_ids=[4], completion_logprobs=[-1.0])
+    s.tool_call("read", args)
+    ids.extend([99, 100])  # the agent's next turn reuses its buffers
+    args["path"] = "b.py"
+    s.llm_call(model="m", policy_version=0, prompt_token_ids=5, completion_token_ids=[4], completion_logprobs=[-1.0])  # type: ignore[arg-type]
+    log.close(timeout=5)
+    events = _spooled(tmp_path / "spool")
+    assert events[0]["prompt_token_ids"] == [1, 2, 3] and events[1]["arguments"] == {"path": "a.py"}
+    assert len(events) == 2 and log.metrics()["invalid"] == 1, "a non-list prompt is dropped, not raised"
