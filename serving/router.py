@@ -85,6 +85,7 @@ class Router:
         self._fetched_at = float("-inf")
         self._refreshing = False
         self.background = background
+        self._warned: set[tuple[int, int]] = set()
 
     @property
     def registry(self) -> Any:
@@ -176,7 +177,8 @@ class Router:
         holding = [s for s in servers if self._loaded.get(s, 0) == slot.version] or servers
         server = holding[int(bucket("server:" + session_id) * len(holding))]
         actual = self._loaded.get(server, 0)
-        if actual != slot.version:
+        if actual != slot.version and (slot.version, actual) not in self._warned:
+            self._warned.add((slot.version, actual))  # once per mismatch, not once per request
             log.warning("router: no server holds full policy-v%d for the %s; %s serves policy-v%d and is logged as such",
                         slot.version, arm, server, actual)
         return Route(self.tier.base_served_name, actual, "full", arm, server)
