@@ -320,3 +320,37 @@ def test_rerun_of_a_killed_pass_reuses_its_judge_answers(tmp_path: Path, monkeyp
     assert res.sessions_emitted == 1
     assert strip(rig.rows()) == strip(first), "the re-run wrote different rows than the killed attempt"
     assert not (tmp_path / "state" / "intent-judge.json").exists()
+
+
+def test_index_segments_are_compacted_and_still_found(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(episodes, "SEGMENT_COMPACT_AT", 3)
+    ends = {}
+    for i in range(6):  # six passes, each labelling one session (window closed, task_success missing)
+        events, ends[i] = rig.session(f"s{i}")
+        rig.feed.write("events", events)
+        rig.run(after(ends[i], 601))
+    assert len(rig.builder.state.segments) <= 3, rig.builder.state.segments
+    seg_files = sorted(p.name for p in (Path(rig.cfg.state_dir) / "segments").iterdir())
+    assert seg_files == sorted(rig.builder.state.segments), "retired segments must be deleted"
+    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    rig.feed.write("outcomes", [synthetic.outcome("s0", "task_success", 1.0, after(ends[0], 700)),
+                                synthetic.outcome("s5", "task_success", 1.0, after(ends[5], 700))])
+    res = rig.run(after(ends[5], 701))
+    assert res.relabels == 2 and sorted(rig.labels("s0")) == [1, 2] and sorted(rig.labels("s5")) == [1, 2]
+
+
+def test_compacted_event_files_are_read_past_the_cursor_only(rig: Rig) -> None:
+    events_a, _ = rig.session("a", calls=1)
+    events_b, end_b = rig.session("b", calls=1)
+    (fa,) = rig.feed.write("events", events_a)
+    rig.builder.cfg.max_files_per_pass = 1
+    rig.run(after(end_b, 601))
+    (fb,) = rig.feed.write("events", events_b)
+    # compaction (ingest.lake_writer) publishes one file covering both ranges, then deletes the originals
+    both = pa.concat_tables([lake.read_file(rig.root, fa), lake.read_file(rig.root, fb)])
+    lake.write_file(rig.root, "events", fa.date, fa.source, fa.partition, fa.first, fb.last, both)
+    lake.delete_files(rig.root, [fa, fb])
+    res = rig.run(after(end_b, 602))
+    assert res.new_event_rows == len(events_b), f"read {res.new_event_rows} rows, expected only b's {len(events_b)}"
+    assert sorted(r["session_id"] for r in rig.rows()) == ["a", "b"]
+    assert rig.counters().get("dropped_duplicate_event", 0) == 0
