@@ -100,13 +100,15 @@ _SNAPSHOT_FIELDS = _SEQUENCE_FIELDS + _JSON_FIELDS + ("sampling",)
 
 
 def _snapshot(name: str, value: Any) -> Any:
-    """A copy the caller cannot change any more: lists are copied (~1 us per 1,000 ids), dicts shallowly."""
+    """What the background thread will encode: dicts copied shallowly, array-likes made lists, lists as given."""
     kind = type(value)
-    if kind is list or kind is dict:
+    if kind is list or kind is tuple or kind is str:
+        return value
+    if kind is dict:
         return value.copy()
-    if kind is tuple or kind is str or name in _JSON_FIELDS or name == "sampling":
-        return value  # immutable, or a JSON value of another type: the encoder deals with it
-    tolist = getattr(value, "tolist", None)  # numpy arrays, torch tensors
+    if name in _JSON_FIELDS or name == "sampling":
+        return value  # another JSON value: the encoder deals with it
+    tolist = getattr(value, "tolist", None)  # numpy arrays, torch tensors: a copy, which also freezes them
     if tolist is not None:
         return tolist()
     try:
@@ -903,8 +905,9 @@ class Session:
                     pipe.invalid += 1
                     pipe.warn(f"missing:{etype}:{name}", "sdk: %s without required %r; event dropped", etype, name)
                     return
-            # The agent may reuse its containers right after the call (ids.extend(...) for the next turn):
-            # the background thread must encode what they held now.
+            # Dicts (tool arguments, tags) are copied: agents reuse them right after the call. Token-id lists
+            # are not: copying 1,000 ids would double the call's cost, so they must not be mutated after the
+            # call (fresh lists from a tokenizer or an HTTP reply, the common case, are fine).
             for name in _SNAPSHOT_FIELDS:
                 value = fields.get(name)
                 if value is not None:
@@ -952,7 +955,11 @@ class Session:
         request_id: str | None = None,
         **extra: Any,
     ) -> None:
-        """One model call with the exact token ids the server saw and sampled, and their behaviour logprobs."""
+        """One model call with the exact token ids the server saw and sampled, and their behaviour logprobs.
+
+        The lists are kept by reference until the background thread encodes them (milliseconds): do not
+        mutate them after the call (numpy arrays and tensors are converted, which copies them).
+        """
         self._emit("llm_call", {
             "model": model, "policy_version": policy_version, "prompt_token_ids": prompt_token_ids,
             "completion_token_ids": completion_token_ids, "completion_logprobs": completion_logprobs,

@@ -177,14 +177,13 @@ def test_forked_child_gets_its_own_pipeline(dead_bootstrap: str, tmp_path: Path)
     assert [e["name"] for e in _spooled(tmp_path / "spool")] == ["before_fork"]
 
 
-def test_containers_reused_by_the_agent_do_not_change_logged_events(dead_bootstrap: str, tmp_path: Path) -> None:
+def test_dicts_reused_by_the_agent_do_not_change_logged_events(dead_bootstrap: str, tmp_path: Path) -> None:
     log = _logger(dead_bootstrap, tmp_path, linger_s=10.0)  # the background thread encodes only at close
     s = log.attach("sess-reuse")
-    ids, args = [1, 2, 3], {"path": "a.py"}
-    s.llm_call(model="m", policy_version=0, prompt_token_ids=ids, completion_token_ids=[4], completion_logprobs=[-1.0])
+    args = {"path": "a.py"}
+    s.llm_call(model="m", policy_version=0, prompt_token_ids=(1, 2, 3), completion_token_ids=[4], completion_logprobs=[-1.0])
     s.tool_call("read", args)
-    ids.extend([99, 100])  # the agent's next turn reuses its buffers
-    args["path"] = "b.py"
+    args["path"] = "b.py"  # the agent's next step reuses its dict
     s.llm_call(model="m", policy_version=0, prompt_token_ids=5, completion_token_ids=[4], completion_logprobs=[-1.0])  # type: ignore[arg-type]
     log.close(timeout=5)
     events = _spooled(tmp_path / "spool")
