@@ -142,13 +142,22 @@ def read_range(root: str, table: str, since: lake.Cursor, until: lake.Cursor, ta
     return pa.concat_tables(parts) if parts else target.empty_table()
 
 
+class LakeReadError(RuntimeError):
+    """A lake file cannot be read; the builder stops before consuming it."""
+
+
 def _read_columns(root: str, f: lake.LakeFile, names: list[str]) -> "pa.Table":
     """One lake file, only the columns the builder uses (tool outputs and tags stay on disk)."""
     import pyarrow.parquet as pq
 
     fs, _ = lake.filesystem(root)
-    present = set(pq.read_schema(f.path, filesystem=fs).names)
-    return pq.read_table(f.path, filesystem=fs, columns=[n for n in names if n in present])
+    try:
+        present = set(pq.read_schema(f.path, filesystem=fs).names)
+        return pq.read_table(f.path, filesystem=fs, columns=[n for n in names if n in present])
+    except (OSError, ValueError) as exc:  # pyarrow raises ArrowInvalid (a ValueError) for a corrupt file
+        # stop rather than skip: lake files are immutable and skipping one would lose its sessions for good
+        raise LakeReadError(f"episodes: cannot read lake file {f.path} ({exc}); the cursor stays before it: "
+                            "restore or remove the file, then restart") from exc
 
 
 def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int) -> lake.Cursor:
@@ -668,4 +677,8 @@ def main(argv: list[str] | None = None) -> int:
     except reward_config.RewardConfigError as exc:
         log.error("episodes: %s", exc)
         return 2
-    return run(cfg, rewards)
+    try:
+        return run(cfg, rewards)
+    except LakeReadError as exc:
+        log.error("%s", exc)
+        return 1

@@ -354,3 +354,13 @@ def test_compacted_event_files_are_read_past_the_cursor_only(rig: Rig) -> None:
     assert res.new_event_rows == len(events_b), f"read {res.new_event_rows} rows, expected only b's {len(events_b)}"
     assert sorted(r["session_id"] for r in rig.rows()) == ["a", "b"]
     assert rig.counters().get("dropped_duplicate_event", 0) == 0
+
+
+def test_a_corrupt_lake_file_stops_the_builder_before_its_cursor(rig: Rig) -> None:
+    events, end = rig.session("s1")
+    (f,) = rig.feed.write("events", events)
+    Path(f.path).write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(episodes.LakeReadError, match=f.path.split("/")[-1]):
+        rig.run(after(end, 700))
+    assert rig.builder.state.events_cursor == {}, "the cursor must not move past a file that was not read"
+    assert rig.rows() == []
