@@ -226,6 +226,7 @@ class CaptureProxy:
         return await self._proxy(request, "completion", "/v1/completions")
 
     async def _proxy(self, request: Any, kind: str, path: str) -> Any:
+        import aiohttp
         from aiohttp import web
 
         self.counters["requests"] += 1
@@ -260,7 +261,7 @@ class CaptureProxy:
                     self.counters["upstream_errors"] += 1
                     return web.Response(status=resp.status, body=raw, content_type=resp.content_type)
                 payload = json.loads(raw)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
             self.counters["upstream_errors"] += 1
             log.warning("proxy: upstream %s failed (%s); answered 502", url, exc)
             return _error(502, f"upstream {url} unavailable: {exc}")
@@ -294,6 +295,7 @@ class CaptureProxy:
 
     async def _stream(self, request: Any, url: str, upstream_body: dict[str, Any], headers: dict[str, str], call: _Call,
                       routed: Routed) -> Any:
+        import aiohttp
         from aiohttp import web
 
         async with self._http.post(url, json=upstream_body, headers=headers) as resp:
@@ -324,6 +326,10 @@ class CaptureProxy:
                         self._collect(call, chunk, streaming=True)
                         self._strip(call, chunk, streaming=True)
                     await out.write(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode())
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self.counters["upstream_errors"] += 1
+                log.warning("proxy: upstream stream from %s broke (%s); the agent's stream ends here, nothing logged", url, exc)
+                return out
             except ConnectionResetError:
                 # The agent went away mid-stream. Tokens it never received are not its behaviour, but a
                 # stream that already finished (the agent closes right after [DONE]) is logged as usual.

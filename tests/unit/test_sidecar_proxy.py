@@ -152,3 +152,29 @@ def test_routed_server_and_model_come_from_the_route(tmp_path: Path) -> None:
     call = proxy._begin(_Request({"X-Flywheel-Session-Id": "s"}), "chat", {"model": "agent"}, 0.0, proxy.route("s"))
     assert (call.model, call.policy_version) == ("policy-v9", 9)
     logger.close(timeout=1)
+
+
+def test_http_errors_are_clear_when_the_body_is_bad_or_vllm_is_down(tmp_path: Path) -> None:
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ingest.proxy import make_app
+
+    async def scenario() -> list[tuple[int, str]]:
+        logger = SessionLogger(_dead_bootstrap(), name="h", spool_dir=tmp_path / "spool")
+        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{_dead_bootstrap()}"), logger, static_route("policy-v0", 0))
+        async with TestClient(TestServer(make_app(proxy))) as client:
+            out = []
+            for body in (b"{not json", b"[1, 2]", json.dumps({"model": "m", "messages": []}).encode(),
+                         json.dumps({"model": "m", "messages": [], "stream": True}).encode()):
+                resp = await client.post("/v1/chat/completions", data=body, headers={"X-Flywheel-Session-Id": "s"})
+                out.append((resp.status, (await resp.json())["error"]["message"]))
+            out.append(((await client.get("/health")).status, ""))
+        logger.close(timeout=1)
+        return out
+
+    results = asyncio.run(scenario())
+    assert [status for status, _ in results] == [400, 400, 502, 502, 200], results
+    assert "not valid JSON" in results[0][1] and "expected a JSON object" in results[1][1]
+    assert "unavailable" in results[2][1] and "unavailable" in results[3][1]
