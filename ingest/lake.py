@@ -29,8 +29,9 @@ files of one stream never partly overlap. Claims are kept (a few bytes each): de
 the claim of a range a zombie still holds would let it claim a different end.
 On a local filesystem the exclusive create is a hard link (atomic, fails if the name
 exists). pyarrow exposes no conditional PUT for object stores, so there the claim is a
-check-then-write with a window of one round trip; the lake writer's ownership check
-before publish narrows it further (README: "Lake on object storage").
+check-then-write: two writers claiming the same offset within one round trip of each other
+(only a stale owner racing the new one) could both win. Not closed here; on S3 the fix is
+a conditional PUT (If-None-Match: *) through boto3 for the claim only.
 
 Readers keep a cursor: {"<source>/<partition>": last offset consumed}. `files_since(cursor)`
 returns the files with anything past it; rows at or below the cursor inside a file that

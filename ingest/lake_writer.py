@@ -588,13 +588,23 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
 
     writer.on_published = commit_hint
 
+    failures: list[BaseException] = []
+
     class Listener(ConsumerRebalanceListener):
+        # kafka-python logs and swallows a listener's exception; an assignment that could not seek to the
+        # lake must stop the process instead (the next start recovers), so failures are carried to the loop
         def on_partitions_revoked(self, revoked: set["TopicPartition"]) -> None:
             if revoked:
                 log.info("rebalance: revoked %s; publishing their open files", sorted((t.topic, t.partition) for t in revoked))
             writer.revoke([(t.topic, t.partition) for t in revoked])
 
         def on_partitions_assigned(self, assigned: set["TopicPartition"]) -> None:
+            try:
+                self._assign(assigned)
+            except Exception as exc:
+                failures.append(exc)
+
+        def _assign(self, assigned: set["TopicPartition"]) -> None:
             starts = writer.assign([(t.topic, t.partition) for t in assigned])
             for (topic, partition), start in sorted(starts.items()):
                 tp = TopicPartition(topic, partition)
@@ -625,6 +635,9 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     try:
         while not stopping["flag"] and not (stop is not None and stop(writer)):
             batches = consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
+            if failures:
+                raise RuntimeError(f"rebalance: could not resume assigned partitions from the lake: {failures[0]}") \
+                    from failures[0]
             for tp, messages in batches.items():
                 if (tp.topic, tp.partition) not in writer.next_offset:
                     continue  # revoked during this poll
