@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from infra import defaults
+from infra.config import setting
 from serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
@@ -356,6 +357,7 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
     from serving.registry import CHALLENGER, CHAMPION, Registry
 
     tier = tier or TierConfig()
+    tier.check()  # a tier built in code skips load_config's check; a bad slot policy would evict routed adapters
     pv = load_version(version_dir, tier)
     reg = registry if registry is not None else (Registry(tier.mlflow_tracking_uri, tier.registered_model)
                                                  if register else None)
@@ -401,8 +403,8 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
 class PublishConfig(TierConfig):
     """Push one policy version directory to the vLLM tier and register it in MLflow."""
 
-    version_dir: str = ""
-    no_register: bool = False
+    version_dir: str = setting("", "the policy-v<N> directory to publish (also accepted as the first argument)")
+    register: bool = setting(True, "record an MLflow model version and point the challenger alias at it")
 
     def check(self) -> None:
         super().check()
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     tier = TierConfig(**{k: getattr(cfg, k) for k in TierConfig.__dataclass_fields__})
     try:
-        result = publish(cfg.version_dir, tier, register=not cfg.no_register)
+        result = publish(cfg.version_dir, tier, register=cfg.register)
     except PublishError as exc:
         log.error("publish: %s", exc)
         return 1
