@@ -84,6 +84,7 @@ class ProxyConfig:
     log_prompt_text: bool = setting(False, "log the rendered prompt text (redacted); token ids are always logged")
     upstream_timeout_s: float = setting(600.0, "longest a forwarded request may take")
     spool_name: str = setting("proxy", "name of the SDK's spill spool (var/spool/<name>), stable so a restart replays it")
+    heartbeat_s: float = setting(5.0, "how often the status heartbeat (var/run/status/proxy*.json) is written; 0: never")
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
@@ -178,6 +179,18 @@ class CaptureProxy:
                 self._end(session_id, "proxy_shutdown")
         if self._http is not None:
             await self._http.close()
+
+    async def heartbeat(self) -> None:
+        """`flywheel status` shows the proxy's counters and its SDK's delivery state."""
+        from infra.status import write_status
+
+        name = "proxy" if self.cfg.port == ProxyConfig.port else f"proxy-{self.cfg.port}"
+        while self.cfg.heartbeat_s > 0:
+            sdk = self.logger.metrics()
+            write_status(name, {**self.counters, "open_sessions": len(self.sessions), "upstream": self.upstream,
+                                   "sent": sdk.get("sent"), "spool_records": sdk.get("spool_records"),
+                                   "broker_down": sdk.get("broker_down")})
+            await asyncio.sleep(self.cfg.heartbeat_s)
 
     async def reap_idle(self, interval_s: float | None = None) -> None:
         """End started sessions that went quiet; forget the others."""
@@ -500,10 +513,12 @@ def make_app(proxy: CaptureProxy) -> Any:
 
     async def on_startup(_app: Any) -> None:
         await proxy.start()
-        _app["reaper"] = asyncio.get_running_loop().create_task(proxy.reap_idle())
+        loop = asyncio.get_running_loop()
+        _app["tasks"] = [loop.create_task(proxy.reap_idle()), loop.create_task(proxy.heartbeat())]
 
     async def on_cleanup(_app: Any) -> None:
-        _app["reaper"].cancel()
+        for task in _app["tasks"]:
+            task.cancel()
         await proxy.stop()
 
     app.on_startup.append(on_startup)

@@ -202,7 +202,6 @@ class _Pipeline:
     def _init_state(self) -> None:
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
         self._wake = threading.Event()
-        self._idle = threading.Event()  # set by the thread when it has nothing left to do
         self._stopping = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -222,8 +221,9 @@ class _Pipeline:
         self._stopping_deadline = float("inf")
         self._in_hand = False
         self._cb_lock = threading.Lock()
-        # Counters. Each is written by one thread only (dropped_full by host threads: approximate
-        # under contention, which is acceptable for a counter whose every increment is also warned).
+        # Counters, written without locks: exact where one thread writes them (the background thread, or the
+        # producer callbacks under _cb_lock); `invalid` and `dropped_full` are also written by host threads and
+        # may miss an increment under contention, acceptable for counters whose first occurrence is warned.
         self.popped = 0
         self.sent = 0
         self.spilled = 0

@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def _start_proxy(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), "--heartbeat-s", "0", *args]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"

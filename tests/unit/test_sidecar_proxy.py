@@ -163,7 +163,7 @@ def test_http_errors_are_clear_when_the_body_is_bad_or_vllm_is_down(tmp_path: Pa
 
     async def scenario() -> list[tuple[int, str]]:
         logger = SessionLogger(_dead_bootstrap(), name="h", spool_dir=tmp_path / "spool")
-        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{_dead_bootstrap()}"), logger, static_route("policy-v0", 0))
+        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{_dead_bootstrap()}", heartbeat_s=0), logger, static_route("policy-v0", 0))
         async with TestClient(TestServer(make_app(proxy))) as client:
             out = []
             for body in (b"{not json", b"[1, 2]", json.dumps({"model": "m", "messages": []}).encode(),
