@@ -142,7 +142,7 @@ class _WarnOnce:
 # ---------------------------------------------------------------------------------------------
 _LIVE: "weakref.WeakSet[_Pipeline]" = weakref.WeakSet()  # for the one atexit and at-fork hook
 _HOOKS_INSTALLED = False
-_FORK_ORPHANS: list[Any] = []  # producers inherited through fork(): never used, never closed in the child
+_FORK_ORPHANS: list[Any] = []  # producers and spools inherited through fork(): never used, never closed in the child
 
 
 def _install_process_hooks() -> None:
@@ -305,14 +305,9 @@ class _Pipeline:
     def _reset_in_child(self) -> None:
         # The parent owns the queue's contents, the producer's sockets and the spool directory:
         # the child must neither send the parent's records nor unlock the parent's spool.
-        if self._spool is not None:
-            try:
-                os.close(self._spool._lock_fh.fileno())
-            except OSError:
-                pass
-        if self._producer is not None:
-            # Dropping it would run its __del__ -> close -> flush on the parent's sockets; keep it unreferenced-but-alive.
-            _FORK_ORPHANS.append(self._producer)
+        # Both are kept alive, unused: dropping the producer would run its __del__ (close, flush on the
+        # parent's sockets), and closing the spool would unlock the parent's spool (flock is shared by fork).
+        _FORK_ORPHANS.extend(x for x in (self._producer, self._spool) if x is not None)
         self._init_state()
         self._spool_dir = self._spool_dir.with_name(f"{self._spool_dir.name}-{os.getpid()}")
         self._needs_start = True
@@ -603,7 +598,7 @@ class _Pipeline:
 
     # ---------------------------------------------------------------- shutdown and metrics
     def _finish(self) -> None:
-        deadline = getattr(self, "_stopping_deadline", time.monotonic() + self.exit_timeout_s)
+        deadline = self._stopping_deadline
         self._respool_failures()
         self._drain_queue()
         if self._spool_pending() and not self._down:
