@@ -152,6 +152,8 @@ def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_t
         wait_for(lambda: landed(root, topic) >= n, 90, f"{n} events after b took over a's partitions")
         wait_for(lambda: read_statuses(var)["lake-writer-b"].get("partitions") == partitions, 10,
                  "b's heartbeat to show all partitions")
+        # lag in `flywheel status` is end offset minus the lake's next offset: caught up means 0
+        wait_for(lambda: read_statuses(var)["lake-writer-b"].get("lag_records") == 0, 10, "b's heartbeat to show lag 0")
     finally:
         for p in (a, b):
             if p.poll() is None:
