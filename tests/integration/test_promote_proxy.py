@@ -1,0 +1,117 @@
+"""Through the capture proxy (--router serving): the challenger's share of sessions is served by its
+LoRA and logged with its version, and a promotion re-routes new requests within seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from serving import publisher, synthetic
+from serving.publisher import http
+from serving.registry import Registry
+from serving.router import bucket
+from serving.tier import TierConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _start_proxy(args: list[str], log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), "--heartbeat-s", "0", *args]
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1).read()
+            return proc, url
+        except (urllib.error.URLError, OSError):
+            assert proc.poll() is None, f"proxy exited: {log_path.read_text()}"
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError(f"proxy did not answer on {url} within 60s: {log_path.read_text()}")
+
+
+def _chat(url: str, session: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 3}
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "X-Flywheel-Session-Id": session})
+    urllib.request.urlopen(request, timeout=60).read()
+
+
+def _llm_calls(kafka_bootstrap: str, topic: str, want: int, timeout_s: float = 30.0) -> dict[str, dict]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=500, client_id="tests")
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    calls: dict[str, dict] = {}
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and len(calls) < want:
+        for message in consumer:
+            event = json.loads(message.value)
+            if event["type"] == "llm_call":
+                calls[event["session_id"]] = event
+    consumer.close()
+    return calls
+
+
+def test_proxy_logs_challenger_and_champion_versions_and_follows_a_promotion(
+        kafka_bootstrap: str, vllm_url: str, mlflow_uri: str, base_model_dir: Path, new_topic: Callable[..., str],
+        tmp_path: Path) -> None:
+    name = f"test-proxy-gate-{uuid.uuid4().hex[:8]}"
+    tier = TierConfig(servers=[vllm_url], mlflow_tracking_uri=mlflow_uri, registered_model=name,
+                      base_model=str(base_model_dir))
+    registry = Registry(mlflow_uri, name)
+    champion, challenger = random.randint(7_000_000, 7_999_999), random.randint(7_000_000, 7_999_999)
+    for v, seed in ((champion, 61), (challenger, 62)):
+        publisher.publish(synthetic.make_lora_version(base_model_dir, tmp_path / f"policy-v{v}", v, seed=seed), tier)
+    registry.make_champion(champion)
+    assert registry.aliases() == {"champion": champion, "challenger": challenger}
+
+    topic = new_topic("promote-proxy")
+    env = {"FLYWHEEL_REGISTERED_MODEL": name, "FLYWHEEL_SERVERS": vllm_url, "FLYWHEEL_MLFLOW_TRACKING_URI": mlflow_uri,
+           "FLYWHEEL_CHALLENGER_SHARE": "0.5", "FLYWHEEL_ALIAS_REFRESH_S": "1"}
+    log_path = tmp_path / "proxy.log"
+    proc, url = _start_proxy(["--router", "serving", "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
+                              "--spool-name", f"test-pp-{uuid.uuid4().hex[:8]}"], log_path, env)
+    try:
+        pool = [f"s-{uuid.uuid4().hex}" for _ in range(200)]
+        sessions = [s for s in pool if bucket(s) < 0.5][:6] + [s for s in pool if bucket(s) >= 0.5][:6]  # both arms
+        for s in sessions:
+            _chat(url, s)
+        calls = _llm_calls(kafka_bootstrap, topic, len(sessions))
+        assert len(calls) == len(sessions), f"{len(calls)} of {len(sessions)} llm_calls arrived"
+        for s in sessions:
+            want = challenger if bucket(s) < 0.5 else champion
+            got: dict[str, Any] = calls[s]
+            assert (got["policy_version"], got["model"]) == (want, f"policy-v{want}"), (s, got["policy_version"], want)
+
+        registry.make_champion(challenger)  # promotion: every new session now goes to the new champion
+        time.sleep(2.5)  # alias_refresh_s=1, refreshed in the background on the next request
+        _chat(url, "warm-up")
+        time.sleep(0.5)
+        later = [f"t-{uuid.uuid4().hex}" for _ in range(6)]
+        for s in later:
+            _chat(url, s)
+        calls = _llm_calls(kafka_bootstrap, topic, len(sessions) + len(later) + 1)
+        assert {calls[s]["policy_version"] for s in later} == {challenger}, {s: calls[s]["policy_version"] for s in later}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for v in (champion, challenger):
+            http("POST", f"{vllm_url}/v1/unload_lora_adapter", {"lora_name": f"policy-v{v}"})
