@@ -56,9 +56,12 @@ class TaskSpec:
     def text(self) -> str:
         return "; ".join(p.text for p in self.parts)
 
+    # rewards/rewards.toml's tool_use type waits for the verifier's task_success before labelling
+    task_type = "tool_use"
+
     @property
-    def task_type(self) -> str:
-        return "tool_single" if len(self.parts) == 1 else "tool_multi"
+    def multi(self) -> bool:
+        return len(self.parts) > 1
 
     def to_json(self) -> dict[str, Any]:
         return {"task_id": self.task_id, "parts": [asdict(p) for p in self.parts]}
@@ -272,3 +275,25 @@ def solve_part(part: Part, generate: Generate, max_turns: int = 3, budget_chars:
             on_turn(turn)
         messages.append(tool_message(turn.tool_output, f"call{i}"))
     return None, turns
+
+
+def call_is_correct(part: Part, reply: str) -> bool:
+    """The first turn of a part is right when it calls the right tool with the right arguments."""
+    parsed = parse_reply(reply)
+    if parsed.kind != "tool_call" or parsed.tool != part.tool or not isinstance(parsed.arguments, dict):
+        return False
+    ok, output = run_tool(parsed.tool, parsed.arguments)
+    return ok and output == truth(part)
+
+
+def eval_tasks(n: int = 64, seed: int = 7) -> list[Any]:
+    """The promotion gate's offline set (serving.evaluate's "module:function" hook): first turns of held-out parts."""
+    from serving.evaluate import EvalTask
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        part = make_part(rng)
+        out.append(EvalTask(task_id=f"tool-{i}", messages=[user_message(part)],
+                            check=lambda reply, p=part: call_is_correct(p, reply), max_tokens=40))
+    return out

@@ -16,7 +16,7 @@ def _spec(tool: str, args: dict, text: str = "x") -> tasks.TaskSpec:
 def test_generated_tasks_are_solvable_and_round_trip_through_json() -> None:
     rng = random.Random(0)
     specs = [tasks.make_task(rng, multi_share=0.5) for _ in range(300)]
-    assert {s.task_type for s in specs} == {"tool_single", "tool_multi"}
+    assert {s.multi for s in specs} == {True, False} and {s.task_type for s in specs} == {"tool_use"}
     assert {p.tool for s in specs for p in s.parts} == set(tasks.TOOLS)
     for spec in specs:
         again = tasks.TaskSpec.from_json(spec.to_json())
@@ -125,3 +125,12 @@ def test_corpus_lines_cover_the_task_vocabulary() -> None:
     text = "\n".join(lines)
     for needle in ("<tool_call>", '"arguments"', "Answer:", "weather in", "multiply"):
         assert needle in text
+
+
+def test_call_is_correct_accepts_equivalent_arguments_only() -> None:
+    part = tasks.Part("add", {"a": 37, "b": 58}, "add 37 and 58")
+    assert tasks.call_is_correct(part, tasks.format_tool_call("add", {"a": 37, "b": 58}))
+    assert tasks.call_is_correct(part, tasks.format_tool_call("add", {"b": 58, "a": 37}))
+    assert not tasks.call_is_correct(part, tasks.format_tool_call("add", {"a": 37, "b": 59}))
+    assert not tasks.call_is_correct(part, tasks.format_tool_call("mul", {"a": 37, "b": 58}))
+    assert not tasks.call_is_correct(part, "Answer: 95")
