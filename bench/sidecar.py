@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     from ingest.sidecar import SessionLogger
 
     setup_logging("WARNING")
-    logging.getLogger("ingest.sidecar").setLevel(logging.ERROR)  # the outage warnings are expected here
+    for noisy in ("ingest.sidecar", "kafka"):  # connection-refused errors and outage warnings are expected here
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
     console = Console(stderr=True, width=120)
     cfg = stack_mod.load_stack_config([])
     started = stack_mod.ensure_up(cfg, parts=["kafka"])
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
             gc.collect()
             results["outage"] = _percentiles(_paced(dcall, args.calls, args.rate, progress, task))
+            down_logger.close(timeout=1)  # nothing can be delivered: close spills the rest, then count
             extra["outage_metrics"] = down_logger.metrics()
-            down_logger.close(timeout=1)
         admin.delete_topics([topic])
         admin.close()
     finally:
