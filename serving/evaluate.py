@@ -13,6 +13,7 @@ score from when it was loaded is the one the gate compares against.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import random
@@ -83,8 +84,6 @@ def load_tasks(spec: str) -> list[EvalTask]:
     if not func_name:
         raise ValueError(f"eval task set {spec!r}: expected 'module:function'")
     if module_name.endswith(".py"):  # a file path: a demo's task family need not be an installed module
-        import importlib.util
-
         spec_obj = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
         if spec_obj is None or spec_obj.loader is None:
             raise ValueError(f"eval task set {spec!r}: cannot load {module_name}")

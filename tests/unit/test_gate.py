@@ -89,3 +89,16 @@ def test_default_eval_tasks_are_deterministic_and_checkable() -> None:
     task = a[0]
     x, y = task.messages[0]["content"].rstrip("=").split("+")
     assert task.check(f" {int(x) + int(y)} ") and not task.check("nothing")
+
+
+def test_eval_task_sets_load_from_a_module_or_a_file(tmp_path: Path) -> None:
+    import pytest
+
+    from serving.evaluate import load_tasks
+
+    assert len(load_tasks("serving.evaluate:arithmetic_tasks")) == 64
+    family = tmp_path / "family.py"
+    family.write_text("from serving.evaluate import arithmetic_tasks\n\ndef tasks():\n    return arithmetic_tasks(n=3)\n")
+    assert len(load_tasks(f"{family}:tasks")) == 3
+    with pytest.raises(ValueError, match="module:function"):
+        load_tasks("serving.evaluate")
