@@ -1,7 +1,8 @@
 """A builder killed with SIGKILL at random moments, restarted each time, ends with a clean run's table.
 
-The builder runs as `flywheel episodes` subprocesses (one input file per pass, so a kill lands
-mid-pass most of the time); the reference is one uninterrupted run over a copy of the same lake.
+The builder runs as `flywheel episodes` subprocesses (one input file per pass); each is killed a
+random 0-100 ms after it commits a pass, so the kills land inside the next pass's reads, writes
+and commit; the reference is one uninterrupted run over a copy of the same lake.
 Sessions lie two days in the past, so every maturity window is closed whenever the passes run and
 both builds make the same decisions; a third of the outcomes arrive several files late, so
 relabels (label 2) are part of what must survive the kills.
@@ -56,7 +57,7 @@ def build_lake(root: Path) -> None:
 def flywheel(lake_root: Path, state: Path, toml: Path) -> list[str]:
     return [sys.executable, "-m", "infra.cli", "episodes", "--lake-root", str(lake_root), "--state-dir", str(state),
             "--rewards-toml", str(toml), "--max-files-per-pass", "1", "--var-dir", str(state.parent / "var"),
-            "--log-level", "WARNING"]
+            "--log-level", "INFO"]
 
 
 def table(root: Path) -> tuple[list[tuple[int, int]], list[dict]]:
@@ -79,22 +80,29 @@ def test_sigkill_mid_pass_gives_the_clean_table(tmp_path: Path) -> None:
 
     rng = random.Random(5)
     kills = 0
+    logs: list[str] = []
+    current = tmp_path / "state-killed" / "CURRENT"
     for attempt in range(40):
         proc = subprocess.Popen(flywheel(tmp_path / "killed", tmp_path / "state-killed", toml), env=env, cwd=cwd,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        # startup (imports) takes about a second; kill somewhere in the passes after it
-        deadline = time.monotonic() + rng.uniform(1.0, 2.5)
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.01)
-        if proc.poll() is None and kills < 8:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            kills += 1
-            continue
+        if kills < 8:
+            # wait for this process to commit a pass, then kill it a random moment into the next one
+            before = current.read_text() if current.exists() else ""
+            while proc.poll() is None and (current.read_text() if current.exists() else "") == before:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.1))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                logs.append(proc.communicate()[1])
+                kills += 1
+                continue
         _, err = proc.communicate(timeout=300)
+        logs.append(err)
         assert proc.returncode == 0, err[-2000:]
         break
-    assert kills >= 3, f"only {kills} kills landed before the build finished; the test proved little"
+    assert kills == 8, f"only {kills} kills landed before the build finished; the test proved little"
+    resumed = sum(text.count("resuming the plan") for text in logs)
+    assert resumed >= 1, "no kill landed between a pass's intent and its commit; the test proved little"
 
     clean_files, clean_rows = table(tmp_path / "clean")
     killed_files, killed_rows = table(tmp_path / "killed")
