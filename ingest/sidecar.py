@@ -96,7 +96,11 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-_SNAPSHOT_FIELDS = _SEQUENCE_FIELDS + _JSON_FIELDS + ("sampling",)
+# Per event type, the fields _snapshot() looks at (only those: this runs on the hot path).
+_SNAPSHOT_FIELDS = {
+    etype: tuple(c.name for c in cols if c.name in _SEQUENCE_FIELDS + _JSON_FIELDS + ("sampling",))
+    for etype, cols in schema.EVENT_FIELDS.items()
+}
 
 
 def _snapshot(name: str, value: Any) -> Any:
@@ -903,7 +907,7 @@ class Session:
             # Dicts (tool arguments, tags) are copied: agents reuse them right after the call. Token-id lists
             # are not: copying 1,000 ids would double the call's cost, so they must not be mutated after the
             # call (fresh lists from a tokenizer or an HTTP reply, the common case, are fine).
-            for name in _SNAPSHOT_FIELDS:
+            for name in _SNAPSHOT_FIELDS[etype]:
                 value = fields.get(name)
                 if value is not None:
                     fields[name] = _snapshot(name, value)

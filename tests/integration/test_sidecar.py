@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -77,6 +78,32 @@ def test_every_event_type_and_outcome_round_trips(kafka_bootstrap: str, new_topi
     reporter.close()
     m = log.metrics()
     assert m["sent"] == 9 and m["spilled"] == 0 and m["dropped"] == 0, m
+
+
+def test_bad_input_never_reaches_the_agent_and_the_rest_arrives(kafka_bootstrap: str, new_topic: Callable[..., str],
+                                                                tmp_path: Path) -> None:
+    topic = new_topic("bad")
+    log = SessionLogger(kafka_bootstrap, topic=topic, name="bad", spool_dir=tmp_path / "spool")
+    s = log.attach(f"sess-{uuid.uuid4().hex}")
+    s.tool_call("f", {"handle": threading.Lock()})  # not JSON serialisable: stored as repr text
+    s.tool_result("c", ok=True, output="y" * (schema.MAX_TEXT_CHARS * 2))  # capped and flagged
+    s.llm_call(model="m", policy_version="v1", prompt_token_ids=[1], completion_token_ids=[2],  # type: ignore[arg-type]
+               completion_logprobs=[-1.0])  # wrong type: dropped
+    s.llm_call(model="m", policy_version=1, prompt_token_ids=["a"], completion_token_ids=[2],  # type: ignore[list-item]
+               completion_logprobs=[-1.0])  # wrong element type: dropped
+    s.context_edit("prune", tokens_removed=5, reason="too long")  # unknown field: left out
+    s.llm_call(model="m", policy_version=1, prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0])
+    assert log.flush(30), log.metrics()
+    events = [json.loads(v) for v in _consume(kafka_bootstrap, topic, 4)]
+    for event in events:
+        schema.validate_event(event)
+    assert [e["type"] for e in events] == ["tool_call", "tool_result", "context_edit", "llm_call"]
+    assert events[0]["arguments"]["handle"].startswith("<unlocked _thread.lock")
+    assert events[1]["truncated"] == ["output"] and len(events[1]["output"]) == schema.MAX_TEXT_CHARS
+    assert "reason" not in events[2]
+    m = log.metrics()
+    log.close()
+    assert m["invalid"] == 2 and m["coerced"] == 1 and m["truncated"] == 1 and m["sent"] == 4, m
 
 
 @pytest.fixture
