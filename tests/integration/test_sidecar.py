@@ -198,3 +198,21 @@ def test_broker_killed_mid_run_every_event_arrives_once_and_calls_never_block(pr
         pytest.xfail("machine overloaded, latency bound not measurable: " + message)
     print("outage:", message)
     assert worst_ms < 5.0, message
+
+
+def test_a_short_lived_process_delivers_at_exit_without_close(kafka_bootstrap: str, new_topic: Callable[..., str],
+                                                              tmp_path: Path) -> None:
+    topic = new_topic("exit")
+    script = (
+        "import sys\n"
+        "from ingest.sidecar import SessionLogger\n"
+        f"log = SessionLogger({kafka_bootstrap!r}, topic={topic!r}, name='exit', spool_dir={str(tmp_path / 'spool')!r})\n"
+        "s = log.attach('sess-exit')\n"
+        "for i in range(200):\n"
+        "    s.tool_call('t', {'i': i})\n"
+        "sys.exit(0)  # no flush, no close: the atexit hook delivers\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    events = [json.loads(v) for v in _consume(kafka_bootstrap, topic, 200, timeout_s=20)]
+    assert sorted(e["arguments"]["i"] for e in events) == list(range(200)), f"{len(events)} of 200 arrived"
