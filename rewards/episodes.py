@@ -160,8 +160,10 @@ def _read_columns(root: str, f: lake.LakeFile, names: list[str]) -> "pa.Table":
                             "restore or remove the file, then restart") from exc
 
 
-def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int) -> lake.Cursor:
-    return lake.advance(cursor, lake.files_since(root, table, cursor)[:max_files])
+def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int) -> tuple[lake.Cursor, int]:
+    """The cursor after the next `max_files` new files, and how many new files remain after them."""
+    files = lake.files_since(root, table, cursor)
+    return lake.advance(cursor, files[:max_files]), max(0, len(files) - max_files)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +237,7 @@ class Builder:
         self.store.cleanup(self.state)
         self.emitted = self._load_emitted()
         self.judge_memo: dict[str, tuple[int | None, str]] = {}
+        self.backlog_files = 0  # lake files past this pass's input (catch-up progress)
         full = schema.event_arrow_schema()
         self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED])
         self.outcome_schema = schema.outcome_arrow_schema()
@@ -250,11 +253,15 @@ class Builder:
         resumed = intent is not None and intent.base_pass == st.pass_no
         if not resumed:
             clock = now or dt.datetime.now(dt.timezone.utc)
+            events_until, events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, self.cfg.max_files_per_pass)
+            outcomes_until, outcomes_left = plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor,
+                                                       self.cfg.max_files_per_pass)
+            self.backlog_files = events_left + outcomes_left
             intent = Intent(
                 base_pass=st.pass_no,
                 now=clock.isoformat(),
-                events_until=plan_until(self.cfg.lake_root, "events", st.events_cursor, self.cfg.max_files_per_pass),
-                outcomes_until=plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor, self.cfg.max_files_per_pass),
+                events_until=events_until,
+                outcomes_until=outcomes_until,
                 first_seq=st.next_seq,
             )
         else:
@@ -620,6 +627,7 @@ class Builder:
             "judge_calls": self.judge.calls,
             "judge_failures": self.judge.failures,
             "last_pass_s": round(res.seconds, 3) if res else None,
+            "backlog_files": self.backlog_files,
             **st.counters,
         }
 
@@ -652,9 +660,10 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None, 
         passes += 1
         if not res.idle:
             log.info("pass %d: read %d events, %d outcomes; labelled %d sessions, %d relabels, %d rows; "
-                     "%d sessions pending, %d outcomes held; drops %s; %.2fs",
+                     "%d sessions pending, %d outcomes held; drops %s; %.2fs; %d lake files to go",
                      res.pass_no, res.new_event_rows, res.new_outcome_rows, res.sessions_emitted, res.relabels,
-                     res.rows_written, res.pending_sessions, res.held_outcomes, res.drops or "none", res.seconds)
+                     res.rows_written, res.pending_sessions, res.held_outcomes, res.drops or "none", res.seconds,
+                     builder.backlog_files)
         if not res.idle or time.monotonic() - last_status > 5:
             write_status("episodes", builder.status(res), cfg.var_dir)
             last_status = time.monotonic()
