@@ -51,7 +51,7 @@ from ingest import lake, schema
 from rewards import config as reward_config
 from rewards import judge as judge_mod
 from rewards import outcome_rewards, parl
-from rewards.session import Session, agent_order, assemble
+from rewards.session import Session, assemble
 from rewards.state import BuilderState, Intent, StateStore
 
 if TYPE_CHECKING:

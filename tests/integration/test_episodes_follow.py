@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from ingest import lake
 from rewards import synthetic
@@ -17,7 +18,7 @@ from rewards import synthetic
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(cond, timeout_s: float) -> bool:
+def wait_for(cond: Callable[[], bool], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
