@@ -359,13 +359,20 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
     tier = tier or TierConfig()
     tier.check()  # a tier built in code skips load_config's check; a bad slot policy would evict routed adapters
     pv = load_version(version_dir, tier)
-    reg = registry if registry is not None else (Registry(tier.mlflow_tracking_uri, tier.registered_model)
-                                                 if register else None)
     routed: set[int] = set()
     managed: set[int] = set()
-    if reg is not None:
-        routed = {v for a, v in reg.aliases().items() if a in (CHAMPION, CHALLENGER)}
-        managed = {v.policy_version for v in reg.versions()}
+    reg = registry
+    registry_error: Exception | None = None
+    try:
+        if reg is None and register:
+            reg = Registry(tier.mlflow_tracking_uri, tier.registered_model)
+        if reg is not None:
+            routed = {v for a, v in reg.aliases().items() if a in (CHAMPION, CHALLENGER)}
+            managed = {v.policy_version for v in reg.versions()}
+    except Exception as exc:  # MLflow down: still push (unloading nothing, since routing is unknown), report below
+        registry_error = exc
+        log.warning("publish: registry %s unreadable (%s); pushing %s without unloading any adapter",
+                    tier.registered_model, exc, pv.name)
     result = PublishResult(pv.version, pv.kind, served_name(pv.version, pv.kind, tier))
     for server in tier.servers:
         server = server.rstrip("/")
@@ -385,13 +392,19 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
         result.pushed.append(server)
         log.info("publish: %s (%s, %.1f MB) live on %s in %.3f s", pv.name, pv.kind, pv.weight_bytes / 1e6, server,
                  result.push_s[server])
-    if reg is not None and result.pushed:
-        registered = reg.register(pv.version, str(pv.path), _registry_tags(pv),
-                                  description=f"{pv.kind} policy version {pv.version} from {pv.path}")
-        result.model_version = registered.model_version
-        if challenger and not result.failed:
-            reg.set_alias(CHALLENGER, pv.version)
-            log.info("publish: %s is the challenger of %s", pv.name, reg.name)
+    if register and result.pushed:
+        try:
+            if registry_error is not None or reg is None:
+                raise registry_error or RuntimeError("no registry")
+            registered = reg.register(pv.version, str(pv.path), _registry_tags(pv),
+                                      description=f"{pv.kind} policy version {pv.version} from {pv.path}")
+            result.model_version = registered.model_version
+            if challenger and not result.failed:
+                reg.set_alias(CHALLENGER, pv.version)
+                log.info("publish: %s is the challenger of %s", pv.name, reg.name)
+        except Exception as exc:  # MLflow down: the servers have it, the registry does not; a rerun finishes the job
+            raise PublishError(f"{pv.name} is live on {result.pushed} but NOT registered in {tier.registered_model} "
+                               f"({type(exc).__name__}: {exc}); rerun `flywheel publish {pv.path}`") from exc
     if result.failed:
         failures = "; ".join(f"{s}: {why}" for s, why in result.failed.items())
         raise PublishError(f"{pv.name} failed on {len(result.failed)} of {len(tier.servers)} server(s), which keep "

@@ -181,3 +181,18 @@ def test_publish_while_requests_stream_fails_none_of_them(tier: TierConfig, vllm
     # the weights that really answered would show up as two sequences under one version
     assert all(len(seqs) == 1 for seqs in by_version.values()), {v: len(s) for v, s in by_version.items()}
     assert by_version[0] != by_version[full_v], "base and published full weights gave the same completion"
+
+
+def test_registry_outage_still_pushes_and_says_the_version_is_not_registered(tier: TierConfig, vllm_url: str,
+                                                                              base_model_dir: Path, tmp_path: Path) -> None:
+    v = _version()
+    vdir = synthetic.make_lora_version(base_model_dir, tmp_path / f"policy-v{v}", v, seed=15)
+    # a store nobody can create (MLflow makes missing parent folders, but none can exist under /proc)
+    broken = tier.with_changes(mlflow_tracking_uri="sqlite:////proc/no-such-store/mlflow.db")
+    try:
+        with pytest.raises(PublishError, match="NOT registered"):
+            publisher.publish(vdir, broken)
+        assert f"policy-v{v}" in publisher.served_models(vllm_url), "the servers should still have been updated"
+        assert publisher.publish(vdir, tier).model_version is not None, "a rerun with the registry back registers it"
+    finally:
+        http("POST", f"{vllm_url}/v1/unload_lora_adapter", {"lora_name": f"policy-v{v}"})
