@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flywheel bench episodes", description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=400, help="sessions in the 1x lake (the 10x lake has ten times as many)")
     parser.add_argument("--new", type=int, default=100, help="sessions of new data per incremental pass")
-    parser.add_argument("--reps", type=int, default=3, help="repeats of each incremental pass (the best is reported)")
+    parser.add_argument("--reps", type=int, default=5, help="repeats of each incremental pass (the best is reported)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the lakes go (default: a temp dir, removed after)")
     args = parser.parse_args(argv)
     console = Console(stderr=True)

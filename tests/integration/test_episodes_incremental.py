@@ -2,7 +2,7 @@
 
 Both lakes are built the same way (files of 20 sessions, consumed by passes of 5 files, so the
 10x builder also carries ten times the index segments and lake files); then the same 60 new
-sessions with their outcomes land and one pass is timed, best of three (each repeat on a fresh
+sessions with their outcomes land and one pass is timed, best of five (each repeat on a fresh
 copy of lake and state).
 """
 
@@ -64,7 +64,7 @@ def test_incremental_pass_cost_does_not_grow_with_the_lake(tmp_path: Path) -> No
     start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=1)
     new = [synthetic.generate(PER_FILE, start + dt.timedelta(minutes=i), seed=1000 + i, spacing_s=1.0) for i in range(NEW_FILES)]
     times: dict[str, list[float]] = {"x1": [], "x10": []}
-    for rep in range(3):
+    for rep in range(5):
         for size in ("x1", "x10"):  # interleaved, so machine noise hits both sizes alike
             seconds, emitted = timed_pass(tmp_path / size, tmp_path / f"{size}-rep{rep}", rewards, new)
             assert emitted == PER_FILE * NEW_FILES, f"{size}: the pass emitted {emitted} sessions"
