@@ -123,7 +123,8 @@ def writer_rate(bootstrap: str, topic: str, n: int, lake_root: str, var_dir: str
             return True
         return False
 
-    run(cfg, stop=stop)
+    code = run(cfg, stop=stop)
+    assert code == 0 and "done" in marks, f"the lake writer stopped early (exit {code})"
     return marks["done"] - marks["first"], len(lake.list_files(lake_root, "events"))
 
 
@@ -210,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"started {started} for this benchmark")
     suffix = uuid.uuid4().hex[:8]
     rate_topic, live_topic = f"bench.ingest.{suffix}", f"bench.ingest-live.{suffix}"
+    topics = [rate_topic, live_topic, f"{rate_topic}.dlq", f"{live_topic}.dlq"]
     admin = KafkaAdminClient(bootstrap_servers=args.kafka_bootstrap)
-    admin.create_topics([NewTopic(rate_topic, args.partitions, 1), NewTopic(live_topic, args.partitions, 1)])
+    admin.create_topics([NewTopic(t, args.partitions if i < 2 else 1, 1) for i, t in enumerate(topics)])
     try:
         with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
             console.print(f"producing {args.events} events into {rate_topic} ...")
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             latencies = live_latency(args.kafka_bootstrap, live_topic, args.live_rate, args.live_seconds,
                                      f"{tmp}/live-lake", f"{tmp}/var")
     finally:
-        admin.delete_topics([rate_topic, live_topic])
+        admin.delete_topics(topics)
         admin.close()
         if started:
             stack.down(scfg, parts=started)

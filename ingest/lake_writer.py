@@ -563,6 +563,7 @@ def _dlq_producer(cfg: LakeWriterConfig) -> "KafkaProducer":
         linger_ms=5,
         retries=5,
         max_request_size=3 * schema.MAX_RECORD_BYTES,  # base64 of a max-size record, plus the envelope
+        max_block_ms=15000,  # how long start-up waits for the DLQ topic's metadata
     )
 
 
@@ -576,6 +577,13 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     write_resolved(cfg, os.path.join(cfg.var_dir, "run", f"lake-writer-{name}.toml"))
     lake.filesystem(cfg.lake_root)[0].create_dir(lake.filesystem(cfg.lake_root)[1], recursive=True)
     producer = _dlq_producer(cfg)
+    # fail fast: with auto-creation off, a missing DLQ topic would only surface at the first bad record
+    try:
+        producer.partitions_for(cfg.dlq_topic)
+    except Exception as exc:
+        producer.close()
+        log.error("setup: dead-letter topic %s is not available (%s); create it or pass --dlq-topic", cfg.dlq_topic, exc)
+        return 2
     log.info("setup: DLQ producer connected (%s)", cfg.dlq_topic)
     consumer = _consumer(cfg)
     writer = LakeWriter(cfg, DeadLetters(producer, cfg.dlq_topic, cfg.lake_root))

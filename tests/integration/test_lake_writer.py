@@ -117,7 +117,7 @@ def test_plain_duckdb_and_pyarrow_read_the_lake(kafka_bootstrap: str, new_topic:
                                                  tmp_path: Path) -> None:
     from kafka import KafkaProducer
 
-    events, outcomes = new_topic("lw-ev", partitions=2), new_topic("lw-out", partitions=1)
+    events, outcomes, dlq = new_topic("lw-ev", partitions=2), new_topic("lw-out", partitions=1), new_topic("lw-dlq")
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=10)
     for i in range(300):
         producer.send(events, value=json.dumps(session_event(i)).encode(), key=f"s{i % 5}".encode())
@@ -131,7 +131,7 @@ def test_plain_duckdb_and_pyarrow_read_the_lake(kafka_bootstrap: str, new_topic:
     root = tmp_path / "lake"
     var = tmp_path / "var"
     cfg = LakeWriterConfig(kafka_bootstrap=kafka_bootstrap, events_topic=events, outcomes_topic=outcomes,
-                           dlq_topic=f"test.dlq.{uuid.uuid4().hex[:8]}", group_id=f"test-lw-{uuid.uuid4().hex[:8]}",
+                           dlq_topic=dlq, group_id=f"test-lw-{uuid.uuid4().hex[:8]}",
                            lake_root=str(root), var_dir=str(var), roll_max_age_s=0.5, session_timeout_s=6,
                            status_interval_s=0.5)
 
@@ -154,3 +154,11 @@ def test_plain_duckdb_and_pyarrow_read_the_lake(kafka_bootstrap: str, new_topic:
     assert table.num_rows == 300 and "date" in table.column_names, table.schema
     status = json.loads(next((var / "run" / "status").glob("lake-writer-*.json")).read_text())
     assert status["state"] == "stopped" and status["rows"] == 320, status
+
+
+def test_a_missing_dlq_topic_fails_at_start_up(kafka_bootstrap: str, new_topic: Callable[..., str],
+                                               tmp_path: Path) -> None:
+    cfg = LakeWriterConfig(kafka_bootstrap=kafka_bootstrap, events_topic=new_topic("lw-ev"), outcomes_topic="",
+                           dlq_topic=f"test.absent.{uuid.uuid4().hex[:8]}", lake_root=str(tmp_path / "lake"),
+                           var_dir=str(tmp_path / "var"))
+    assert run(cfg) == 2, "a writer without its dead-letter topic must refuse to start"

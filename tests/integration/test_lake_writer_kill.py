@@ -24,8 +24,15 @@ from ingest import lake, schema
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | None = None) -> list[str]:
-    """Produce n small events round-robin over the partitions (at most `rate` per second)."""
+BAD_EVERY = 997  # this many records in, one is malformed JSON: dead letters must survive the kills too
+
+
+def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | None = None,
+            bad_every: int | None = None) -> list[str]:
+    """Produce n small events round-robin over the partitions (at most `rate` per second).
+
+    Returns the event_ids of the good events; every `bad_every`-th record is malformed JSON instead.
+    """
     from kafka import KafkaProducer
 
     producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=256 * 1024,
@@ -34,6 +41,9 @@ def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | N
     ids = []
     t0 = time.monotonic()
     for i in range(n):
+        if bad_every and i % bad_every == bad_every - 1:
+            producer.send(topic, value=b'{"schema_version": 1, "event_id": "cut', partition=i % partitions)
+            continue
         eid = uuid.uuid4().hex
         ids.append(eid)
         record = {"schema_version": 1, "event_id": eid, "session_id": f"s{i % 97}", "agent_id": "main", "seq": i,
@@ -46,9 +56,10 @@ def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | N
     return ids
 
 
-def start_writer(bootstrap: str, topic: str, group: str, instance: str, root: Path, var: Path) -> subprocess.Popen:
+def start_writer(bootstrap: str, topic: str, dlq: str, group: str, instance: str, root: Path,
+                 var: Path) -> subprocess.Popen:
     args = [sys.executable, "-m", "ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
-            "--outcomes-topic", "", "--dlq-topic", f"{topic}.dlq", "--group-id", group, "--instance-id", instance,
+            "--outcomes-topic", "", "--dlq-topic", dlq, "--group-id", group, "--instance-id", instance,
             "--lake-root", str(root), "--var-dir", str(var), "--roll-max-age-s", "0.5", "--roll-max-records", "2000",
             "--session-timeout-s", "6", "--log-level", "WARNING"]
     log = open(var / f"{instance}.log", "ab")
@@ -90,16 +101,16 @@ def check_exact(root: Path, topic: str, produced: list[str], partitions: int) ->
 @pytest.mark.timeout(400)
 def test_100k_events_survive_20_sigkills(kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
     n, partitions, kills = 100_000, 4, 20
-    topic = new_topic("lw-kill", partitions=partitions)
+    topic, dlq = new_topic("lw-kill", partitions=partitions), new_topic("lw-kill-dlq")
     root, var = tmp_path / "lake", tmp_path / "var"
     var.mkdir()
     group = f"test-lw-kill-{uuid.uuid4().hex[:8]}"
     produced: list[str] = []
     # produce while the writer is being killed, as in production, spread over the kill loop
-    producer = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, n, partitions, 1500)))
+    producer = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, n, partitions, 1500, BAD_EVERY)))
     producer.start()
     rng = random.Random(4)
-    proc = start_writer(kafka_bootstrap, topic, group, "w1", root, var)
+    proc = start_writer(kafka_bootstrap, topic, dlq, group, "w1", root, var)
     progress = []
     try:
         for _ in range(kills):
@@ -111,7 +122,7 @@ def test_100k_events_survive_20_sigkills(kafka_bootstrap: str, new_topic: Callab
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             progress.append(landed(root, topic))
-            proc = start_writer(kafka_bootstrap, topic, group, "w1", root, var)
+            proc = start_writer(kafka_bootstrap, topic, dlq, group, "w1", root, var)
         producer.join()
         wait_for(lambda: landed(root, topic) >= n, 180, f"{n} events in the lake (progress per kill {progress})")
     finally:
@@ -122,6 +133,24 @@ def test_100k_events_survive_20_sigkills(kafka_bootstrap: str, new_topic: Callab
     print(f"lake offsets after each kill: {progress}")
     assert mid_stream >= 10, f"only {mid_stream} kills came between progress and completion: {progress}"
     check_exact(root, topic, produced, partitions)
+    # every dead letter reached the DLQ before its range was published (repeats allowed: at-least-once)
+    bad = {(i % partitions, i // partitions) for i in range(BAD_EVERY - 1, n, BAD_EVERY)}
+    letters = read_letters(kafka_bootstrap, dlq, len(bad))
+    assert bad <= letters, f"{len(bad - letters)} of {len(bad)} dead letters missing from the DLQ"
+
+
+def read_letters(bootstrap: str, topic: str, at_least: int, timeout_s: float = 30.0) -> set[tuple[int, int]]:
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None,
+                             enable_auto_commit=False)
+    out: set[tuple[int, int]] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(out) < at_least and time.monotonic() < deadline:
+        for messages in consumer.poll(timeout_ms=500).values():
+            out |= {(e["partition"], e["offset"]) for e in (json.loads(m.value) for m in messages)}
+    consumer.close()
+    return out
 
 
 @pytest.mark.slow
@@ -131,12 +160,12 @@ def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_t
     from infra.status import read_statuses
 
     n, partitions = 20_000, 4
-    topic = new_topic("lw-pair", partitions=partitions)
+    topic, dlq = new_topic("lw-pair", partitions=partitions), new_topic("lw-pair-dlq")
     root, var = tmp_path / "lake", tmp_path / "var"
     var.mkdir()
     group = f"test-lw-pair-{uuid.uuid4().hex[:8]}"
-    a = start_writer(kafka_bootstrap, topic, group, "a", root, var)
-    b = start_writer(kafka_bootstrap, topic, group, "b", root, var)
+    a = start_writer(kafka_bootstrap, topic, dlq, group, "a", root, var)
+    b = start_writer(kafka_bootstrap, topic, dlq, group, "b", root, var)
 
     def both_own_partitions() -> bool:
         st = read_statuses(var)
