@@ -266,4 +266,6 @@ def run(cfg: AgentSimConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(AgentSimConfig, argv, prog="flywheel agent-sim")
     setup_logging(cfg.log_level)
+    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request would drown the agent's own log
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     return run(cfg)

@@ -50,6 +50,7 @@ class DemoConfig:
     report_dir: Path = setting(Path(defaults.VAR_DIR) / "report", "where report.md, the PNGs and summary.json go")
     base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "the tiny base model (built when missing)")
     warm_model: Path = setting(Path("var/models/tiny-warm"), "the warm-started model vLLM serves as policy-v0 (built when missing)")
+    warm_start: bool = setting(True, "serve the warm-started model (False: serve base_model as it is; for quick loop tests)")
     concurrency: int = setting(8, "agent sessions in flight")
     multi_share: float = setting(0.2, "share of tasks split across two sub-agents")
     learner_batch: int = setting(64, "episodes per learner step")
@@ -60,7 +61,7 @@ class DemoConfig:
     gate_interval_s: float = setting(20.0, "seconds between promotion-gate rounds")
     gate_min_sessions: int = setting(40, "sessions the gate wants on each side")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
-    keep_stack: bool = setting(True, "leave running the stack parts the demo started (False: stop them too)")
+    keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop everything it started)")
     live: bool = setting(True, "show the rich live view (off: a log line every 30 s)")
     run_id: str = setting("", "name of this run (default: demo-<utc time>)")
 
@@ -125,11 +126,18 @@ class Processes:
 # ---------------------------------------------------------------------------------------------
 # set-up
 # ---------------------------------------------------------------------------------------------
+def policy_v0(cfg: DemoConfig) -> Path:
+    """The model vLLM serves as policy-v0 and the learner starts from."""
+    return Path(cfg.warm_model if cfg.warm_start else cfg.base_model)
+
+
 def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
     from infra import warm_start
     from infra.model_init import ensure_base_model, is_model_dir
 
     ensure_base_model(cfg.base_model)
+    if not cfg.warm_start:
+        return {}
     if not is_model_dir(cfg.warm_model):
         log.info("demo: warm-starting %s into %s", cfg.base_model, cfg.warm_model)
         warm_start.run(cfg.base_model, cfg.warm_model)
@@ -140,10 +148,16 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
 def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
     from infra import stack
 
-    scfg = stack.replace_config(stack.load_stack_config([]), base_model=Path(cfg.warm_model), var_dir=cfg.var_dir)
+    from serving.publisher import http
+
+    scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(cfg))
     started = stack.ensure_up(scfg)
     if not stack.vllm_serves_base(scfg):
-        raise stack.StackError(f"vLLM at {scfg.vllm_url} does not serve {cfg.warm_model} as {scfg.served_model_name}")
+        raise stack.StackError(f"vLLM at {scfg.vllm_url} does not serve {policy_v0(cfg)} as {scfg.served_model_name}")
+    # An earlier run may have left its trained weights in place (full reloads keep the served name):
+    # start from exactly policy-v0's weights, as the publisher does when it restores a version.
+    http("POST", f"{scfg.vllm_url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(policy_v0(cfg).resolve())}})
+    http("POST", f"{scfg.vllm_url}/update_weight_version", {"new_version": defaults.policy_name(0)})
     stack.ensure_topics(stack.replace_config(scfg, kafka_topics=topics))
     return scfg, started
 
@@ -232,12 +246,12 @@ def run(cfg: DemoConfig) -> int:
     log.info("demo: warm-started base ready (%s steps, held-out success %.0f%%)", warm.get("steps", "?"),
              100 * float(warm.get("final_success", 0.0)))
     scfg, stack_started = ensure_stack(cfg, list(topics.values()))
-    log.info("demo: stack up (started here: %s); vLLM serves %s as policy-v0", ", ".join(stack_started) or "nothing", cfg.warm_model)
+    log.info("demo: stack up (started here: %s); vLLM serves %s as policy-v0", ", ".join(stack_started) or "nothing", policy_v0(cfg))
     tracking_uri = scfg.mlflow_tracking_uri
     proxy_port = _free_port()
     # The serving router inside the proxy reads its tier config from the environment (ingest/proxy.py).
     tier_env = {"FLYWHEEL_SERVERS": scfg.vllm_url, "FLYWHEEL_REGISTERED_MODEL": registered_model,
-                "FLYWHEEL_MLFLOW_TRACKING_URI": tracking_uri, "FLYWHEEL_BASE_MODEL": str(cfg.warm_model),
+                "FLYWHEEL_MLFLOW_TRACKING_URI": tracking_uri, "FLYWHEEL_BASE_MODEL": str(policy_v0(cfg).resolve()),
                 "FLYWHEEL_POLICIES_DIR": str(policies_dir), "FLYWHEEL_CHALLENGER_SHARE": str(cfg.challenger_share)}
     common_kafka = ["--kafka-bootstrap", scfg.kafka_bootstrap]
     status_dir = cfg.var_dir
@@ -254,15 +268,16 @@ def run(cfg: DemoConfig) -> int:
         procs.start("proxy", ["proxy", "--port", str(proxy_port), "--upstream", scfg.vllm_url, *common_kafka,
                               "--events-topic", topics["events"], "--router", "serving", "--spool-name", f"{run_id}-proxy"],
                     env=tier_env)
-        procs.start("learner", ["learner", "--lake-root", str(lake_root), "--base-model", str(cfg.warm_model),
+        procs.start("learner", ["learner", "--lake-root", str(lake_root), "--base-model", str(policy_v0(cfg).resolve()),
                                 "--mode", "full", "--lr", str(cfg.learner_lr), "--batch-size", str(cfg.learner_batch),
+                                "--min-batch", str(cfg.learner_batch), "--micro-batch", str(min(16, cfg.learner_batch)),
                                 "--run-dir", str(learner_dir), "--policies-dir", str(policies_dir),
                                 "--publish-every-steps", str(cfg.publish_every_steps),
                                 "--publish-every-s", str(cfg.publish_every_s), "--vllm-url", scfg.vllm_url,
                                 "--registered-model", registered_model, "--mlflow-tracking-uri", tracking_uri,
                                 "--experiment", f"{run_id}-learner", "--var-dir", str(status_dir)], env=tier_env)
         procs.start("promote", ["promote", "--auto", "--interval-s", str(cfg.gate_interval_s),
-                                "--servers", scfg.vllm_url, "--base-model", str(cfg.warm_model),
+                                "--servers", scfg.vllm_url, "--base-model", str(policy_v0(cfg).resolve()),
                                 "--policies-dir", str(policies_dir), "--registered-model", registered_model,
                                 "--mlflow-tracking-uri", tracking_uri, "--lake-root", str(lake_root),
                                 "--min-sessions", str(cfg.gate_min_sessions), "--eval-tasks", "infra.tasks:eval_tasks",
@@ -275,7 +290,7 @@ def run(cfg: DemoConfig) -> int:
         procs.start("agent-sim", ["agent-sim", "--proxy-url", f"http://127.0.0.1:{proxy_port}", *common_kafka,
                                   "--events-topic", topics["events"], "--concurrency", str(cfg.concurrency),
                                   "--duration-s", str(traffic_s), "--multi-share", str(cfg.multi_share),
-                                  "--handoff", str(handoff), "--tokenizer", str(cfg.warm_model),
+                                  "--handoff", str(handoff), "--tokenizer", str(policy_v0(cfg).resolve()),
                                   "--spool-name", f"{run_id}-agent"])
         traffic_start = time.time()
         last_log = 0.0
