@@ -2,9 +2,11 @@
 
     flywheel bench sidecar [--calls 20000] [--rate 2000] [--prompt-tokens 1024] [--completion-tokens 128]
 
-Three variants run in one process, one after the other, with the same payload and pacing:
+Four variants run in one process, one after the other, with the same payload and pacing:
 
 * sdk      `s.llm_call(...)` with the broker up (a fresh topic on the local broker);
+* parked   control: `s.llm_call(...)` with the SDK's background thread parked, i.e. the call alone
+           on this machine; sdk minus parked is what the background work costs the host (GIL);
 * otel     an OpenTelemetry SDK span start+end with the call's metadata as attributes, through a
            BatchSpanProcessor whose exporter encodes OTLP protobuf (the work an OTLP exporter does
            before the network) and discards it;
@@ -189,6 +191,19 @@ def main(argv: list[str] | None = None) -> int:
             extra["sdk_metrics"] = logger.metrics()
             logger.close()
 
+            # --- control: the same calls with the background thread parked (it never wakes during the run):
+            # what the call itself costs on this machine, so the difference to "sdk" is what the
+            # background work (encoding, Kafka I/O) costs the host through the GIL.
+            task = progress.add_task("sdk llm_call (background parked)", total=args.calls)
+            parked = SessionLogger(cfg.kafka_bootstrap, topic=topic, name="bench-parked", spool_dir=tmp / "parked",
+                                   linger_s=3600.0, batch_max=10**9, max_queue=10**9)
+            pcall = _sdk_call(parked, payload)
+            for i in range(args.warmup):
+                pcall(i)
+            gc.collect()
+            results["parked"] = _percentiles(_paced(pcall, args.calls, args.rate, progress, task))
+            parked.close(timeout=30)
+
             # --- OpenTelemetry span
             task = progress.add_task("otel span start+end", total=args.calls)
             ocall, oclose = _otel_call(payload)
@@ -232,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("variant")
     for col in ("p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "max µs", "mean µs"):
         table.add_column(col, justify="right")
-    labels = {"sdk": "SessionLogger.llm_call, broker up", "otel": "OpenTelemetry span start+end (BatchSpanProcessor)",
-              "outage": "SessionLogger.llm_call, broker killed"}
+    labels = {"sdk": "SessionLogger.llm_call, broker up", "parked": "  control: same, background thread parked",
+              "otel": "OpenTelemetry span start+end (BatchSpanProcessor)", "outage": "SessionLogger.llm_call, broker killed"}
     for name, r in results.items():
         table.add_row(labels[name], *(f"{r[k]:.1f}" for k in ("p50", "p90", "p99", "p999", "max", "mean")))
     console.print(table)
@@ -245,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "p50_us": round(sdk["p50"], 2), "p99_us": round(sdk["p99"], 2), "p999_us": round(sdk["p999"], 2),
         "otel_p50_us": round(otel["p50"], 2), "otel_p99_us": round(otel["p99"], 2),
         "outage_p50_us": round(outage["p50"], 2), "outage_p99_us": round(outage["p99"], 2),
+        "parked_p50_us": round(results["parked"]["p50"], 2), "parked_p99_us": round(results["parked"]["p99"], 2),
+        "load_average": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
         "calls": args.calls, "rate_per_s": args.rate, "prompt_tokens": args.prompt_tokens,
         "completion_tokens": args.completion_tokens, "delivered": bool(extra["delivered"]),
         "sent": m["sent"], "outage_spilled": om["spilled"], "outage_dropped": om["dropped"],

@@ -122,6 +122,8 @@ class _SessionState:
     last_seen: float
     owned: bool = False  # the proxy emitted its session_start, so it also ends it
     ended: bool = False
+    agent_id: str = MAIN_AGENT  # the agent that started it ends it
+    parent_agent_id: str | None = None
 
 
 @dataclass
@@ -212,7 +214,9 @@ class CaptureProxy:
         state = self.sessions.get(session_id)
         if state is not None:
             state.ended = True
-        self.logger.attach(session_id).end(status)
+            self.logger.attach(session_id, state.agent_id, state.parent_agent_id).end(status)
+        else:
+            self.logger.attach(session_id).end(status)
 
     # ---------------------------------------------------------------- handlers
     async def models(self, request: Any) -> Any:
@@ -383,14 +387,19 @@ class CaptureProxy:
         state.last_seen = started
         if (h.get(H_EVENT) or "").lower() == "start" and not state.owned:
             state.owned, state.ended = True, False
+            state.agent_id, state.parent_agent_id = agent_id, call.parent_agent_id
             self.logger.attach(session_id, agent_id, call.parent_agent_id).start(h.get(H_TASK) or "unknown")
         return call
 
     def _after(self, request: Any, call: _Call) -> None:
-        if call.session_id is not None and (request.headers.get(H_EVENT) or "").lower() == "end":
-            state = self.sessions.get(call.session_id)
-            if state is None or not state.ended:
-                self._end(call.session_id, "ok")
+        session_id = request.headers.get(H_SESSION) or None  # (call.session_id is cleared for unloggable calls)
+        if session_id is None:
+            return
+        state = self.sessions.get(session_id)
+        if state is not None:
+            state.last_seen = time.monotonic()  # a long stream is activity too: not idle while it runs
+        if (request.headers.get(H_EVENT) or "").lower() == "end" and (state is None or not state.ended):
+            self._end(session_id, "ok")
 
     def _upstream_body(self, kind: str, body: dict[str, Any], call: _Call) -> dict[str, Any]:
         out = dict(body)
