@@ -38,6 +38,7 @@ import datetime as dt
 import json
 import logging
 import signal
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -635,7 +636,7 @@ class Builder:
 # ---------------------------------------------------------------------------------------------
 # Process entry points
 # ---------------------------------------------------------------------------------------------
-def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None, max_passes: int = 0) -> int:
+def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None) -> int:
     rewards = rewards or reward_config.load(cfg.rewards_toml)
     log.info("episodes: rewards config %s (digest %s), %d outcome kinds, %d task types",
              rewards.source, rewards.digest, len(rewards.outcomes), len(rewards.task_types))
@@ -652,7 +653,8 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None, 
     def on_term(signum: int, frame: Any) -> None:
         stop["flag"] = True  # finish the pass in hand, then exit 0
 
-    signal.signal(signal.SIGTERM, on_term)
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        signal.signal(signal.SIGTERM, on_term)
     passes = 0
     last_status = 0.0
     while not stop["flag"]:
@@ -667,8 +669,6 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None, 
         if not res.idle or time.monotonic() - last_status > 5:
             write_status("episodes", builder.status(res), cfg.var_dir)
             last_status = time.monotonic()
-        if max_passes and passes >= max_passes:
-            break
         caught_up = res.idle or (res.new_event_rows == 0 and res.new_outcome_rows == 0)
         if caught_up:
             if not cfg.follow:
