@@ -43,7 +43,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from infra import defaults
 from infra.config import load_config, setting, setup_logging, write_resolved
@@ -636,7 +636,9 @@ class Builder:
 # ---------------------------------------------------------------------------------------------
 # Process entry points
 # ---------------------------------------------------------------------------------------------
-def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None) -> int:
+def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
+        stop: Callable[[], bool] | None = None) -> int:
+    """Catch up with the lake (or follow it) until caught up, SIGTERM, or `stop()` (the demo runs it in a thread)."""
     rewards = rewards or reward_config.load(cfg.rewards_toml)
     log.info("episodes: rewards config %s (digest %s), %d outcome kinds, %d task types",
              rewards.source, rewards.digest, len(rewards.outcomes), len(rewards.task_types))
@@ -648,16 +650,16 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None) 
     if any(t.judge for t in rewards.task_types.values()):
         log.info("episodes: LLM judge on for %s via %s model %s",
                  [t.name for t in rewards.task_types.values() if t.judge], cfg.judge_url, builder.judge.model)
-    stop = {"flag": False}
+    stop_flag = {"flag": False}
 
     def on_term(signum: int, frame: Any) -> None:
-        stop["flag"] = True  # finish the pass in hand, then exit 0
+        stop_flag["flag"] = True  # finish the pass in hand, then exit 0
 
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
         signal.signal(signal.SIGTERM, on_term)
     passes = 0
     last_status = 0.0
-    while not stop["flag"]:
+    while not stop_flag["flag"] and not (stop is not None and stop()):
         res = builder.run_pass()
         passes += 1
         if not res.idle:
