@@ -34,7 +34,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
