@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -364,3 +365,24 @@ def test_a_corrupt_lake_file_stops_the_builder_before_its_cursor(rig: Rig) -> No
         rig.run(after(end, 700))
     assert rig.builder.state.events_cursor == {}, "the cursor must not move past a file that was not read"
     assert rig.rows() == []
+
+
+def test_run_follows_in_a_thread_until_stop(rig: Rig) -> None:
+    import threading
+
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.cfg.follow, rig.cfg.poll_interval_s = True, 0.05
+    done = threading.Event()
+    result: list[int] = []
+    toml = Path(rig.cfg.state_dir).parent / "r.toml"
+    toml.write_text(TOML)
+    thread = threading.Thread(target=lambda: result.append(episodes.run(rig.cfg, config.load(toml), stop=done.is_set)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not rig.rows() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done.set()
+    thread.join(timeout=30)
+    assert result == [0] and len(rig.rows()) == 2
