@@ -274,23 +274,43 @@ def _reload(server: str, path: Path, version: int, tier: TierConfig) -> None:
     http("POST", f"{server}/update_weight_version", {"new_version": defaults.policy_name(version)}, tier.http_timeout_s)
 
 
-def push_full_http(server: str, pv: PolicyVersion, tier: TierConfig) -> None:
-    """Pause (running requests finish), reload in place, record the version, resume; undo a failed reload."""
+def _resume(server: str, tier: TierConfig) -> None:
+    """Resume, and make sure: a pause that outlived our request timeout may land after a first resume."""
+    for attempt in range(5):
+        try:
+            http("POST", f"{server}/resume", None, tier.http_timeout_s)
+            paused = http("GET", f"{server}/is_paused", None, tier.http_timeout_s).get("is_paused")
+        except ServerError as exc:
+            log.error("publish: resume of %s failed (%s), attempt %d", server, exc, attempt + 1)
+            paused = True
+        if not paused:
+            return
+        time.sleep(0.5 * (attempt + 1))
+    raise ServerError(f"{server}: still paused after 5 resume attempts; POST {server}/resume by hand")
+
+
+def push_full_http(server: str, pv: PolicyVersion, tier: TierConfig, restore_dir: Path | None = None) -> None:
+    """Pause (running requests finish), reload in place, record the version, resume; undo a failed reload.
+
+    `restore_dir` holds the weights the server had before (default: the tier's policy directory of the
+    version /weight_info reports, or the base model for version 0).
+    """
     before = weight_version(server, tier.http_timeout_s)
-    # mode=wait: in-flight requests complete on the old weights; new ones wait and run on the new
-    http("POST", f"{server}/pause?mode=wait", None, tier.http_timeout_s)
     try:
+        # mode=wait: in-flight requests complete on the old weights; new ones wait and run on the new.
+        # Waiting for in-flight requests is legitimate, so this call gets the long timeout.
+        http("POST", f"{server}/pause?mode=wait", None, tier.pause_timeout_s)
         try:
             _reload(server, pv.path, pv.version, tier)
         except ServerError as exc:
             log.error("publish: reload of %s on %s failed (%s); restoring policy-v%d", pv.name, server, exc, before)
             try:
-                _reload(server, version_dir_of(before, tier), before, tier)
+                _reload(server, restore_dir or version_dir_of(before, tier), before, tier)
             except ServerError as restore_exc:
                 raise ServerError(f"{exc}; restoring policy-v{before} ALSO failed: {restore_exc}") from exc
             raise
     finally:
-        http("POST", f"{server}/resume", None, tier.http_timeout_s)
+        _resume(server, tier)  # also after a failed or timed-out pause: a paused server serves nobody
     now = weight_version(server, tier.http_timeout_s)
     if now != pv.version:
         raise ServerError(f"{server}: /weight_info reports policy-v{now} after loading {pv.name}")

@@ -28,6 +28,7 @@ class TierConfig:
     challenger_share: float = setting(0.1, "share of sessions routed to the challenger (sticky per session)")
     alias_refresh_s: float = setting(2.0, "how often the router re-reads the aliases (a rollback re-routes within this)")
     http_timeout_s: float = setting(60.0, "timeout of one admin request to a server")
+    pause_timeout_s: float = setting(600.0, "longest a full push waits for in-flight requests to finish (pause mode=wait)")
     mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "MLflow tracking/registry URI")
     registered_model: str = setting(defaults.REGISTERED_MODEL, "MLflow registered model holding every policy version")
 
