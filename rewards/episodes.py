@@ -577,8 +577,8 @@ class Builder:
         import pyarrow.parquet as pq
 
         label = int(entry["label_version"]) + 1
-        fs, base = lake.filesystem(self.cfg.lake_root)
-        prev = pq.read_table(f"{base}/{entry['episode_file']}", filesystem=fs,
+        fs, path = self._episode_path(entry["episode_file"])
+        prev = pq.read_table(path, filesystem=fs,
                              filters=[("session_id", "=", entry["session_id"]), ("label_version", "=", label - 1)]).to_pylist()
         assert prev, f"index says session {entry['session_id']} label {label - 1} is in {entry['episode_file']}, found no rows"
         outcomes = [_outcome_py(o) for o in json.loads(entry["outcomes"])] + [{k: o[k] for k in _OUTCOME_KEEP} for o in new]
@@ -603,6 +603,22 @@ class Builder:
             "outcomes": json.dumps([_outcome_json(o) for o in outcomes], sort_keys=True),
         }
         return rows, index_row
+
+    def _episode_path(self, rel: str) -> tuple[Any, str]:
+        """The file holding an index entry's rows: the one it was written to, or the file a compaction merged it into."""
+        import pyarrow.fs as pafs
+
+        fs, base = lake.filesystem(self.cfg.lake_root)
+        path = f"{base}/{rel}"
+        if fs.get_file_info(path).type == pafs.FileType.File:
+            return fs, path
+        parsed = lake.parse_file_name(rel.rsplit("/", 1)[-1])
+        assert parsed is not None, f"index holds a bad episode file name {rel!r}"
+        _, _, first, last = parsed
+        for f in lake.list_files(self.cfg.lake_root, "episodes"):
+            if f.first <= first and f.last >= last:
+                return fs, f.path
+        raise LakeReadError(f"episodes: the rows of {rel} are in no episodes file (deleted outside compaction?)")
 
     def _compact_segments(self, segments: list[str], current: "pa.Table", clock: dt.datetime) -> "pa.Table":
         """Merge the live segments (latest row per session, unexpired) with this pass's rows."""

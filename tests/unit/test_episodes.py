@@ -386,3 +386,19 @@ def test_run_follows_in_a_thread_until_stop(rig: Rig) -> None:
     done.set()
     thread.join(timeout=30)
     assert result == [0] and len(rig.rows()) == 2
+
+
+def test_relabel_finds_rows_after_the_episodes_table_was_compacted(rig: Rig) -> None:
+    ends = {}
+    for sid in ("a", "b"):
+        events, ends[sid] = rig.session(sid)
+        rig.feed.write("events", events)
+        rig.run(after(ends[sid], 601))
+    files = lake.list_files(rig.root, "episodes")
+    assert len(files) == 2
+    merged = pa.concat_tables([lake.read_file(rig.root, f) for f in files])
+    lake.write_file(rig.root, "episodes", files[0].date, "episodes", 0, files[0].first, files[-1].last, merged)
+    lake.delete_files(rig.root, files)
+    rig.feed.write("outcomes", [synthetic.outcome("a", "task_success", 1.0, after(ends["b"], 700))])
+    res = rig.run(after(ends["b"], 701))
+    assert res.relabels == 1 and {r["r_outcome"] for r in rig.labels("a")[2]} == {1.0}
