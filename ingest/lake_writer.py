@@ -302,13 +302,13 @@ class LakeWriter:
     def revoke(self, partitions: Iterable[tuple[str, int]], flush: bool = True) -> None:
         """Give partitions up: publish what they hold (the next owner continues after it) or drop it."""
         for tp in list(partitions):
-            buf = self.buffers.pop(tp, None)
-            if buf is not None and not buf.empty and flush:
+            if flush:
                 try:
-                    self._publish(buf, reason="revoked")
+                    self._drain(tp, reason="revoked")
                 except Exception as exc:  # dropping is safe: the new owner re-reads from the lake's next offset
-                    log.warning("revoke: could not publish %s-%d %d..%d (%s); dropped, the next owner re-reads it",
-                                buf.topic, buf.partition, buf.first, buf.last, exc)
+                    log.warning("revoke: could not publish the open file of %s-%d (%s); dropped, the next owner "
+                                "re-reads it", tp[0], tp[1], exc)
+            self.buffers.pop(tp, None)
             self.next_offset.pop(tp, None)
             self.published.pop(tp, None)
 
@@ -389,11 +389,21 @@ class LakeWriter:
                 self._publish(buf, reason="age")
 
     def flush_all(self, reason: str = "stop") -> None:
-        for buf in list(self.buffers.values()):
-            if not buf.empty:
-                if buf.claim is not None and buf.last < buf.claim.last:
-                    continue  # cannot end before the claimed end; the next owner completes it
-                self._publish(buf, reason=reason)
+        for tp in list(self.buffers):
+            self._drain(tp, reason)
+
+    def _drain(self, tp: tuple[str, int], reason: str) -> None:
+        """Publish everything a partition holds; a publish that follows a shorter claim leaves a remainder,
+        which is published in turn. Stops early only at a longer claim (the next owner completes it)."""
+        while True:
+            buf = self.buffers.get(tp)
+            if buf is None or buf.empty or (buf.claim is not None and buf.last < buf.claim.last):
+                return
+            before = (buf.first, buf.last)
+            self._publish(buf, reason=reason)
+            after = self.buffers.get(tp)
+            if after is not None and (after.first, after.last) == before:
+                return  # a longer claim appeared at publish time: wait for more records
 
     # ---- publish -----------------------------------------------------------------------------
     def _publish(self, buf: Buffer, reason: str) -> None:

@@ -352,3 +352,28 @@ def test_a_dead_letter_too_large_for_the_topic_is_kept_in_the_lake(tmp_path: Pat
     assert (envelope["reason"], envelope["offset"]) == ("oversized", 77)
     assert base64.b64decode(envelope["original_b64"]) == b"\x00" * 1000
     assert lake.list_files(str(tmp_path), "events") == [], "spilled letters are not lake rows"
+
+
+def test_a_writer_follows_a_chain_of_claims_and_publishes_the_remainder(tmp_path: Path) -> None:
+    stale, owner = make_writer(tmp_path, roll_max_records=10), make_writer(tmp_path, roll_max_records=100)
+    stale.assign([(TOPIC, 0)])
+    owner.assign([(TOPIC, 0)])
+    for i in range(20):
+        stale.add(TOPIC, 0, i, wire(event(i)))  # publishes 0..9 and 10..19 at its count rolls
+    for i in range(31):
+        owner.add(TOPIC, 0, i, wire(event(i)))
+    owner.flush_all()  # follows 0..9, then 10..19, then publishes its own 20..30
+    assert [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 9), (10, 19), (20, 30)]
+    assert owner.buffers == {}, "the remainder after the followed claims must be published too"
+    assert_exact(tmp_path, range(31))
+
+
+def test_revoke_leaves_nothing_behind_for_the_partition(tmp_path: Path) -> None:
+    lake.claim_range(str(tmp_path), "events", TOPIC, 0, 0, 4, "2026-11-30")
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    for i in range(8):
+        w.add(TOPIC, 0, i, wire(event(i)))
+    w.revoke([(TOPIC, 0)])
+    assert [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 4), (5, 7)]
+    assert w.buffers == {} and w.next_offset == {}
