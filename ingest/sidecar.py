@@ -41,6 +41,7 @@ import collections
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -119,6 +120,17 @@ def _snapshot(name: str, value: Any) -> Any:
         return list(value)
     except TypeError:
         raise TypeError(f"{name} should be a list of numbers, got {kind.__name__}") from None
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities (not JSON) inside a free-form value, as their repr() text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _json_default_or_repr(value: Any) -> Any:
@@ -688,13 +700,13 @@ class _Encoder:
             if value is None:
                 continue
             try:
-                text = json.dumps(value, default=_json_default)
+                text = json.dumps(value, default=_json_default, allow_nan=False)
             except (TypeError, ValueError) as exc:
                 pipe.coerced += 1
                 pipe.warn(f"json:{what}:{name}", "sdk: %s %s is not JSON serialisable (%s); such values are stored "
                           "as their repr() text", what, name, exc)
                 try:  # keep the structure, replace only the values JSON cannot hold
-                    text = json.dumps(value, default=_json_default_or_repr)
+                    text = json.dumps(_finite(value), default=_json_default_or_repr, allow_nan=False)
                 except ValueError:  # circular reference: nothing structured to keep
                     text = json.dumps(repr(value))
             value = json.loads(text)
@@ -709,7 +721,8 @@ class _Encoder:
             record["truncated"] = sorted(set(truncated))
         try:
             self._validate(_without_numeric_lists(record, what))
-            payload = json.dumps(record, default=_json_default, separators=(",", ":")).encode()
+            # allow_nan=False: NaN/Infinity are not JSON, and the lake writer's strict parser would reject the record.
+            payload = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False).encode()
         except (schema.SchemaError, TypeError, ValueError) as exc:
             pipe.invalid += 1
             pipe.warn(f"invalid:{what}:{str(exc)[:40]}", "sdk: %s dropped: %s", what, exc)

@@ -189,3 +189,18 @@ def test_dicts_reused_by_the_agent_do_not_change_logged_events(dead_bootstrap: s
     events = _spooled(tmp_path / "spool")
     assert events[0]["prompt_token_ids"] == [1, 2, 3] and events[1]["arguments"] == {"path": "a.py"}
     assert len(events) == 2 and log.metrics()["invalid"] == 1, "a non-list prompt is dropped, not raised"
+
+
+def test_non_finite_floats_never_leave_as_invalid_json(dead_bootstrap: str, tmp_path: Path) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    s = log.attach("sess-nan")
+    s.tool_call("f", {"x": float("nan"), "y": [1.0, float("inf")]})  # free-form: kept as text
+    s.llm_call(model="m", policy_version=0, prompt_token_ids=[1], completion_token_ids=[2],
+               completion_logprobs=[float("-inf")])  # a behaviour logprob of -inf: dropped with a reason
+    log.close(timeout=5)
+    spool = Spool(tmp_path / "spool")
+    raw = spool.peek(100)
+    spool.close()
+    assert len(raw) == 1 and b"NaN" not in raw[0] and b"Infinity" not in raw[0], raw
+    assert json.loads(raw[0])["arguments"] == {"x": "nan", "y": [1.0, "inf"]}
+    assert log.metrics()["invalid"] == 1 and log.metrics()["coerced"] == 1
