@@ -204,3 +204,21 @@ def test_non_finite_floats_never_leave_as_invalid_json(dead_bootstrap: str, tmp_
     assert len(raw) == 1 and b"NaN" not in raw[0] and b"Infinity" not in raw[0], raw
     assert json.loads(raw[0])["arguments"] == {"x": "nan", "y": [1.0, "inf"]}
     assert log.metrics()["invalid"] == 1 and log.metrics()["coerced"] == 1
+
+
+def test_the_lake_writer_accepts_every_event_and_outcome_the_sdk_emits(dead_bootstrap: str, tmp_path: Path) -> None:
+    """The hand-off contract: what the SDK puts on the wire is what the lake writer decodes without a DLQ."""
+    lake_writer = pytest.importorskip("ingest.lake_writer")
+    log = _logger(dead_bootstrap, tmp_path)
+    _full_session(log)
+    log.close(timeout=5)
+    reporter = OutcomeReporter(dead_bootstrap, name="o", spool_dir=tmp_path / "o")
+    reporter.report("sess-1", kind="accepted", value=0.0, agent_id="main", source="user")
+    reporter.close(timeout=5)
+    for table, directory in (("events", tmp_path / "spool"), ("outcomes", tmp_path / "o")):
+        spool = Spool(directory)
+        values = spool.peek(1000)
+        spool.close()
+        assert values, f"nothing spooled for {table}"
+        for value in values:
+            lake_writer.decode_record(table, value)  # raises Rejected with the DLQ reason
