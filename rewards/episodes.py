@@ -17,7 +17,8 @@ Join rules (the numbers are in the rewards TOML; see rewards/rewards.toml):
 * An outcome arriving after label N was emitted appends label N+1: every llm_call row of the
   session again, with the reward recomputed from all its outcomes. Nothing is rewritten.
   After `join.relabel_horizon_s` past the session end, late outcomes are dropped ("too_late").
-* An outcome whose outcome_id was seen before is dropped ("duplicate_outcome").
+* An outcome whose outcome_id was seen before is dropped ("duplicate_outcome"). An outcome with an
+  agent_id counts for that agent's rows only and does not satisfy the session's wait_for.
 * An outcome for a session the builder has not seen is held for `join.unknown_session_hold_s`
   (its session's events may still be on their way through the other topic), then dropped
   ("unknown_session"). Outcomes for a session dropped at label 1 are dropped ("session_dropped").
@@ -482,10 +483,11 @@ class Builder:
             return None
         assert end_ts is not None
         task = self.rewards.task(s.task_type)
-        due, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in outcomes}, end_ts, clock)
+        whole = outcome_rewards.session_level(outcomes)
+        due, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in whole}, end_ts, clock)
         if not due:
             return None
-        score = outcome_rewards.score_outcomes(self.rewards, task, outcomes, closed)
+        score = outcome_rewards.score_outcomes(self.rewards, task, whole, closed)
         index_row = {
             "session_id": s.session_id,
             "label_version": 1,
@@ -517,11 +519,14 @@ class Builder:
             "label_reason": index_row["reason"],
             "rewards_config": self.rewards.digest,
         }
+        scores = {a: outcome_rewards.score_for_agent(self.rewards, task, outcomes, a, closed) for a in s.agents}
         rows = []
         for e in s.llm_calls:
             r_penalty = penalties.get(e["event_id"], 0.0)
-            rows.append(self._row(s, e, label=1, r_outcome=score.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
-                                  detail=detail_base | {"penalty_this_call": r_penalty}, outcomes=outcomes))
+            mine = scores[e["agent_id"]]
+            rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
+                                  detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty},
+                                  outcomes=outcomes))
         return rows, index_row
 
     def _judge(self, s: Session, task: reward_config.TaskType, deadline: float) -> judge_mod.JudgeResult | None:
@@ -584,19 +589,18 @@ class Builder:
         outcomes = [_outcome_py(o) for o in json.loads(entry["outcomes"])] + [{k: o[k] for k in _OUTCOME_KEEP} for o in new]
         task = self.rewards.task(entry["task_type"])
         end_ts = entry["end_ts"]
-        _, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in outcomes}, end_ts, clock)
-        score = outcome_rewards.score_outcomes(self.rewards, task, outcomes, closed)
+        whole = outcome_rewards.session_level(outcomes)
+        _, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in whole}, end_ts, clock)
+        scores = {a: outcome_rewards.score_for_agent(self.rewards, task, outcomes, a, closed) for a in {r["agent_id"] for r in prev}}
         last_outcome = max(o["ts"] for o in outcomes)
         rows = []
-        for r in sorted(prev, key=lambda r: r["episode_id"]):
+        for r in prev:  # file order: the same row order as the label it follows
+            score = scores[r["agent_id"]]
             detail = json.loads(r["reward_detail"]) | {"outcomes": score.detail, "label_reason": "late_outcome",
                                                         "rewards_config": self.rewards.digest}
             reward = score.r_outcome + (r["r_judge"] or 0.0) + r["r_parallel"] + r["r_finish"] + r["r_penalty"]
             rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "reward": reward,
                              "reward_detail": json.dumps(detail, sort_keys=True), "last_outcome_ts": last_outcome})
-        # keep row order identical to label 1 (agent order, then call order) for readers that rely on it
-        order = {r["episode_id"]: i for i, r in enumerate(prev)}
-        rows.sort(key=lambda r: order[r["episode_id"]])
         index_row = entry | {
             "label_version": label,
             "reason": "late_outcome",

@@ -74,3 +74,19 @@ def label_due(cfg: RewardConfig, task: TaskType, kinds_present: set[str], end_ts
     deadline = end_ts + dt.timedelta(seconds=max(cfg.outcomes[k].window_s for k in missing))
     closed = now >= deadline
     return closed, closed
+
+
+def session_level(outcomes: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Outcomes about the whole session (no agent_id): only these satisfy a task type's wait_for."""
+    return [o for o in outcomes if not o.get("agent_id")]
+
+
+def score_for_agent(cfg: RewardConfig, task: TaskType, outcomes: list[dict[str, Any]], agent_id: str,
+                    window_closed: bool) -> OutcomeScore:
+    """r_outcome of one agent's rows: the session's outcomes plus those reported about this agent.
+
+    An outcome with an agent_id is narrower than the session (e.g. a sub-agent's own verifier): it
+    counts for that agent's llm_calls only, and for a kind both carry, the newest one wins.
+    """
+    return score_outcomes(cfg, task, [o for o in outcomes if not o.get("agent_id") or o["agent_id"] == agent_id],
+                          window_closed)

@@ -402,3 +402,26 @@ def test_relabel_finds_rows_after_the_episodes_table_was_compacted(rig: Rig) -> 
     rig.feed.write("outcomes", [synthetic.outcome("a", "task_success", 1.0, after(ends["b"], 700))])
     res = rig.run(after(ends["b"], 701))
     assert res.relabels == 1 and {r["r_outcome"] for r in rig.labels("a")[2]} == {1.0}
+
+
+def test_outcome_about_one_agent_counts_for_its_rows_only(rig: Rig) -> None:
+    b = synthetic.SessionBuilder("s1", T0).begin()
+    b.llm_call()
+    b.spawn("kid")
+    b.llm_call(agent="kid", parent="main")
+    b.finish("kid", ok=True)
+    end = b.end()
+    rig.feed.write("events", b.events)
+    kid_outcome = synthetic.outcome("s1", "accepted", 0.0, after(end, 1)) | {"agent_id": "kid"}
+    rig.feed.write("outcomes", [kid_outcome])
+    rig.run(after(end, 2))
+    assert rig.rows() == [], "an outcome about a sub-agent must not satisfy the session's wait for task_success"
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 3))])
+    rig.run(after(end, 4))
+    by_agent = {r["agent_id"]: r["r_outcome"] for r in rig.labels("s1")[1]}
+    assert by_agent == {"main": 1.0, "kid": 1.0 - 0.25}, by_agent
+    # a late outcome about the main agent relabels both; the kid keeps its own rejection
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "accepted", 1.0, after(end, 900)) | {"agent_id": "main"}])
+    rig.run(after(end, 901))
+    by_agent = {r["agent_id"]: r["r_outcome"] for r in rig.labels("s1")[2]}
+    assert by_agent == {"main": 1.0 + 0.75, "kid": 1.0 - 0.25}, by_agent

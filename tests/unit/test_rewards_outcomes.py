@@ -61,3 +61,11 @@ def test_missing_rules_apply_only_after_the_window() -> None:
 def test_unconfigured_kind_is_recorded_not_rewarded() -> None:
     score = outcome_rewards.score_outcomes(CFG, CFG.task("default"), [o("mystery", 1.0, 1, "a")], False)
     assert score.r_outcome == 0.0 and score.detail["mystery"]["score"] is None
+
+
+def test_agent_scoped_outcomes() -> None:
+    outcomes = [o("task_success", 1.0, 1, "a"), o("accepted", 0.0, 2, "b") | {"agent_id": "kid"}]
+    assert outcome_rewards.session_level(outcomes) == outcomes[:1]
+    task = CFG.task("tool_use")
+    assert outcome_rewards.score_for_agent(CFG, task, outcomes, "kid", False).r_outcome == 1.0 - 0.25
+    assert outcome_rewards.score_for_agent(CFG, task, outcomes, "main", False).r_outcome == 1.0
