@@ -4,6 +4,7 @@ into a running vLLM, and the full push's effective MB/s next to a plain local co
 Each variant is repeated `--reps` times and the median reported:
   lora push   publish(): validate the adapter + POST /v1/load_lora_adapter (unloaded between reps)
   full push   publish(): validate the weights + pause / reload_weights / update_weight_version / resume
+  validate    load_version() alone on the full version, with the server idle
   file copy   shutil.copyfile of model.safetensors to a new file, fsync'd (the floor a reload from
               a shared path competes with)
 Versions are not registered in MLflow (nothing to clean up there). The full pushes hold the shared
@@ -92,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                 publisher._reload(url, base, 0, tier)
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
+        validate_s: list[float] = []
+        for _ in track(range(cfg.reps), description="validate", console=console):
+            t0 = time.perf_counter()
+            publisher.load_version(full_dir, tier)  # every tensor read and checked finite, base shapes compared
+            validate_s.append(time.perf_counter() - t0)
+
         copy_s: list[float] = []
         for i in track(range(cfg.reps), description="file copy", console=console):
             target = work / f"copy-{i}.safetensors"
@@ -115,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "full_bytes": full_bytes,
         "full_push_mb_per_s": round(mb / _median(full_s), 2),
         "full_reload_only_mb_per_s": round(mb / _median(reload_s), 2),
+        "full_validate_only_s": round(_median(validate_s), 4),
         "copy_s": round(_median(copy_s), 4),
         "copy_mb_per_s": round(mb / _median(copy_s), 2),
         "reps": cfg.reps,
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result['full_push_mb_per_s']:.1f}")
     table.add_row("  of which pause/reload/resume", f"{full_bytes:,}", f"{result['full_reload_only_s']:.4f}",
                   f"{result['full_reload_only_mb_per_s']:.1f}")
+    table.add_row("  validation alone (server idle)", f"{full_bytes:,}", f"{result['full_validate_only_s']:.4f}",
+                  f"{mb / _median(validate_s):.1f}")
     table.add_row("plain file copy + fsync", f"{full_bytes:,}", f"{result['copy_s']:.4f}", f"{result['copy_mb_per_s']:.1f}")
     Console().print(table)
     print(json.dumps(result))
