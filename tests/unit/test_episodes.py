@@ -425,3 +425,17 @@ def test_outcome_about_one_agent_counts_for_its_rows_only(rig: Rig) -> None:
     rig.run(after(end, 901))
     by_agent = {r["agent_id"]: r["r_outcome"] for r in rig.labels("s1")[2]}
     assert by_agent == {"main": 1.0 + 0.75, "kid": 1.0 - 0.25}, by_agent
+
+
+def test_judge_budget_spent_is_recorded_not_waited_for(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.rewards = config.parse(TOML.replace("[task_types.tool_use]", "[judge]\nbudget_s = 0\n[task_types.tool_use]\njudge = true"))
+    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 2))
+    rows = rig.labels("s1")[1]
+    assert {r["r_judge"] for r in rows} == {None} and {r["reward"] for r in rows} == {1.0}
+    assert '"status": "budget"' in rows[0]["reward_detail"]
+    assert rig.builder.judge.calls == 0
