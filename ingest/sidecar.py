@@ -522,6 +522,8 @@ class _Pipeline:
                 return
             deadline = time.monotonic() + ack_timeout_s
             while not all(f.is_done for f in futures) and time.monotonic() < deadline:
+                self._drain_into_spool()  # the host keeps logging while Kafka acknowledges: keep its queue short
+                self._in_hand = True
                 time.sleep(0.01)
             ok = 0
             for f in futures:
@@ -785,7 +787,7 @@ class _Client:
         *,
         name: str | None = None,
         spool_dir: str | Path | None = None,
-        max_queue: int = 100_000,
+        max_queue: int = 20_000,
         batch_max: int = 500,
         linger_s: float = 0.05,
         spool_max_bytes: int = 256 * 1024 * 1024,
@@ -852,11 +854,19 @@ class _Client:
 class SessionLogger(_Client):
     """Logs agent sessions to Kafka (flywheel.events). Thread-safe; one per process is enough.
 
-    Options (keyword): name (spool name; give a stable one so a restarted process replays what
-    an earlier one spooled), spool_dir (default var/spool/<name>), max_queue, batch_max,
-    linger_s, spool_max_bytes, compression, outage_after_s, retry_s, metrics_interval_s,
-    redact (Callable[[str], str] or None), sample_rate (share of sessions logged),
-    producer_config (extra KafkaProducer settings).
+    Options (keyword, defaults in brackets):
+      name            spool name [<program>-<pid>]; give a stable one so a restarted process replays
+                      what an earlier one spooled
+      spool_dir       [var/spool/<name>]          spool_max_bytes  [256 MiB; oldest dropped beyond]
+      max_queue       records held in memory [20,000]; beyond, new records are dropped and counted
+      batch_max       records per background batch [500]     linger_s  background wake-up [0.05]
+      outage_after_s  no acknowledgement for this long = broker down, spill to disk [2.0]
+      retry_s         how often a down broker is retried [1.0]
+      compression     producer compression [lz4; gzip when the lz4 package is missing]
+      redact          Callable[[str], str] applied to text fields [ingest.redact.redact_text]; None: off
+      sample_rate     share of sessions logged, by a hash of session_id [1.0]
+      metrics_interval_s [60]   exit_timeout_s  how long the exit hook may deliver [5]
+      producer_config extra KafkaProducer settings
     """
 
     def __init__(self, bootstrap: str | None = None, topic: str | None = None, *, sample_rate: float = 1.0, **options: Any) -> None:
