@@ -237,6 +237,7 @@ class _Pipeline:
         self._stopping_deadline = float("inf")
         self._in_hand = False
         self._cb_lock = threading.Lock()
+        self._yielded = time.perf_counter()
         # Counters, written without locks: exact where one thread writes them (the background thread, or the
         # producer callbacks under _cb_lock); `invalid` and `dropped_full` are also written by host threads and
         # may miss an increment under contention, acceptable for counters whose first occurrence is warned.
@@ -356,7 +357,6 @@ class _Pipeline:
         # Only what is queued now: a host that enqueues as fast as we encode must not keep this loop
         # from returning to the health check (that is how an outage is noticed).
         budget = len(queue)
-        yielded = time.perf_counter()
         while queue and budget > 0:
             self._in_hand = True  # records popped but not yet in _pending or the spool: flush() must wait
             batch: list[tuple[bytes, bytes]] = []
@@ -367,14 +367,18 @@ class _Pipeline:
                 encoded = self._encode_safely(record)
                 if encoded is not None:
                     batch.append(encoded)
-                if time.perf_counter() - yielded > 0.0002:
-                    # Release the GIL every 0.2 ms of work: a host call waiting for it gets it
-                    # now instead of after the 5 ms switch interval. Not after every record: under CPU
-                    # contention each release can cost this thread its time slice.
-                    time.sleep(0)
-                    yielded = time.perf_counter()
+                self._yield_gil()
             self._route(batch)
             self._in_hand = False
+
+    def _yield_gil(self) -> None:
+        # Release the GIL after every 0.2 ms of work. A host thread that wants it otherwise waits for the
+        # interpreter's 5 ms switch interval, and encoding or producer.send() (kafka-python builds the
+        # record batch in the caller's thread) runs for tens of ms in a burst. Not after every record:
+        # under CPU contention each release can cost this thread its time slice.
+        if time.perf_counter() - self._yielded > 0.0002:
+            time.sleep(0)
+            self._yielded = time.perf_counter()
 
     def _encode_safely(self, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
         try:
@@ -392,6 +396,7 @@ class _Pipeline:
             return
         for key, value in batch:
             self._send(key, value, from_spool=False)
+            self._yield_gil()
 
     def _send(self, key: bytes, value: bytes, from_spool: bool) -> Any:
         send_id = next(self._send_ids)
@@ -517,7 +522,10 @@ class _Pipeline:
     def _replay_spool(self, spool: Spool | None, chunk: int, ack_timeout_s: float) -> None:
         while spool is not None and len(spool) and not (self._stopping and time.monotonic() > self._stopping_deadline):
             records = spool.peek(chunk)
-            futures = [self._send(self._key_of(value), value, from_spool=True) for value in records]
+            futures = []
+            for value in records:
+                futures.append(self._send(self._key_of(value), value, from_spool=True))
+                self._yield_gil()
             if any(f is None for f in futures):
                 return
             deadline = time.monotonic() + ack_timeout_s
@@ -551,6 +559,7 @@ class _Pipeline:
             encoded = self._encode_safely(self._queue.popleft())
             if encoded is not None:
                 batch.append(encoded)
+            self._yield_gil()
         if batch:
             self._spill(batch)
         self._in_hand = False
