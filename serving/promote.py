@@ -257,9 +257,13 @@ def ensure_serving(version: int, registry: Registry, tier: TierConfig) -> None:
                 if publisher.lora_name(version) not in publisher.served_models(server, tier.http_timeout_s):
                     publisher.http("POST", f"{server}/v1/load_lora_adapter",
                                    {"lora_name": publisher.lora_name(version), "lora_path": source}, tier.http_timeout_s)
-            elif publisher.weight_version(server, tier.http_timeout_s) != version:
+            else:
+                held = publisher.weight_version(server, tier.http_timeout_s)
+                if held == version:
+                    continue
+                held_found = registry.find(held) if held != 0 else None  # where to go back to if the reload fails
                 pv = publisher.PolicyVersion(Path(source), version, "full", {})
-                publisher.push_full_http(server, pv, tier)
+                publisher.push_full_http(server, pv, tier, restore_dir=Path(held_found.source) if held_found else None)
             log.info("promote: %s serves policy-v%d (%s) again", server, version, kind)
         except publisher.ServerError as exc:
             log.error("promote: could not restore policy-v%d on %s: %s", version, server, exc)
@@ -361,6 +365,10 @@ def run(cfg: PromoteConfig) -> int:
     from infra.status import write_status
 
     console = Console()
+    if cfg.auto:  # a daemon: keep the resolved config so this run can be reproduced with --config
+        from infra.config import write_resolved
+
+        log.info("promote: resolved config in %s", write_resolved(cfg, Path(cfg.var_dir) / "run" / "promote.toml"))
     registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
     log.info("promote: registry %s at %s, lake %s, eval set %s", cfg.registered_model, cfg.mlflow_tracking_uri,
              cfg.lake_root, cfg.eval_tasks)
