@@ -127,13 +127,14 @@ def conform(table: "pa.Table", target: "pa.Schema") -> "pa.Table":
     return pa.Table.from_arrays(columns, schema=target)
 
 
-def read_range(root: str, table: str, since: lake.Cursor, until: lake.Cursor, target: "pa.Schema") -> "pa.Table":
+def read_range(root: str, table: str, since: lake.Cursor, until: lake.Cursor, target: "pa.Schema",
+               files: list[lake.LakeFile] | None = None) -> "pa.Table":
     """Rows of `table` with offsets in (since, until] per stream."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     parts = []
-    for f in lake.files_since(root, table, since):
+    for f in lake.files_since(root, table, since) if files is None else files:
         stop = until.get(f.key, -1)
         if f.first > stop:
             continue
@@ -162,10 +163,10 @@ def _read_columns(root: str, f: lake.LakeFile, names: list[str]) -> "pa.Table":
                             "restore or remove the file, then restart") from exc
 
 
-def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int) -> tuple[lake.Cursor, int]:
-    """The cursor after the next `max_files` new files, and how many new files remain after them."""
+def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int) -> tuple[lake.Cursor, list[lake.LakeFile], int]:
+    """The cursor after the next `max_files` new files, those files, and how many new files remain after them."""
     files = lake.files_since(root, table, cursor)
-    return lake.advance(cursor, files[:max_files]), max(0, len(files) - max_files)
+    return lake.advance(cursor, files[:max_files]), files[:max_files], max(0, len(files) - max_files)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,10 +254,11 @@ class Builder:
         st = self.state
         intent = self.store.load_intent()
         resumed = intent is not None and intent.base_pass == st.pass_no
+        planned: dict[str, list[lake.LakeFile] | None] = {"events": None, "outcomes": None}  # None: list again
         if not resumed:
             clock = now or dt.datetime.now(dt.timezone.utc)
-            events_until, events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, self.cfg.max_files_per_pass)
-            outcomes_until, outcomes_left = plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor,
+            events_until, planned["events"], events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, self.cfg.max_files_per_pass)
+            outcomes_until, planned["outcomes"], outcomes_left = plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor,
                                                        self.cfg.max_files_per_pass)
             self.backlog_files = events_left + outcomes_left
             intent = Intent(
@@ -273,8 +275,10 @@ class Builder:
         res = PassResult(st.pass_no + 1)
         drops: Counter[str] = Counter()
 
-        new_events = read_range(self.cfg.lake_root, "events", st.events_cursor, intent.events_until, self.event_schema)
-        new_outcomes = read_range(self.cfg.lake_root, "outcomes", st.outcomes_cursor, intent.outcomes_until, self.outcome_schema)
+        new_events = read_range(self.cfg.lake_root, "events", st.events_cursor, intent.events_until, self.event_schema,
+                                planned["events"])
+        new_outcomes = read_range(self.cfg.lake_root, "outcomes", st.outcomes_cursor, intent.outcomes_until,
+                                  self.outcome_schema, planned["outcomes"])
         res.new_event_rows, res.new_outcome_rows = new_events.num_rows, new_outcomes.num_rows
         has_pending = st.pending is not None and st.pending.num_rows > 0
         if not resumed and not new_events.num_rows and not new_outcomes.num_rows and not has_pending and not st.held_outcomes:
