@@ -184,6 +184,35 @@ def live_latency(bootstrap: str, topic: str, rate: float, seconds: float, lake_r
         proc.wait(timeout=30)
 
 
+def cost_breakdown(n: int = 2000, seed: int = 3) -> dict[str, float]:
+    """Microseconds per event of each step of the writer, on the same kind of events, without Kafka:
+    where the writer's time goes (JSON decode, schema validation, Arrow conversion, Parquet write)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from ingest.lake_writer import _loads, decode_record, rows_to_table
+
+    rng = random.Random(seed)
+    values = [json.dumps(realistic_event(rng, i)).encode() for i in range(n)]
+    out: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        t = time.perf_counter()
+        result = fn()
+        out[name] = round((time.perf_counter() - t) / n * 1e6, 1)
+        return result
+
+    records = timed("json_decode_us", lambda: [_loads(v.decode()) for v in values])
+    timed("validate_us", lambda: [schema.validate_event(r) for r in records])
+    rows = timed("decode_validate_convert_us", lambda: [decode_record("events", v)[0] for v in values])
+    for i, row in enumerate(rows):
+        row.update(_topic="t", _partition=0, _offset=i, _ingest_ts=row["ts"])
+    data = timed("arrow_us", lambda: rows_to_table("events", rows))
+    timed("parquet_zstd_us", lambda: pq.write_table(data, io.BytesIO(), compression="zstd"))
+    return out
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -222,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             raw_s = raw_consume(args.kafka_bootstrap, rate_topic, args.events)
             console.print("lake writer ...")
             writer_s, files = writer_rate(args.kafka_bootstrap, rate_topic, args.events, f"{tmp}/lake", f"{tmp}/var")
+            console.print("cost breakdown ...")
+            costs = cost_breakdown()
             console.print(f"live: {args.live_rate:.0f} events/s for {args.live_seconds:.0f} s ...")
             latencies = live_latency(args.kafka_bootstrap, live_topic, args.live_rate, args.live_seconds,
                                      f"{tmp}/live-lake", f"{tmp}/var")
@@ -244,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         "p50_visible_s": round(_percentile(latencies, 0.5), 3),
         "p95_visible_s": round(_percentile(latencies, 0.95), 3),
         "max_visible_s": round(max(latencies), 3),
+        "raw_consume_us_per_event": round(1e6 / raw_rate, 1),
+        **costs,
         "cpu_count": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     table = Table(title="ingest: Kafka -> Parquet lake")
     table.add_column("measure")
@@ -253,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     table.add_row("raw kafka-python consume", f"{raw_rate:,.0f} events/s")
     table.add_row("lake writer to published Parquet", f"{rate:,.0f} events/s, {result['mb_per_s']} MB/s, {files} files")
     table.add_row("ratio writer / raw (target >= 0.7)", f"{result['ratio']:.2f}")
+    table.add_row("per event: raw consume / JSON decode / validate / Arrow / Parquet (us)",
+                  f"{result['raw_consume_us_per_event']} / {costs['json_decode_us']} / {costs['validate_us']} / "
+                  f"{costs['arrow_us']} / {costs['parquet_zstd_us']}")
     table.add_row(f"produce -> visible at {args.live_rate:.0f}/s: p50 / p95 / max (target p95 < 5 s)",
                   f"{result['p50_visible_s']} / {result['p95_visible_s']} / {result['max_visible_s']} s")
     Console().print(table)
