@@ -788,6 +788,7 @@ class _Client:
     """What SessionLogger and OutcomeReporter share: bootstrap resolution and the pipeline."""
 
     _topic_default = schema.EVENTS_TOPIC
+    _id_field = "event_id"
 
     def __init__(
         self,
@@ -828,8 +829,6 @@ class _Client:
             exit_timeout_s=exit_timeout_s, producer_config=producer_config,
         )
 
-    _id_field = "event_id"
-
     @staticmethod
     def _validate(record: Any) -> Any:
         return schema.validate_event(record)
@@ -839,7 +838,7 @@ class _Client:
         return self._pipe is not None
 
     def metrics(self) -> dict[str, Any]:
-        """Counters: enqueued, sent, spilled, replayed, dropped, invalid ... (all zero when disabled)."""
+        """Counters: enqueued, sent, spilled, replayed, dropped, invalid ... ({"enabled": False} when disabled)."""
         if self._pipe is None:
             return {"enabled": False}
         return self._pipe.metrics()
