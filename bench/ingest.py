@@ -85,8 +85,11 @@ def raw_consume(bootstrap: str, topic: str, n: int) -> float:
     """Seconds kafka-python takes to hand over n records (first to last), with the writer's fetch settings."""
     from kafka import KafkaConsumer, TopicPartition
 
+    from ingest.lake_writer import LakeWriterConfig
+
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
-                             max_partition_fetch_bytes=2 * schema.MAX_RECORD_BYTES, fetch_max_bytes=64 * 1024 * 1024)
+                             max_partition_fetch_bytes=LakeWriterConfig.fetch_partition_bytes,
+                             fetch_max_bytes=64 * 1024 * 1024)
     parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
     consumer.assign(parts)
     consumer.seek_to_beginning(*parts)
@@ -95,7 +98,7 @@ def raw_consume(bootstrap: str, topic: str, n: int) -> float:
     seen, t_first = 0, None
     while seen < n:
         t_poll = time.perf_counter()
-        batches = consumer.poll(timeout_ms=500, max_records=5000)
+        batches = consumer.poll(timeout_ms=500, max_records=LakeWriterConfig.max_poll_records)
         if batches and t_first is None:
             t_first = t_poll  # from the start of the first poll that returned records, as for the writer
         seen += sum(len(m) for m in batches.values())

@@ -92,7 +92,8 @@ class LakeWriterConfig:
     compression: str = setting("zstd", "Parquet compression codec")
     session_timeout_s: float = setting(10.0, "group session timeout: how soon a dead writer's partitions move")
     poll_timeout_s: float = setting(0.2, "longest wait in one consumer poll")
-    max_poll_records: int = setting(5000, "records returned by one poll")
+    max_poll_records: int = setting(1000, "records returned by one poll")
+    fetch_partition_bytes: int = setting(1024 * 1024, "bytes fetched per partition per request (a larger record still comes whole)")
     status_interval_s: float = setting(2.0, "how often the status heartbeat and lag are refreshed")
     var_dir: str = setting(defaults.VAR_DIR, "local state directory (status heartbeat, resolved config)")
     log_level: str = setting("INFO", "logging level")
@@ -104,7 +105,7 @@ class LakeWriterConfig:
             raise ConfigError("events_topic, outcomes_topic: must differ (each topic feeds its own table)")
         if self.dlq_topic in (self.events_topic, self.outcomes_topic):
             raise ConfigError("dlq_topic: must differ from events_topic and outcomes_topic")
-        for name in ("roll_max_records", "roll_max_bytes", "max_poll_records"):
+        for name in ("roll_max_records", "roll_max_bytes", "max_poll_records", "fetch_partition_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
         if self.roll_max_age_s <= 0 or self.poll_timeout_s <= 0:
@@ -556,8 +557,10 @@ def _consumer(cfg: LakeWriterConfig) -> "KafkaConsumer":
         session_timeout_ms=int(cfg.session_timeout_s * 1000),
         heartbeat_interval_ms=max(1000, int(cfg.session_timeout_s * 1000 / 4)),
         max_poll_records=cfg.max_poll_records,
-        # a record up to schema.MAX_RECORD_BYTES must fit in one fetch, or the writer could not dead-letter it
-        max_partition_fetch_bytes=2 * schema.MAX_RECORD_BYTES,
+        # Small fetches drain within one or two polls, so kafka-python sends the next fetch while the writer
+        # decodes the last one (a partition with buffered records is not fetched). A record larger than this
+        # still arrives whole (KIP-74), so oversized records reach the DLQ.
+        max_partition_fetch_bytes=cfg.fetch_partition_bytes,
         fetch_max_bytes=64 * 1024 * 1024,
         # a topic or partition created after start is noticed within seconds, not the default 5 minutes
         metadata_max_age_ms=5000,
