@@ -65,7 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TABLE_OF_KIND = {"events": "events", "outcomes": "outcomes"}
 _VALIDATE = {"events": schema.validate_event, "outcomes": schema.validate_outcome}
 _COLUMNS = {"events": schema.EVENT_COLUMNS, "outcomes": schema.OUTCOME_COLUMNS}
 _ARROW_SCHEMA = {"events": schema.event_arrow_schema, "outcomes": schema.outcome_arrow_schema}
@@ -267,7 +266,6 @@ class Stats:
     files: int = 0
     dlq: int = 0
     conformed: int = 0  # publishes that followed another writer's claim
-    skipped: int = 0  # ranges already in the lake (published by another writer)
 
 
 class LakeWriter:
