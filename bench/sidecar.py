@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             stack_mod.stop_kafka(private)
         if started:
             stack_mod.down(cfg, parts=started)
+        shutil.rmtree(tmp, ignore_errors=True)  # the private broker's data and the spools
 
     table = Table(title=f"hot-path cost per call, {args.calls} calls at {args.rate:.0f}/s "
                         f"(prompt {args.prompt_tokens} tokens, completion {args.completion_tokens})")
