@@ -276,8 +276,8 @@ class CaptureProxy:
                 if resp.status != 200:
                     self.counters["upstream_errors"] += 1
                     return web.Response(status=resp.status, body=raw, content_type=resp.content_type)
-                payload = json.loads(raw)
-        except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                payload = json.loads(raw)  # a 200 that is not JSON is an upstream failure too (ValueError)
+        except (OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
             self.counters["upstream_errors"] += 1
             log.warning("proxy: upstream %s failed (%s); answered 502", url, exc)
             return _error(502, f"upstream {url} unavailable: {exc}")
