@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 TOOLS = ("add", "mul", "weather")
-CITIES = ("paris", "oslo", "rome", "lima", "cairo", "tokyo", "delhi", "quito", "accra", "dubai",
-          "seoul", "perth", "miami", "boston", "madrid", "vienna")
+# Small vocabularies on purpose: a 3M-parameter model learns to copy a digit or a city name into its call
+# within a few hundred supervised steps; two-digit operands and 16 cities stayed at 0% after 200 steps.
+CITIES = ("paris", "oslo", "rome", "lima", "cairo", "tokyo", "delhi", "quito")
 SKIES = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy")
-MAX_OPERAND = 99  # two-digit operands: copying them into JSON is the skill the tiny model learns
+MAX_OPERAND = 9  # one-digit operands: copying them into the JSON call is the skill the tiny model learns
 
 # Several phrasings per tool, so the model must read the request rather than memorise one template.
 _PHRASES: dict[str, tuple[str, ...]] = {

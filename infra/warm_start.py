@@ -90,7 +90,8 @@ def sample_replies(model: Any, tok: Any, dialogues: list[list[tasks.Message]], m
     return [tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True) for row in out]
 
 
-def success_rate(model: Any, tok: Any, parts: list[tasks.Part], max_new_tokens: int = 40, max_turns: int = 3) -> float:
+def success_rate(model: Any, tok: Any, parts: list[tasks.Part], max_new_tokens: int = 40, max_turns: int = 3,
+                 first_calls: list[str] | None = None) -> float:
     """Share of parts solved, running tasks.solve_part's protocol for all parts in lockstep.
 
     (Batched for speed; the one difference from solve_part is that histories are never
@@ -104,6 +105,8 @@ def success_rate(model: Any, tok: Any, parts: list[tasks.Part], max_new_tokens: 
         if not active:
             break
         replies = sample_replies(model, tok, [dialogues[i] for i in active], max_new_tokens)
+        if turn == 0 and first_calls is not None:
+            first_calls.extend(replies)
         for i, reply in zip(active, replies):
             parsed = tasks.parse_reply(reply)
             dialogues[i].append({"role": "assistant", "content": reply})
@@ -148,10 +151,14 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
         opt.step()
         step += 1
         if step % s.eval_every == 0 or step == s.max_steps:
-            rate = success_rate(model, tok, eval_parts, s.max_new_tokens)
-            history.append({"step": step, "loss": float(loss.detach()), "success": rate, "elapsed_s": time.time() - t0})
-            log.info("warm start: step %d loss %.3f held-out success %.1f%% (%d parts) after %.0fs",
-                     step, float(loss), 100 * rate, len(eval_parts), time.time() - t0)
+            first: list[str] = []
+            rate = success_rate(model, tok, eval_parts, s.max_new_tokens, first_calls=first)
+            calls = sum(tasks.call_is_correct(p, r) for p, r in zip(eval_parts, first)) / len(eval_parts)
+            history.append({"step": step, "loss": float(loss.detach()), "success": rate, "first_call_correct": calls,
+                            "elapsed_s": time.time() - t0})
+            log.info("warm start: step %d loss %.3f held-out success %.1f%%, first call right %.1f%% (%d parts) "
+                     "after %.0fs; e.g. %r -> %r", step, float(loss.detach()), 100 * rate, 100 * calls, len(eval_parts),
+                     time.time() - t0, eval_parts[0].text, first[0] if first else "")
             if step >= s.min_steps and rate >= s.target_success:
                 break
     record = {"base_model": str(base_dir), "steps": step, "final_success": rate, "eval_parts": len(eval_parts),
