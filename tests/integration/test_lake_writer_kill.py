@@ -190,3 +190,49 @@ def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_t
                 p.wait(timeout=30)
     assert b.returncode == 0, f"SIGTERM must finish the current work and exit 0, got {b.returncode}"
     check_exact(root, topic, produced, partitions)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_writer_that_wakes_after_losing_its_partitions_duplicates_nothing(
+        kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
+    """The zombie case: a writer stalls (SIGSTOP) past the session timeout with open files, the other
+    writer takes its partitions over and publishes past them, then the stalled one wakes up and
+    publishes what it held before it notices. Range claims must keep the lake exact."""
+    from infra.status import read_statuses
+
+    partitions = 4
+    topic, dlq = new_topic("lw-zombie", partitions=partitions), new_topic("lw-zombie-dlq")
+    root, var = tmp_path / "lake", tmp_path / "var"
+    var.mkdir()
+    group = f"test-lw-zombie-{uuid.uuid4().hex[:8]}"
+    zombie = start_writer(kafka_bootstrap, topic, dlq, group, "z", root, var)
+    other = start_writer(kafka_bootstrap, topic, dlq, group, "o", root, var)
+    produced: list[str] = []
+    try:
+        wait_for(lambda: all(read_statuses(var).get(f"lake-writer-{w}", {}).get("partitions", 0) > 0 for w in "zo"),
+                 60, "both writers to own partitions")
+        # a steady stream, so the zombie holds open files at the instant it freezes
+        feeder = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, 12_000, partitions, 1000)))
+        feeder.start()
+        wait_for(lambda: landed(root, topic) > 1000, 30, "the first files")
+        zombie.send_signal(signal.SIGSTOP)
+        wait_for(lambda: read_statuses(var)["lake-writer-o"].get("partitions") == partitions, 60,
+                 "the other writer to take every partition over")
+        before = landed(root, topic)
+        wait_for(lambda: landed(root, topic) > before + 1000, 30, "the new owner to publish past the zombie's files")
+        zombie.send_signal(signal.SIGCONT)  # wakes with stale open files, publishes, then learns it was fenced
+        feeder.join()
+        wait_for(lambda: landed(root, topic) >= 12_000, 90, "all events after the zombie woke up")
+        time.sleep(3)  # let the zombie's stale publishes (if any) land before the check
+    finally:
+        for p in (zombie, other):
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=30)
+    check_exact(root, topic, produced, partitions)
+    stats = read_statuses(var)["lake-writer-z"]
+    print(f"zombie after waking: {stats}")
+    # the woken writer held open files of partitions it had lost: it must have met the new owner's claims
+    assert stats["conformed"] >= 1, f"the zombie never met a claim, so this run did not test the race: {stats}"
