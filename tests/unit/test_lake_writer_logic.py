@@ -377,3 +377,16 @@ def test_revoke_leaves_nothing_behind_for_the_partition(tmp_path: Path) -> None:
     w.revoke([(TOPIC, 0)])
     assert [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 4), (5, 7)]
     assert w.buffers == {} and w.next_offset == {}
+
+
+def test_the_writer_has_no_local_only_logic(tmp_path: Path) -> None:
+    root = f"file://{tmp_path}/lake"
+    w = make_writer(tmp_path, roll_max_records=3)
+    w.cfg.lake_root = root
+    w.assign([(TOPIC, 0)])
+    for i in range(7):
+        w.add(TOPIC, 0, i, wire(event(i)) if i != 4 else b"bad")
+    w.flush_all()
+    assert [(f.first, f.last) for f in lake.list_files(root, "events")] == [(0, 2), (3, 5), (6, 6)]
+    assert lake.read_claim(root, "events", TOPIC, 0, 3) == lake.Claim(3, 5, "2026-11-30")
+    assert sorted(lake_rows(tmp_path / "lake")) == [0, 1, 2, 3, 5, 6]
