@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
             gc.collect()
             results["outage"] = _percentiles(_paced(dcall, args.calls, args.rate, progress, task))
-            down_logger.close(timeout=1)  # nothing can be delivered: close spills the rest, then count
+            down_logger.close(timeout=30)  # nothing can be delivered: close spills the backlog, then count
             extra["outage_metrics"] = down_logger.metrics()
         admin.delete_topics([topic])
         admin.close()
