@@ -394,7 +394,10 @@ class _Pipeline:
         if self._down or self._producer is None or self._spool_pending():
             self._spill(batch)
             return
-        for key, value in batch:
+        for i, (key, value) in enumerate(batch):
+            if self._down:  # a send just failed (it spilled its record): the rest must not wait on Kafka too
+                self._spill(batch[i:])
+                return
             self._send(key, value, from_spool=False)
             self._yield_gil()
 
@@ -524,10 +527,11 @@ class _Pipeline:
             records = spool.peek(chunk)
             futures = []
             for value in records:
-                futures.append(self._send(self._key_of(value), value, from_spool=True))
+                future = self._send(self._key_of(value), value, from_spool=True)
+                if future is None:  # Kafka refused a send: the records stay in the spool for the next try
+                    return
+                futures.append(future)
                 self._yield_gil()
-            if any(f is None for f in futures):
-                return
             deadline = time.monotonic() + ack_timeout_s
             while not all(f.is_done for f in futures) and time.monotonic() < deadline:
                 self._drain_into_spool()  # the host keeps logging while Kafka acknowledges: keep its queue short

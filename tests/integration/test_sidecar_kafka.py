@@ -221,3 +221,29 @@ def test_a_short_lived_process_delivers_at_exit_without_close(kafka_bootstrap: s
     assert done.returncode == 0, done.stderr[-2000:]
     events = [json.loads(v) for v in _consume(kafka_bootstrap, topic, 200, timeout_s=20)]
     assert sorted(e["arguments"]["i"] for e in events) == list(range(200)), f"{len(events)} of 200 arrived"
+
+
+def test_missing_topic_spills_then_delivers_once_it_exists(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """A broker that is up but cannot take the records (no topic yet) is an outage too, not a stall."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    topic = f"test.late.{uuid.uuid4().hex[:10]}"
+    log = SessionLogger(kafka_bootstrap, topic=topic, name="late", spool_dir=tmp_path / "spool", retry_s=0.5)
+    s = log.attach("sess-late")
+    started = time.monotonic()
+    for i in range(300):
+        s.tool_call("t", {"i": i})
+    assert time.monotonic() - started < 0.5, "logging must not wait for Kafka"
+    assert not log.flush(5), "nothing can be delivered before the topic exists"
+    assert log.metrics()["spilled"] == 300, log.metrics()
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="tests")
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    try:
+        assert log.flush(60), f"not replayed after the topic appeared: {log.metrics()}"
+        events = [json.loads(v) for v in _consume(kafka_bootstrap, topic, 300)]
+        first = list({e["event_id"]: e["arguments"]["i"] for e in reversed(events)}.values())[::-1]  # de-duplicated
+        assert first == list(range(300)), "every record once after de-duplication, in the order it was logged"
+    finally:
+        log.close()
+        admin.delete_topics([topic])
+        admin.close()
