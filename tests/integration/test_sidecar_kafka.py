@@ -241,7 +241,8 @@ def test_missing_topic_spills_then_delivers_once_it_exists(kafka_bootstrap: str,
     try:
         assert log.flush(60), f"not replayed after the topic appeared: {log.metrics()}"
         events = [json.loads(v) for v in _consume(kafka_bootstrap, topic, 300)]
-        first = list({e["event_id"]: e["arguments"]["i"] for e in reversed(events)}.values())[::-1]  # de-duplicated
+        seen: set[str] = set()
+        first = [e["arguments"]["i"] for e in events if not (e["event_id"] in seen or seen.add(e["event_id"]))]
         assert first == list(range(300)), "every record once after de-duplication, in the order it was logged"
     finally:
         log.close()
