@@ -140,6 +140,16 @@ def _json_default_or_repr(value: Any) -> Any:
         return repr(value)
 
 
+# Errors that concern the record itself, not the broker: retrying (or replaying) it can never succeed,
+# so it is dropped and counted instead of blocking the spool's head forever.
+_POISON_ERRORS = frozenset({"MessageSizeTooLargeError", "RecordListTooLargeError", "CorruptRecordError",
+                            "InvalidRecordError"})
+
+
+def _is_poison(exc: BaseException | None) -> bool:
+    return exc is not None and type(exc).__name__ in _POISON_ERRORS
+
+
 class _WarnOnce:
     """One warning per kind of problem; later ones are only counted (shown in the metrics log)."""
 
@@ -170,6 +180,21 @@ def _install_process_hooks() -> None:
     atexit.register(lambda: [p.close(timeout=p.exit_timeout_s) for p in list(_LIVE)])
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=lambda: [p._reset_in_child() for p in list(_LIVE)])
+
+
+class _Rejected:
+    """What _send returns for a record Kafka refused for good: a resolved, failed future."""
+
+    is_done = True
+
+    def __init__(self, exception: BaseException) -> None:
+        self.exception = exception
+
+    def succeeded(self) -> bool:
+        return False
+
+    def failed(self) -> bool:
+        return True
 
 
 class _Pipeline:
@@ -251,6 +276,7 @@ class _Pipeline:
         self.coerced = 0
         self.truncated = 0
         self.send_errors = 0
+        self.rejected = 0
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"flywheel-sdk-{self.name}", daemon=True)
@@ -285,6 +311,7 @@ class _Pipeline:
             "coerced": self.coerced,
             "truncated": self.truncated,
             "send_errors": self.send_errors,
+            "rejected": self.rejected,
             "queue_depth": len(self._queue),
             "inflight": len(self._pending),
             "spool_records": len(spool) if spool is not None else 0,
@@ -398,7 +425,9 @@ class _Pipeline:
             if self._down:  # a send just failed (it spilled its record): the rest must not wait on Kafka too
                 self._spill(batch[i:])
                 return
-            self._send(key, value, from_spool=False)
+            result = self._send(key, value, from_spool=False)
+            if isinstance(result, _Rejected):
+                self._reject(result.exception)
             self._yield_gil()
 
     def _send(self, key: bytes, value: bytes, from_spool: bool) -> Any:
@@ -411,6 +440,8 @@ class _Pipeline:
         except Exception as exc:  # metadata timeout, producer closed ...: the broker is unusable now
             self._pending.pop(send_id, None)
             self.send_errors += 1
+            if _is_poison(exc):
+                return _Rejected(exc)  # the record, not the broker: callers drop it and count it
             self._mark_down(f"send failed: {exc}")
             if not from_spool:
                 self._spill([(key, value)])
@@ -431,13 +462,21 @@ class _Pipeline:
                 del self._pending[send_id]  # last: flush() sees an empty _pending only after the counters moved
 
     def _on_error(self, send_id: int, exc: BaseException) -> None:
+        poison = _is_poison(exc)
         with self._cb_lock:
             entry = self._pending.get(send_id)
             self.send_errors += 1
-            if entry is not None and not entry[2]:  # spool records stay in the spool until acknowledged
+            if entry is not None and not entry[2] and not poison:  # spool records stay there until acknowledged
                 self._failed.append((entry[0], entry[1]))
             self._pending.pop(send_id, None)
+        if poison and entry is not None and not entry[2]:
+            self._reject(exc)
+            return
         self.warn(f"send:{type(exc).__name__}", "sdk %s: Kafka did not take a batch (%s); records go to the spool", self.name, exc)
+
+    def _reject(self, exc: BaseException) -> None:
+        self.rejected += 1
+        self.warn(f"reject:{type(exc).__name__}", "sdk %s: Kafka refused a record for good (%s); dropped", self.name, exc)
 
     def _respool_failures(self) -> None:
         if self._failed:
@@ -539,7 +578,9 @@ class _Pipeline:
                 time.sleep(0.01)
             ok = 0
             for f in futures:
-                if not f.succeeded():
+                if f.is_done and f.failed() and _is_poison(f.exception):
+                    self._reject(f.exception)  # consumed: replaying it again could never succeed
+                elif not f.succeeded():
                     break
                 ok += 1
             spool.commit(ok)

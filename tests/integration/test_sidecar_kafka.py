@@ -248,3 +248,21 @@ def test_missing_topic_spills_then_delivers_once_it_exists(kafka_bootstrap: str,
         log.close()
         admin.delete_topics([topic])
         admin.close()
+
+
+def test_a_record_kafka_refuses_is_dropped_and_counted_not_retried_forever(kafka_bootstrap: str,
+                                                                          new_topic: Callable[..., str],
+                                                                          tmp_path: Path) -> None:
+    topic = new_topic("poison")
+    log = SessionLogger(kafka_bootstrap, topic=topic, name="poison", spool_dir=tmp_path / "spool",
+                        producer_config={"max_request_size": 4096})  # stands in for a broker's message.max.bytes
+    s = log.attach("sess-poison")
+    s.tool_call("before", {})
+    s.tool_result("c", ok=True, output="z" * 10_000)  # within the SDK's caps, over this Kafka's limit
+    s.tool_call("after", {})
+    assert log.flush(30), log.metrics()
+    m = log.metrics()
+    log.close()
+    events = [json.loads(v) for v in _consume(kafka_bootstrap, topic, 2)]
+    assert [e.get("name") for e in events] == ["before", "after"]
+    assert m["rejected"] == 1 and m["spilled"] == 0 and not m["broker_down"], m
