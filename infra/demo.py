@@ -60,6 +60,7 @@ class DemoConfig:
     challenger_share: float = setting(0.5, "share of sessions the challenger gets (for LoRA tiers; full weights serve one version)")
     gate_interval_s: float = setting(20.0, "seconds between promotion-gate rounds")
     gate_min_sessions: int = setting(40, "sessions the gate wants on each side")
+    base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
     keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop everything it started)")
     live: bool = setting(True, "show the rich live view (off: a log line every 30 s)")
@@ -268,20 +269,6 @@ def run(cfg: DemoConfig) -> int:
         procs.start("proxy", ["proxy", "--port", str(proxy_port), "--upstream", scfg.vllm_url, *common_kafka,
                               "--events-topic", topics["events"], "--router", "serving", "--spool-name", f"{run_id}-proxy"],
                     env=tier_env)
-        procs.start("learner", ["learner", "--lake-root", str(lake_root), "--base-model", str(policy_v0(cfg).resolve()),
-                                "--mode", "full", "--lr", str(cfg.learner_lr), "--batch-size", str(cfg.learner_batch),
-                                "--min-batch", str(cfg.learner_batch), "--micro-batch", str(min(16, cfg.learner_batch)),
-                                "--run-dir", str(learner_dir), "--policies-dir", str(policies_dir),
-                                "--publish-every-steps", str(cfg.publish_every_steps),
-                                "--publish-every-s", str(cfg.publish_every_s), "--vllm-url", scfg.vllm_url,
-                                "--registered-model", registered_model, "--mlflow-tracking-uri", tracking_uri,
-                                "--experiment", f"{run_id}-learner", "--var-dir", str(status_dir)], env=tier_env)
-        procs.start("promote", ["promote", "--auto", "--interval-s", str(cfg.gate_interval_s),
-                                "--servers", scfg.vllm_url, "--base-model", str(policy_v0(cfg).resolve()),
-                                "--policies-dir", str(policies_dir), "--registered-model", registered_model,
-                                "--mlflow-tracking-uri", tracking_uri, "--lake-root", str(lake_root),
-                                "--min-sessions", str(cfg.gate_min_sessions), "--eval-tasks", "infra.tasks:eval_tasks",
-                                "--experiment", f"{run_id}-promotion", "--var-dir", str(status_dir)])
         procs.start("outcome-sim", ["outcome-sim", *common_kafka, "--outcomes-topic", topics["outcomes"],
                                     "--handoff", str(handoff), "--cursor", str(run_dir / "outcome-cursor.json"),
                                     "--spool-name", f"{run_id}-outcomes"])
@@ -293,6 +280,24 @@ def run(cfg: DemoConfig) -> int:
                                   "--handoff", str(handoff), "--tokenizer", str(policy_v0(cfg).resolve()),
                                   "--spool-name", f"{run_id}-agent"])
         traffic_start = time.time()
+        training = {"started": False}
+
+        def start_training() -> None:
+            procs.start("learner", ["learner", "--lake-root", str(lake_root), "--base-model", str(policy_v0(cfg).resolve()),
+                                    "--mode", "full", "--lr", str(cfg.learner_lr), "--batch-size", str(cfg.learner_batch),
+                                    "--min-batch", str(cfg.learner_batch), "--micro-batch", str(min(16, cfg.learner_batch)),
+                                    "--run-dir", str(learner_dir), "--policies-dir", str(policies_dir),
+                                    "--publish-every-steps", str(cfg.publish_every_steps),
+                                    "--publish-every-s", str(cfg.publish_every_s), "--vllm-url", scfg.vllm_url,
+                                    "--registered-model", registered_model, "--mlflow-tracking-uri", tracking_uri,
+                                    "--experiment", f"{run_id}-learner", "--var-dir", str(status_dir)], env=tier_env)
+            procs.start("promote", ["promote", "--auto", "--interval-s", str(cfg.gate_interval_s),
+                                    "--servers", scfg.vllm_url, "--base-model", str(policy_v0(cfg).resolve()),
+                                    "--policies-dir", str(policies_dir), "--registered-model", registered_model,
+                                    "--mlflow-tracking-uri", tracking_uri, "--lake-root", str(lake_root),
+                                    "--min-sessions", str(cfg.gate_min_sessions), "--eval-tasks", "infra.tasks:eval_tasks",
+                                    "--experiment", f"{run_id}-promotion", "--var-dir", str(status_dir)])
+
         last_log = 0.0
 
         def render() -> Any:
@@ -301,6 +306,13 @@ def run(cfg: DemoConfig) -> int:
 
         def tick() -> bool:
             """One refresh; False when the traffic phase is over."""
+            if not training["started"]:
+                # the base is measured first: the learner starts once policy-v0 served base_sessions sessions
+                done = int(read_statuses(status_dir).get("agent-sim", {}).get("sessions", 0))
+                if done >= cfg.base_sessions or time.time() - traffic_start > traffic_s / 2:
+                    log.info("demo: %d sessions served by policy-v0; starting the learner and the promotion gate", done)
+                    start_training()
+                    training["started"] = True
             dead = [(n, rc) for n, rc in procs.dead() if n != "agent-sim"]
             if dead:
                 name, rc = dead[0]
