@@ -399,12 +399,12 @@ class _Pipeline:
             self._in_hand = False
 
     def _yield_gil(self) -> None:
-        # Release the GIL after every 0.2 ms of work. A host thread that wants it otherwise waits for the
-        # interpreter's 5 ms switch interval, and encoding or producer.send() (kafka-python builds the
-        # record batch in the caller's thread) runs for tens of ms in a burst. Not after every record:
-        # under CPU contention each release can cost this thread its time slice.
-        if time.perf_counter() - self._yielded > 0.0002:
-            time.sleep(0)
+        # After every millisecond of work, step off the GIL for 50 us. A host thread that wants the GIL
+        # otherwise waits for the interpreter's 5 ms switch interval while encoding or producer.send()
+        # (kafka-python builds record batches in the caller's thread) runs in bursts of tens of ms.
+        # sleep(0) is not enough: it re-takes the GIL before the woken host thread is scheduled.
+        if time.perf_counter() - self._yielded > 0.001:
+            time.sleep(0.00005)
             self._yielded = time.perf_counter()
 
     def _encode_safely(self, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
@@ -844,7 +844,7 @@ class _Client:
         spool_dir: str | Path | None = None,
         max_queue: int = 20_000,
         batch_max: int = 500,
-        linger_s: float = 0.05,
+        linger_s: float = 0.01,
         spool_max_bytes: int = 256 * 1024 * 1024,
         compression: str | None = "lz4",
         outage_after_s: float = 2.0,
@@ -912,7 +912,9 @@ class SessionLogger(_Client):
                       what an earlier one spooled
       spool_dir       [var/spool/<name>]          spool_max_bytes  [256 MiB; oldest dropped beyond]
       max_queue       records held in memory [20,000]; beyond, new records are dropped and counted
-      batch_max       records per background batch [500]     linger_s  background wake-up [0.05]
+      batch_max       records per background batch [500]
+      linger_s        background wake-up [0.01]; short, so queued records are encoded and freed before
+                      the garbage collector promotes them (which makes the host's full collections frequent)
       outage_after_s  no acknowledgement for this long = broker down, spill to disk [2.0]
       retry_s         how often a down broker is retried [1.0]
       compression     producer compression [lz4; gzip when the lz4 package is missing]

@@ -197,11 +197,12 @@ def test_broker_killed_mid_run_every_event_arrives_once_and_calls_never_block(pr
     message = (f"worst llm_call during the outage {worst_ms:.2f} ms (limit 5 ms), p99.9 {p999_ms:.3f} ms, "
                f"{len(during)} calls, load average {load:.1f} on {cores} cores; while the broker restarted: "
                f"{len(restart)} calls, worst {max(restart, default=0) * 1e3:.2f} ms")
-    if worst_ms >= 5.0 and load > 2 * cores:
-        # With several runnable processes per core, the OS pauses any thread for tens of ms (a thread
-        # preempted while it holds the GIL stalls the others too): the bound is then not measurable.
-        pytest.xfail("machine overloaded, latency bound not measurable: " + message)
     print("outage:", message)
+    assert p999_ms < 1.0, message  # no systematic blocking: 999 of 1,000 calls well under a millisecond
+    if worst_ms >= 5.0 and load > cores:
+        # More runnable threads than cores: the kernel time-slices them, and a thread waits several ms
+        # for its slice (Linux CFS), whatever it runs. A 5 ms bound on the worst call is not measurable then.
+        pytest.xfail("machine oversubscribed, worst-case bound not measurable: " + message)
     assert worst_ms < 5.0, message
 
 
