@@ -62,6 +62,7 @@ class AgentSimConfig:
     request_timeout_s: float = setting(120.0, "timeout of one model call")
     seed: int = setting(0, "seed of the task stream (0: random)")
     spool_name: str = setting("agent-sim", "the SDK's spill spool name")
+    var_dir: Path = setting(Path(defaults.VAR_DIR), "local state root; the heartbeat goes to <var_dir>/run/status/")
     status_name: str = setting("agent-sim", "name of the heartbeat under var/run/status")
     log_level: str = setting("INFO", "logging level")
 
@@ -217,7 +218,7 @@ class AgentSim:
         values = dict(self.counts.values)
         fields = {**values, "sessions_per_s": round(values["sessions"] / elapsed, 3), "elapsed_s": round(elapsed, 1),
                   "sdk": {k: v for k, v in self.logger.metrics().items() if isinstance(v, (int, float))}}
-        write_status(self.cfg.status_name, fields)
+        write_status(self.cfg.status_name, fields, self.cfg.var_dir)
         return fields
 
     def run(self) -> dict[str, Any]:

@@ -271,14 +271,14 @@ def run(cfg: DemoConfig) -> int:
                     env=tier_env)
         procs.start("outcome-sim", ["outcome-sim", *common_kafka, "--outcomes-topic", topics["outcomes"],
                                     "--handoff", str(handoff), "--cursor", str(run_dir / "outcome-cursor.json"),
-                                    "--spool-name", f"{run_id}-outcomes"])
+                                    "--spool-name", f"{run_id}-outcomes", "--var-dir", str(status_dir)])
         _wait_for_proxy(proxy_port, procs)
         traffic_s = cfg.minutes * 60.0
         procs.start("agent-sim", ["agent-sim", "--proxy-url", f"http://127.0.0.1:{proxy_port}", *common_kafka,
                                   "--events-topic", topics["events"], "--concurrency", str(cfg.concurrency),
                                   "--duration-s", str(traffic_s), "--multi-share", str(cfg.multi_share),
                                   "--handoff", str(handoff), "--tokenizer", str(policy_v0(cfg).resolve()),
-                                  "--spool-name", f"{run_id}-agent"])
+                                  "--spool-name", f"{run_id}-agent", "--var-dir", str(status_dir)])
         traffic_start = time.time()
         training = {"started": False}
 

@@ -55,6 +55,7 @@ class OutcomeSimConfig:
     user_noise: float = setting(0.1, "probability the user's accept/reject disagrees with the verifier")
     poll_s: float = setting(0.25, "how often the hand-off file is read")
     seed: int = setting(0, "seed of the user simulation (0: random)")
+    var_dir: Path = setting(Path(defaults.VAR_DIR), "local state root; the heartbeat goes to <var_dir>/run/status/")
     status_name: str = setting("outcome-sim", "name of the heartbeat under var/run/status")
     spool_name: str = setting("outcome-sim", "the SDK's spill spool name")
     log_level: str = setting("INFO", "logging level")
@@ -181,7 +182,7 @@ def run(cfg: OutcomeSimConfig) -> int:
                 # them only if it also loses this process's memory, which is why the delay is short
                 save_offset(cfg.cursor, reader.offset)
             if now - last_status >= 2.0:
-                write_status(cfg.status_name, {**counts, "pending": len(queue), "offset": reader.offset})
+                write_status(cfg.status_name, {**counts, "pending": len(queue), "offset": reader.offset}, cfg.var_dir)
                 last_status = now
             stop.wait(cfg.poll_s)
     except KeyboardInterrupt:
@@ -193,7 +194,7 @@ def run(cfg: OutcomeSimConfig) -> int:
         counts["task_success"] += 1
     reporter.flush(30.0)
     reporter.close()
-    write_status(cfg.status_name, {**counts, "pending": 0, "offset": reader.offset})
+    write_status(cfg.status_name, {**counts, "pending": 0, "offset": reader.offset}, cfg.var_dir)
     log.info("outcome-sim: stopped; %d sessions, %d task_success, %d accepted, %d bad lines", counts["sessions"],
              counts["task_success"], counts["accepted"], counts["bad_lines"])
     return 0
