@@ -133,25 +133,41 @@ def main(argv: list[str] | None = None) -> int:
         tokens = cfg.batch_size * (cfg.prompt_len + cfg.completion_len)
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("steps (learner | bare, interleaved)", total=cfg.steps + 1)
+            # the bare loop reads the same lake files through its own stream: the same batches, in order
+            from learner.data import EpisodeStream
+
+            bare_stream = EpisodeStream(lcfg.lake_root, bare.vocab_size, lcfg.max_seq_len)
+            bare_stream.poll()
             for i in range(cfg.steps + 1):
-                t0 = time.perf_counter()
-                got = learner.next_batch(never)
-                assert got is not None
-                result = learner.train_step(learner.plan(got[0]))
-                learner.finish_step(got[0], got[1], result, tracker)
-                t1 = time.perf_counter()
-                # the bare loop gets the same batch, packed and with advantages, for free (outside the timer)
-                batch = got[0]
-                adv = torch.tensor([e.reward - 0.5 for e in batch])
-                micro = [(pack(batch[j:j + cfg.micro_batch], bare.device), adv[j:j + cfg.micro_batch])
-                         for j in range(0, len(batch), cfg.micro_batch)]
-                t2 = time.perf_counter()
-                _bare_step(bare, bare_opt, micro, lcfg.grad_clip)
-                t3 = time.perf_counter()
-                if i > 0:  # the first step of each warms allocators and caches
-                    learner_s.append(t1 - t0)
+
+                def learner_step() -> float:
+                    t0 = time.perf_counter()
+                    got = learner.next_batch(never)
+                    assert got is not None
+                    result = learner.train_step(learner.plan(got[0]))
+                    learner.finish_step(got[0], got[1], result, tracker)
                     train_s.append(result.seconds)
-                    bare_s.append(t3 - t2)
+                    return time.perf_counter() - t0
+
+                def bare_step() -> float:
+                    batch, _ = bare_stream.take(cfg.batch_size, start_version, lcfg.max_staleness)
+                    t0 = time.perf_counter()
+                    adv = torch.tensor([e.reward - 0.5 for e in batch])
+                    micro = [(pack(batch[j:j + cfg.micro_batch], bare.device), adv[j:j + cfg.micro_batch])
+                             for j in range(0, len(batch), cfg.micro_batch)]
+                    _bare_step(bare, bare_opt, micro, lcfg.grad_clip)
+                    return time.perf_counter() - t0
+
+                # alternate which goes first, so neither always meets the same state of a shared CPU
+                if i % 2 == 0:
+                    a, b = learner_step(), bare_step()
+                else:
+                    b, a = bare_step(), learner_step()
+                if i > 0:  # the first step of each warms allocators and caches
+                    learner_s.append(a)
+                    bare_s.append(b)
+                else:
+                    train_s.clear()
                 progress.advance(task)
         publish_s: list[float] = []
         for _ in range(cfg.publishes):

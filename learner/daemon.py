@@ -308,7 +308,9 @@ class Learner:
         if published:
             metrics.update(self.push_version())
         tracker.log(self.state.step, metrics)
-        self.heartbeat("training")
+        self.heartbeat("training", policy_lag=round(mean_lag, 2), reward=round(mean_r, 4),
+                       tokens_per_s=round(result.tokens_per_s), dropped_stale=counters["stale"],
+                       dropped_corrupt=counters["corrupt"])
         gap = (f", logprob gap {result.behaviour_gap_mean:.1e}" if result.behaviour_gap_mean is not None else "")
         log.info("step %d v%d: reward %.3f, policy lag %.2f (max %d), loss %+.4f, ratio %.3f clip %.1f%%, kl %.4f, "
                  "%.0f tokens/s, %d episodes (stale %d, corrupt %d total)%s", self.state.step,
