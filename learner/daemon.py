@@ -368,6 +368,17 @@ class Learner:
         self.version_dir = final
         return final
 
+    def republish_latest(self) -> None:
+        """At start-up, hand the newest version to serving again: a kill between writing a version and
+        pushing it would otherwise leave it unserved (publish is idempotent, so this is cheap when it was)."""
+        if not (self.cfg.publish and self.state.published):
+            return
+        path = Path(self.cfg.policies_dir) / defaults.policy_name(self.state.published[-1])
+        if path.is_dir():
+            self.version_dir = path
+            log.info("setup: making sure serving has %s", path.name)
+            self.push_version()
+
     def push_version(self) -> dict[str, float]:
         """Hand the new directory to serving and measure the served artifact's parity."""
         out: dict[str, float] = {"published_version": float(self.state.policy_version)}
@@ -438,6 +449,7 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
     if world.is_main:
         write_resolved(cfg, Path(cfg.run_dir) / "learner-config.toml")
         tracker.tag("policy_version_start", str(learner.state.policy_version))
+        learner.republish_latest()
     status = "FINISHED"
     try:
         while True:

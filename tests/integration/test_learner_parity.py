@@ -7,6 +7,7 @@ version that vLLM then serves, and the served version's logprobs must again matc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import urllib.request
@@ -81,5 +82,12 @@ def test_learner_matches_vllm_logprobs_and_publishes(tmp_path: Path, vllm_url: s
         assert state.policy_version == start + 1 and state.published == [start + 1]
         meta = json.loads((Path(cfg.policies_dir) / name / "policy.json").read_text())
         assert meta["kind"] == "lora" and meta["learner_step"] == 1 and meta["parent_version"] == start
+
+        # 3. a version that vanished from the server (kill between writing and pushing, server restart)
+        #    is handed to serving again when the daemon restarts
+        _unload(vllm_url, name)
+        assert run(dataclasses.replace(cfg, idle_exit_s=1.0)) == 0
+        served = [m["id"] for m in json.loads(urllib.request.urlopen(f"{vllm_url}/v1/models").read())["data"]]
+        assert name in served, f"{name} not pushed again at restart: {served}"
     finally:
         _unload(vllm_url, f"policy-v{start + 1}")
