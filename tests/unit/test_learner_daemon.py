@@ -95,3 +95,27 @@ def test_stale_episodes_never_reach_a_step(tmp_path: Path, model_dir: Path) -> N
     assert trained == {r["episode_id"] for r in random_rows(8, seed=2)}, "only the version-9 rows (lag 1 <= K=2)"
     state, _ = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
     assert state.cursor == {"synthetic/0": 1}, "dropped rows are consumed: the cursor moves past them"
+
+
+@pytest.mark.parametrize("variant", [dict(loss="ppo", kl_coef=0.1), dict(mode="full", lr=1e-4)])
+def test_ppo_with_kl_and_full_weights_train_and_write_servable_versions(tmp_path: Path, model_dir: Path,
+                                                                        variant: dict) -> None:
+    import torch
+
+    write_episodes(tmp_path / "lake", random_rows(16, seed=5), seq=0)
+    cfg = _cfg(tmp_path, model_dir, publish_every_steps=2, **variant)
+    assert run(cfg) == 0
+    state, tensors = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
+    assert state.step == 2 and state.policy_version == 1
+    assert all(torch.isfinite(v).all() for v in tensors["weights"].values())
+    version = tmp_path / "policies" / "policy-v1"
+    if variant.get("mode") == "full":
+        assert (version / "model.safetensors").is_file() and (version / "config.json").is_file()
+        from safetensors.torch import load_file
+
+        base = load_file(str(model_dir / "model.safetensors"))
+        new = load_file(str(version / "model.safetensors"))
+        assert base.keys() == new.keys(), "full weights must fit the served architecture key for key"
+        assert any(not torch.equal(base[k], new[k]) for k in base), "full-weight training changed nothing"
+    else:
+        assert (version / "adapter_model.safetensors").is_file()
