@@ -368,6 +368,19 @@ class Learner:
         self.version_dir = final
         return final
 
+    def tier(self) -> Any:
+        """The serving tier to publish to: the tier's own FLYWHEEL_* settings (FLYWHEEL_SERVERS lists every
+        server of a multi-server tier), with this learner's model, directories and registry winning."""
+        from infra.config import resolve
+        from serving.tier import TierConfig
+
+        mine: dict[str, Any] = {"base_model": self.cfg.base_model, "policies_dir": self.cfg.policies_dir,
+                                "registered_model": self.cfg.registered_model,
+                                "mlflow_tracking_uri": self.cfg.mlflow_tracking_uri or defaults.MLFLOW_TRACKING_URI}
+        if "FLYWHEEL_SERVERS" not in os.environ:
+            mine["servers"] = [self.cfg.vllm_url]
+        return resolve(TierConfig, {}, os.environ, mine)
+
     def republish_latest(self) -> None:
         """At start-up, hand the newest version to serving again: a kill between writing a version and
         pushing it would otherwise leave it unserved (publish is idempotent, so this is cheap when it was)."""
@@ -389,12 +402,8 @@ class Learner:
         try:
             # the one hand-off owned by serving: push to every vLLM server and register in MLflow
             from serving.publisher import publish
-            from serving.tier import TierConfig
 
-            tier = TierConfig(servers=[self.cfg.vllm_url], base_model=self.cfg.base_model,
-                              policies_dir=self.cfg.policies_dir, mlflow_tracking_uri=self.cfg.mlflow_tracking_uri
-                              or defaults.MLFLOW_TRACKING_URI, registered_model=self.cfg.registered_model)
-            result = publish(self.version_dir, tier)
+            result = publish(self.version_dir, self.tier())
             served = result.served_name
             out["publish_s"] = time.perf_counter() - start
             log.info("publish: policy-v%d handed to serving in %.2f s (served as %s)", self.state.policy_version,
