@@ -256,6 +256,10 @@ def run(cfg: DemoConfig) -> int:
     common_kafka = ["--kafka-bootstrap", scfg.kafka_bootstrap]
     status_dir = cfg.var_dir
     procs = Processes(run_dir / "logs")
+    from infra.status import status_dir as heartbeat_dir
+
+    for stale in heartbeat_dir(status_dir).glob("*.json"):
+        stale.unlink(missing_ok=True)  # heartbeats of an earlier run would show in this run's view
     started_at = time.time()
     summary: dict[str, Any] = {}
     try:
