@@ -259,7 +259,8 @@ def run(cfg: DemoConfig) -> int:
     from infra.status import status_dir as heartbeat_dir
 
     for stale in heartbeat_dir(status_dir).glob("*.json"):
-        stale.unlink(missing_ok=True)  # heartbeats of an earlier run would show in this run's view
+        if stale.stem.startswith(("agent-sim", "outcome-sim", "learner", "promote", "episodes", "lake-writer", "proxy")):
+            stale.unlink(missing_ok=True)  # an earlier run's heartbeats would show in this run's view
     started_at = time.time()
     summary: dict[str, Any] = {}
     try:
