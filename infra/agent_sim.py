@@ -56,7 +56,7 @@ class AgentSimConfig:
     max_turns: int = setting(3, "model replies allowed per part")
     max_tokens: int = setting(40, "max_tokens per model call (a tool call is about 20-30 tokens)")
     temperature: float = setting(1.0, "sampling temperature (1.0: the policy's own distribution, what RL needs)")
-    context_budget_chars: int = setting(300, "history length past which the agent summarises failed attempts")
+    context_budget_chars: int = setting(150, "history length (chars) past which the agent summarises failed attempts (two failed calls exceed it)")
     handoff: Path = setting(DEFAULT_HANDOFF, "JSONL file finished sessions are appended to (the verifier reads it)")
     tokenizer: str = setting(defaults.BASE_MODEL_DIR, "model dir whose tokenizer.json counts context-edit tokens ('' = estimate)")
     request_timeout_s: float = setting(120.0, "timeout of one model call")

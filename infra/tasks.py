@@ -241,7 +241,7 @@ def compact(messages: list[Message], budget_chars: int) -> tuple[list[Message], 
     if not removed:
         return messages, [], None
     failed = sum(1 for m in removed if m["role"] == "tool")
-    note: Message = {"role": "user", "content": f"({failed} failed tool calls removed; try again)"}
+    note: Message = {"role": "user", "content": f"({failed} earlier tool calls removed; try again)"}
     return [messages[0], note, *messages[-2:]], removed, note
 
 

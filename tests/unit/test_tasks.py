@@ -114,7 +114,7 @@ def test_history_past_the_budget_is_summarised_once_and_reported() -> None:
     answer, _ = tasks.solve_part(part, gen, max_turns=4, budget_chars=300,
                                  on_compact=lambda removed, note: edits.append((len(removed), note["content"])))
     assert answer == "3"
-    assert edits and edits[0][0] == 2 and "1 failed" in edits[0][1], edits
+    assert edits and edits[0][0] == 2 and "1 earlier" in edits[0][1], edits
     last_prompt = gen.seen[-1]  # type: ignore[attr-defined]
     assert sum(len(m["content"]) for m in last_prompt) < 4 * len(bad), "the summarised history should be shorter"
 
