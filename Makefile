@@ -17,10 +17,10 @@ demo: setup
 
 # The test command CI runs. Integration tests start the real Kafka, MLflow and vLLM themselves
 # (once per session, through infra/) and stop what they started.
-test: setup
+test: model
 	@$(PYTEST) tests/unit tests/integration tests/gpu
 
-test-unit: setup
+test-unit: model
 	@$(PYTEST) tests/unit
 
 test-integration: setup

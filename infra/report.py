@@ -40,7 +40,8 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at p = 0 or 1 rounding can put the bound a hair past p; an interval must contain its estimate
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 def one_sided_p(s1: int, n1: int, s0: int, n0: int) -> float:
@@ -287,7 +288,7 @@ def plots(facts: Facts, out_dir: Path) -> list[str]:
         cis = [wilson(facts.by_version[v].successes, facts.by_version[v].sessions) for v in versions]
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.bar([f"v{v}\nn={facts.by_version[v].sessions}" for v in versions], rates,
-               yerr=[[r - lo for r, (lo, _) in zip(rates, cis)], [hi - r for r, (_, hi) in zip(rates, cis)]],
+               yerr=[[max(0.0, r - lo) for r, (lo, _) in zip(rates, cis)], [max(0.0, hi - r) for r, (_, hi) in zip(rates, cis)]],
                capsize=4, color=["#888888" if v == 0 else ("#2a9d8f" if v == facts.champion else "#8ab6d6") for v in versions])
         ax.set_ylabel("task success (95% CI)")
         ax.set_title("Success rate per policy version (production sessions)")

@@ -88,3 +88,13 @@ def test_handoff_reader_returns_whole_lines_only_and_resumes_from_its_offset(tmp
     outcome_sim.save_offset(tmp_path / "c.json", 17)
     assert outcome_sim.load_offset(tmp_path / "c.json") == 17
     assert outcome_sim.load_offset(tmp_path / "missing.json") == 0
+
+
+@pytest.mark.parametrize("successes, n", [(0, 658), (658, 658), (0, 3), (1, 1)])
+def test_wilson_interval_contains_its_estimate_at_the_edges(successes, n):
+    # the demo report's error bars are rate - lo and hi - rate: they must never be negative
+    from infra.report import wilson
+
+    lo, hi = wilson(successes, n)
+    rate = successes / n
+    assert lo <= rate <= hi, f"{successes}/{n}: interval ({lo!r}, {hi!r}) does not contain {rate}"
