@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
@@ -79,3 +85,34 @@ def vllm_weights_lock(stack: stack_mod.StackConfig) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+REPO = Path(__file__).resolve().parents[2]
+ProxyStarter = Callable[..., "tuple[subprocess.Popen, str]"]
+
+
+def _start_proxy(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), "--heartbeat-s", "0", *args]
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1).read()
+            return proc, url
+        except (urllib.error.URLError, OSError):
+            assert proc.poll() is None, f"proxy exited: {log_path.read_text()}"
+            time.sleep(0.3)
+    proc.kill()
+    pytest.fail(f"proxy did not answer on {url} within 60s: {log_path.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def start_proxy() -> ProxyStarter:
+    """Start `flywheel proxy ARGS` as a subprocess on a free port: start_proxy(args, log_path, env) -> (proc, url).
+    The caller stops it (SIGTERM) and may assert on its exit code."""
+    return _start_proxy

@@ -4,13 +4,8 @@ LoRA and logged with its version, and a promotion re-routes new requests within 
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -21,29 +16,6 @@ from serving.publisher import http
 from serving.registry import Registry
 from serving.router import bucket
 from serving.tier import TierConfig
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _start_proxy(args: list[str], log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), "--heartbeat-s", "0", *args]
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1).read()
-            return proc, url
-        except (urllib.error.URLError, OSError):
-            assert proc.poll() is None, f"proxy exited: {log_path.read_text()}"
-            time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"proxy did not answer on {url} within 60s: {log_path.read_text()}")
-
 
 def _chat(url: str, session: str) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 3}
@@ -72,7 +44,7 @@ def _llm_calls(kafka_bootstrap: str, topic: str, want: int, timeout_s: float = 3
 
 def test_proxy_logs_challenger_and_champion_versions_and_follows_a_promotion(
         kafka_bootstrap: str, vllm_url: str, mlflow_uri: str, base_model_dir: Path, new_topic: Callable[..., str],
-        tmp_path: Path) -> None:
+        tmp_path: Path, start_proxy: Callable[..., Any]) -> None:
     name = f"test-proxy-gate-{uuid.uuid4().hex[:8]}"
     tier = TierConfig(servers=[vllm_url], mlflow_tracking_uri=mlflow_uri, registered_model=name,
                       base_model=str(base_model_dir))
@@ -87,7 +59,7 @@ def test_proxy_logs_challenger_and_champion_versions_and_follows_a_promotion(
     env = {"FLYWHEEL_REGISTERED_MODEL": name, "FLYWHEEL_SERVERS": vllm_url, "FLYWHEEL_MLFLOW_TRACKING_URI": mlflow_uri,
            "FLYWHEEL_CHALLENGER_SHARE": "0.5", "FLYWHEEL_ALIAS_REFRESH_S": "1"}
     log_path = tmp_path / "proxy.log"
-    proc, url = _start_proxy(["--router", "serving", "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
+    proc, url = start_proxy(["--router", "serving", "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
                               "--spool-name", f"test-pp-{uuid.uuid4().hex[:8]}"], log_path, env)
     try:
         pool = [f"s-{uuid.uuid4().hex}" for _ in range(200)]

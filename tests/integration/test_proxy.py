@@ -8,10 +8,7 @@ the routed policy version.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,30 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 SECRET = "sk-test-" + uuid.uuid4().hex  # the agent's API key: must reach nothing but vLLM
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_proxy(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), "--heartbeat-s", "0", *args]
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1).read()
-            return proc, url
-        except (urllib.error.URLError, OSError):
-            assert proc.poll() is None, f"proxy exited: {log_path.read_text()}"
-            time.sleep(0.3)
-    proc.kill()
-    pytest.fail(f"proxy did not answer on {url} within 60s: {log_path.read_text()}")
-
-
 def _stop_proxy(proc: subprocess.Popen, log_path: Path) -> None:
     proc.terminate()
     code = proc.wait(timeout=30)
@@ -59,14 +32,15 @@ def _stop_proxy(proc: subprocess.Popen, log_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def proxy(kafka_bootstrap: str, vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def proxy(kafka_bootstrap: str, vllm_url: str, tmp_path_factory: pytest.TempPathFactory,
+          start_proxy: Any) -> Iterator[dict[str, Any]]:
     from kafka.admin import KafkaAdminClient, NewTopic
 
     topic = f"test.proxy.{uuid.uuid4().hex[:10]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="tests")
     admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
     log_path = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    proc, url = _start_proxy(["--upstream", vllm_url, "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
+    proc, url = start_proxy(["--upstream", vllm_url, "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
                               "--idle-timeout-s", "2", "--spool-name", f"test-proxy-{uuid.uuid4().hex[:8]}"], log_path)
     yield {"url": url, "topic": topic, "proc": proc, "log": log_path}
     _stop_proxy(proc, log_path)
@@ -198,13 +172,13 @@ def test_bad_requests_get_clear_errors_and_the_proxy_keeps_working(proxy: dict) 
 
 
 def test_serving_router_logs_the_version_the_server_holds(kafka_bootstrap: str, vllm_url: str, new_topic: Any,
-                                                          tmp_path: Path, vllm_weights_lock: None) -> None:
+                                                          tmp_path: Path, vllm_weights_lock: None, start_proxy: Any) -> None:
     """--router serving: an empty registry means the base model; the logged version is what vLLM reports."""
     from serving.publisher import weight_version
 
     topic = new_topic("proxy-router")
     env = {"FLYWHEEL_REGISTERED_MODEL": f"test-proxy-{uuid.uuid4().hex[:8]}", "FLYWHEEL_SERVERS": vllm_url}
-    proc, url = _start_proxy(["--router", "serving", "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
+    proc, url = start_proxy(["--router", "serving", "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
                               "--spool-name", f"test-proxy-r-{uuid.uuid4().hex[:8]}"], tmp_path / "proxy.log", env)
     try:
         session = f"s-{uuid.uuid4().hex}"
