@@ -26,6 +26,8 @@ class LearnerConfig:
     batch_size: int = setting(64, "episodes per optimizer step (the global batch, over all ranks)")
     min_batch: int = setting(64, "backpressure: a step waits until at least this many trainable episodes are pending")
     micro_batch: int = setting(16, "episodes per forward/backward on one rank (gradient accumulation bounds memory)")
+    newest_first: bool = setting(False, "each step takes the newest pending episodes (a learner slower than the traffic then sheds "
+                                        "the backlog through max_staleness instead of always training on the oldest rows)")
     max_staleness: int = setting(4, "K: drop episodes whose policy_version lags the learner's current version by more than K")
     max_seq_len: int = setting(2048, "episodes with more prompt+completion tokens are skipped as corrupt")
     poll_s: float = setting(2.0, "longest sleep between lake listings while waiting for episodes")
@@ -50,6 +52,8 @@ class LearnerConfig:
     seed: int = setting(0, "seed of the LoRA initialisation (every rank uses the same)")
     dtype: str = setting("float32", "training dtype: float32 (CPU, parity within 1e-3) or bfloat16 (GPU)")
     device: str = setting("auto", "auto (cuda when present, else cpu), cpu or cuda")
+    cpu_threads: int = setting(0, "torch intra-op threads on CPU (0: torch's default, one per core). On a CPU shared with "
+                                  "the serving tier use 1: with 2 threads the learner ran 5-20x slower in the demo")
     # -- state, publishing, tracking --------------------------------------------------------
     run_dir: str = setting("var/learner", "checkpoints, trained-episode log and resolved config live here")
     keep_checkpoints: int = setting(2, "checkpoints kept on disk (older ones are deleted after a newer one is complete)")
@@ -93,5 +97,7 @@ class LearnerConfig:
             raise ConfigError(f"baseline_momentum: must be in [0, 1), got {self.baseline_momentum}")
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if self.cpu_threads < 0:
+            raise ConfigError(f"cpu_threads: must be >= 0, got {self.cpu_threads}")
         if self.start_version < 0:
             raise ConfigError(f"start_version: must be >= 0, got {self.start_version}")

@@ -126,6 +126,10 @@ class Learner:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         device = resolve_device(cfg.device)
+        if device.type == "cpu" and cfg.cpu_threads:
+            # each intra-op thread waits for the others at every op; when another process holds a core,
+            # the waiting is what the step spends its time on, so one thread is faster on a busy machine
+            torch.set_num_threads(cfg.cpu_threads)
         self.world = world if world is not None else dist.init(device)
         assert cfg.min_batch >= self.world.size, (
             f"min_batch ({cfg.min_batch}) < world size ({self.world.size}): a rank would get no rows")
@@ -251,7 +255,8 @@ class Learner:
             self.stream.drop_stale(self.state.policy_version, cfg.max_staleness)
             ready = self.stream.trainable(self.state.policy_version, cfg.max_staleness)
             if ready >= cfg.min_batch:
-                batch, stats = self.stream.take(cfg.batch_size, self.state.policy_version, cfg.max_staleness)
+                batch, stats = self.stream.take(cfg.batch_size, self.state.policy_version, cfg.max_staleness,
+                                                 newest_first=cfg.newest_first)
                 return batch, stats.lags
             if ready > seen:
                 idle_since, sleep_s, seen = time.monotonic(), 0.1, ready

@@ -2,7 +2,7 @@
 
 Read path: `lake.files_since(root, "episodes", cursor)` lists files with anything new; every
 row is validated (`parse_row`), and valid rows wait in `pending` until a step takes them.
-A step takes rows in lake order (`take`), dropping rows whose policy_version lags the
+A step takes rows in lake order (`take`; or newest first, see `take`), dropping rows whose policy_version lags the
 learner's current version by more than K (counted per lag) at the moment the step is formed,
 because the current version grows while rows wait.
 
@@ -203,12 +203,20 @@ class EpisodeStream:
             self._advance_cursor()
         return dropped
 
-    def take(self, n: int, current_version: int, max_staleness: int) -> tuple[list[Episode], TakeStats]:
-        """Up to n fresh episodes in lake order; stale ones met on the way are dropped and counted."""
+    def take(self, n: int, current_version: int, max_staleness: int,
+             newest_first: bool = False) -> tuple[list[Episode], TakeStats]:
+        """Up to n fresh episodes; stale ones met on the way are dropped and counted.
+
+        In lake order by default (every row is trained once, as long as it stays fresh enough).
+        newest_first takes the most recent rows instead: a learner slower than the traffic then
+        trains on what the current policy produced and the older backlog ages out through the
+        staleness filter (counted as stale), instead of training every step on rows max_staleness
+        versions old.
+        """
         stats = TakeStats()
         batch: list[Episode] = []
         keep: list[_Pending] = []
-        for p in self.pending:
+        for p in (reversed(self.pending) if newest_first else self.pending):
             lag = current_version - p.episode.policy_version
             if len(batch) >= n:
                 keep.append(p)
@@ -219,6 +227,8 @@ class EpisodeStream:
                 batch.append(p.episode)
                 stats.lags[lag] += 1
                 self._remaining[p.file.path] -= 1
+        if newest_first:
+            keep.reverse()  # pending stays in lake order
         self.pending = keep
         self._index = {p.episode.episode_id: i for i, p in enumerate(keep)}
         self.counters["stale"] += stats.stale

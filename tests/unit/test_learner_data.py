@@ -49,6 +49,24 @@ def test_stale_rows_are_dropped_and_counted(tmp_path: Path) -> None:
     assert len(batch) == 4 and stats.lags == {1: 4} and s.counters["stale"] == 3
 
 
+def test_newest_first_trains_the_latest_rows_and_the_backlog_ages_out(tmp_path: Path) -> None:
+    old = write_episodes(tmp_path, random_rows(4, seed=1, policy_version=0), seq=0)
+    new = write_episodes(tmp_path, random_rows(3, seed=2, policy_version=2), seq=1)
+    s = _stream(tmp_path)
+    s.poll()
+    newest = {p.episode.episode_id for p in s.pending[-3:]}
+    batch, stats = s.take(3, current_version=2, max_staleness=2, newest_first=True)
+    assert {e.episode_id for e in batch} == newest and stats.lags == {0: 3}
+    s.mark_trained(batch)
+    assert s.cursor == {}, "file 0's rows are still pending: the cursor must not pass it"
+    assert [p.episode.policy_version for p in s.pending] == [0, 0, 0, 0]
+    # the learner moves on: the untrained backlog is now too old and is dropped, counted, and consumed
+    assert s.drop_stale(current_version=3, max_staleness=2) == 4 and s.counters["stale"] == 4
+    assert old.key == new.key and s.cursor == {new.key: 1}  # both files consumed: the cursor is past the last
+    s2 = _stream(tmp_path, cursor=s.cursor, trained=s.trained)
+    assert s2.poll() == 0 and not s2.pending  # a restart re-reads nothing
+
+
 def test_cursor_passes_a_file_only_when_all_its_rows_are_consumed(tmp_path: Path) -> None:
     f0 = write_episodes(tmp_path, random_rows(3, seed=1), seq=0)
     write_episodes(tmp_path, random_rows(3, seed=2), seq=1)
