@@ -51,16 +51,20 @@ class DemoConfig:
     base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "the tiny base model (built when missing)")
     warm_model: Path = setting(Path("var/models/tiny-warm"), "the warm-started model vLLM serves as policy-v0 (built when missing)")
     warm_start: bool = setting(True, "serve the warm-started model (False: serve base_model as it is; for quick loop tests)")
-    concurrency: int = setting(4, "agent sessions in flight (more starves the learner of CPU on 2 cores: 12 gave it 1 step a minute)")
+    concurrency: int = setting(3, "agent sessions in flight (about what the learner keeps up with on 2 cores; more only starves it of CPU)")
     multi_share: float = setting(0.2, "share of tasks split across two sub-agents")
-    learner_batch: int = setting(32, "episodes per learner step")
+    learner_batch: int = setting(128, "episodes per learner step (design.md: batch 128 learns; 32 drifted the policy down)")
     learner_lr: float = setting(2e-4, "learner Adam learning rate (design.md: 1e-4 is stable at batch 128, 3e-4 is not)")
-    publish_every_steps: int = setting(6, "learner steps between published versions")
+    learner_max_staleness: int = setting(2, "versions an episode may lag before the learner drops it (it takes the newest first)")
+    learner_threads: int = setting(1, "the learner's torch CPU threads (1: its cores are shared with vLLM; 2 threads ran 5-20x slower)")
+    publish_every_steps: int = setting(3, "learner steps between published versions")
     publish_every_s: float = setting(120.0, "also publish after this many seconds")
     challenger_share: float = setting(0.5, "share of sessions the challenger gets (for LoRA tiers; full weights serve one version)")
     gate_interval_s: float = setting(20.0, "seconds between promotion-gate rounds")
     gate_min_sessions: int = setting(40, "sessions the gate wants on each side")
     base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
+    measure_s: float = setting(150.0, "the last seconds of traffic: the learner is stopped, the gate decides on its last "
+                                      "version, and the champion serves a few hundred sessions to be measured on")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
     keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop everything it started)")
     live: bool = setting(True, "show the rich live view (off: a log line every 30 s)")
@@ -71,6 +75,8 @@ class DemoConfig:
             raise ConfigError(f"minutes: must be > 0, got {self.minutes}")
         if self.concurrency < 1:
             raise ConfigError("concurrency: must be >= 1")
+        if not 0 <= self.measure_s < self.minutes * 60:
+            raise ConfigError(f"measure_s: must be >= 0 and shorter than the traffic ({self.minutes * 60:.0f} s), got {self.measure_s}")
 
 
 def _free_port() -> int:
@@ -85,6 +91,7 @@ class Processes:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopped: set[str] = set()  # stopped on purpose: not a failure when found dead
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
@@ -95,12 +102,13 @@ class Processes:
                                             cwd=str(REPO_ROOT), env={**os.environ, **(env or {})}, start_new_session=True)
 
     def dead(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None and n not in self.stopped]
 
     def stop(self, name: str, timeout_s: float = 30.0) -> int | None:
         proc = self.procs.get(name)
         if proc is None:
             return None
+        self.stopped.add(name)
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)  # each process finishes its unit of work and exits 0
@@ -184,14 +192,15 @@ def success_by_version(lake_root: Path, since: float) -> dict[int, tuple[int, in
 
 
 def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dict[int, tuple[int, int]],
-         elapsed: float, total: float) -> Any:
+         elapsed: float, total: float, phase: str = "") -> Any:
     from rich.console import Group
     from rich.table import Table
 
     from infra.report import wilson
 
     agent = statuses.get("agent-sim", {})
-    top = Table(title=f"flywheel demo: {elapsed / 60:.1f} / {total / 60:.0f} min of traffic", expand=True)
+    top = Table(title=f"flywheel demo: {elapsed / 60:.1f} / {total / 60:.0f} min of traffic{': ' + phase if phase else ''}",
+                expand=True)
     for col in ("sessions", "sessions/s", "lake files (ev/out/epi)", "episodes", "learner step", "policy version", "gate"):
         top.add_column(col)
     learner = statuses.get("learner", {})
@@ -289,7 +298,9 @@ def run(cfg: DemoConfig) -> int:
         def start_training() -> None:
             procs.start("learner", ["learner", "--lake-root", str(lake_root), "--base-model", str(policy_v0(cfg).resolve()),
                                     "--mode", "full", "--lr", str(cfg.learner_lr), "--batch-size", str(cfg.learner_batch),
-                                    "--min-batch", str(cfg.learner_batch), "--micro-batch", str(min(16, cfg.learner_batch)),
+                                    "--min-batch", str(cfg.learner_batch), "--micro-batch", str(min(32, cfg.learner_batch)),
+                                    "--cpu-threads", str(cfg.learner_threads), "--newest-first",
+                                    "--max-staleness", str(cfg.learner_max_staleness),
                                     "--run-dir", str(learner_dir), "--policies-dir", str(policies_dir),
                                     "--publish-every-steps", str(cfg.publish_every_steps),
                                     "--publish-every-s", str(cfg.publish_every_s), "--vllm-url", scfg.vllm_url,
@@ -312,7 +323,10 @@ def run(cfg: DemoConfig) -> int:
             return cache["success"]
 
         def render() -> Any:
-            return view(read_statuses(status_dir), lake_counts(lake_root), success_now(), time.time() - traffic_start, traffic_s)
+            phase = ("final measurement (learner stopped)" if "learner" in procs.stopped else
+                     "training" if training["started"] else "measuring the base")
+            return view(read_statuses(status_dir), lake_counts(lake_root), success_now(), time.time() - traffic_start,
+                        traffic_s, phase)
 
         def tick() -> bool:
             """One refresh; False when the traffic phase is over."""
@@ -323,6 +337,11 @@ def run(cfg: DemoConfig) -> int:
                     log.info("demo: %d sessions served by policy-v0; starting the learner and the promotion gate", done)
                     start_training()
                     training["started"] = True
+            elif cfg.measure_s > 0 and "learner" not in procs.stopped and time.time() - traffic_start >= traffic_s - cfg.measure_s:
+                # the final measurement: no new versions, so the gate's last decision stands and the
+                # champion serves the rest of the traffic
+                log.info("demo: %.0f s of traffic left; stopping the learner so the champion is measured", cfg.measure_s)
+                procs.stop("learner")
             dead = [(n, rc) for n, rc in procs.dead() if n != "agent-sim"]
             if dead:
                 name, rc = dead[0]

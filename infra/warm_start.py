@@ -5,7 +5,7 @@ randomly initialised model would never produce a well-formed tool call, so onlin
 have no signal. `flywheel model init --warm-start` calls `run(base_dir, out_dir)`, which
 trains on `infra.tasks` demonstrations in chunks and measures, after each chunk, how often
 the model solves held-out tasks when sampled as vLLM serves it (temperature 1.0, no top-k).
-It stops once that success rate reaches `target_success` (default 0.25): the base succeeds
+It stops once that success rate reaches `target_success` (default 0.2): the base succeeds
 sometimes but far from always, and the online loop has room to show improvement.
 
 The result is a full Hugging Face model directory (untied, float32) that vLLM serves as
@@ -32,14 +32,15 @@ log = logging.getLogger(__name__)
 class WarmStartSettings:
     """How long and how hard the warm start trains."""
 
-    target_success: float = 0.25  # stop once held-out success (sampled at temperature 1) reaches this
+    target_success: float = 0.2  # stop once held-out success (sampled at temperature 1) reaches this
     min_steps: int = 100
-    # Measured here (one-digit operands, 8 cities): 0% up to ~300 steps while the model learns the format,
-    # then copying arguments appears and held-out success climbs past 20% around 450-500 steps.
-    max_steps: int = 1000
-    eval_every: int = 25  # steps between evaluations (sampling 64 dialogues costs about as much as 10 steps)
-    eval_parts: int = 64  # held-out parts per evaluation: a coarse check (+-10 points); the demo measures the base on 300+ sessions
-    batch_size: int = 32  # examples (two per demonstration); 0.5-2 s a step on 2 busy cores
+    # Measured here (one-digit operands, 8 cities, lr 3e-3 decaying over 600 steps, 128 held-out parts):
+    # 3-7% up to step 200 while the model learns the format, then copying arguments appears and success
+    # climbs fast: 27% at step 250, 50% at 300, 85% at 400. RL is quickest from inside that climb.
+    max_steps: int = 600
+    eval_every: int = 25  # steps between evaluations (sampling 128 dialogues costs about as much as 20 steps)
+    eval_parts: int = 128  # held-out parts per evaluation (+-7 points); the demo measures the base on 300+ sessions
+    batch_size: int = 32  # examples (two per demonstration); 0.2-0.5 s a step on 2 cores
     lr: float = 3e-3
     max_new_tokens: int = 40
     seed: int = 0

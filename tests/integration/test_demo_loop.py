@@ -26,7 +26,8 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
 
     cfg = demo.DemoConfig(minutes=1.5, var_dir=tmp_path / "var", report_dir=tmp_path / "report", base_model=base_model_dir,
                           warm_start=False, concurrency=6, learner_batch=16, publish_every_steps=2, publish_every_s=30.0,
-                          gate_interval_s=10.0, gate_min_sessions=5, base_sessions=30, drain_s=15.0, keep_stack=True, live=False,
+                          gate_interval_s=10.0, gate_min_sessions=5, base_sessions=30, measure_s=0.0, drain_s=15.0, keep_stack=True,
+                          live=False,
                           run_id=f"demo-test-{tmp_path.name[-8:]}".replace("_", "-"))
     try:
         assert demo.run(cfg) == 0
