@@ -2,9 +2,9 @@
 
 Read path: `lake.files_since(root, "episodes", cursor)` lists files with anything new; every
 row is validated (`parse_row`), and valid rows wait in `pending` until a step takes them.
-A step takes rows in lake order (`take`; or newest first, see `take`), dropping rows whose policy_version lags the
-learner's current version by more than K (counted per lag) at the moment the step is formed,
-because the current version grows while rows wait.
+A step takes rows in lake order (`take`; or newest first, see `take`), dropping rows whose
+policy_version lags the learner's current version by more than K (counted per lag) at the
+moment the step is formed, because the current version grows while rows wait.
 
 Durability. The cursor only moves past a file once every row of it has left `pending`
 (trained, or dropped for a reason), so a crash can never lose a row. Rows of a partly
