@@ -12,8 +12,9 @@ from infra import defaults
 from infra.config import ConfigError, setting
 
 LOSSES = ("tis", "ppo")
+AGGS = ("token", "sequence")
 MODES = ("lora", "full")
-BASELINES = ("running", "none")
+BASELINES = ("batch", "running", "none")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -35,7 +36,10 @@ class LearnerConfig:
     loss: str = setting("tis", "importance correction: tis (truncated IS weight, detached) or ppo (clipped ratio)")
     tis_cap: float = setting(2.0, "c: truncated-IS weight min(ratio, c)")
     ppo_eps: float = setting(0.2, "PPO clip range: ratio clipped to [1-eps, 1+eps]")
-    baseline: str = setting("running", "reward baseline for rows without a group: running per-task_type mean, or none")
+    loss_agg: str = setting("token", "token: sum over tokens / global token count; sequence: each row's token mean, averaged "
+                                     "over rows (every row weighs the same, however long)")
+    baseline: str = setting("batch", "reward baseline for rows without a group: the batch's per-task_type mean, a running "
+                                      "per-task_type mean (lags a changing policy), or none")
     baseline_momentum: float = setting(0.9, "running baseline b <- m*b + (1-m)*batch mean")
     group_relative: bool = setting(True, "rows sharing a group_id (>=2 in the batch) use the group mean as their baseline")
     normalize_advantages: bool = setting(True, "divide advantages by their batch standard deviation")
@@ -47,6 +51,8 @@ class LearnerConfig:
     lora_alpha: float = setting(32.0, "LoRA alpha (scale = alpha / rank)")
     lora_targets: list[str] = setting(DEFAULT_LORA_TARGETS, "modules LoRA adapts")
     lr: float = setting(1e-4, "Adam learning rate")
+    warmup_steps: int = setting(10, "the learning rate ramps linearly from lr/warmup_steps to lr over the first steps (Adam's "
+                                    "first steps move every weight by about lr, whatever the gradient's size)")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     grad_clip: float = setting(1.0, "global gradient-norm clip; 0 disables it")
     seed: int = setting(0, "seed of the LoRA initialisation (every rank uses the same)")
@@ -76,6 +82,8 @@ class LearnerConfig:
     def check(self) -> None:
         if self.loss not in LOSSES:
             raise ConfigError(f"loss: {self.loss!r} is not one of {LOSSES}")
+        if self.loss_agg not in AGGS:
+            raise ConfigError(f"loss_agg: {self.loss_agg!r} is not one of {AGGS}")
         if self.mode not in MODES:
             raise ConfigError(f"mode: {self.mode!r} is not one of {MODES}")
         if self.baseline not in BASELINES:
@@ -97,6 +105,8 @@ class LearnerConfig:
             raise ConfigError(f"baseline_momentum: must be in [0, 1), got {self.baseline_momentum}")
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         if self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads: must be >= 0, got {self.cpu_threads}")
         if self.start_version < 0:

@@ -145,7 +145,8 @@ class Learner:
             self.optimizer.load_state_dict(tensors["optimizer"])
         else:
             log.info("setup: no checkpoint under %s; starting at policy_version %d", self.run_dir, cfg.start_version)
-        self.baseline = Baseline(cfg.baseline_momentum, dict(self.state.baseline)) if cfg.baseline == "running" else None
+        # the running mean is still kept under "batch": it is what a checkpoint shows as the reward level
+        self.baseline = Baseline(cfg.baseline_momentum, dict(self.state.baseline)) if cfg.baseline != "none" else None
         self.ddp = dist.wrap(self.policy.module, self.world)
         self.stream: EpisodeStream | None = None
         if self.world.is_main:
@@ -167,6 +168,7 @@ class Learner:
         cfg, world = self.cfg, self.world
         start = time.perf_counter()
         global_trained = sum(e.trained_tokens for e, _ in plan)
+        normalizer = global_trained if cfg.loss_agg == "token" else sum(1 for e, _ in plan if e.trained_tokens)
         # rows the current weights produced, before this step changes them: the pure train/inference gap
         unchanged = self.state.step == self.state.last_published_step
         mine = dist.shard(plan, world)
@@ -187,8 +189,8 @@ class Learner:
                 logp = token_logprobs(self.ddp, packed)  # [B, T]
                 # DDP averages gradients over ranks; dividing by tokens/world makes the average a global sum/tokens
                 loss, s = policy_loss(logp, packed.logp_old, packed.mask, adv, kind=cfg.loss, tis_cap=cfg.tis_cap,
-                                      ppo_eps=cfg.ppo_eps, token_normalizer=global_trained / world.size,
-                                      logp_ref=logp_ref, kl_coef=cfg.kl_coef)
+                                      ppo_eps=cfg.ppo_eps, token_normalizer=normalizer / world.size,
+                                      logp_ref=logp_ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
                 loss.backward()
             stats.add(s)
             loss_sum += float(loss.detach()) / world.size
@@ -205,6 +207,8 @@ class Learner:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         else:
             grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.lr * self.warmup_factor()
         self.optimizer.step()
         sums = [stats.tokens, stats.ratio_sum, stats.clipped, stats.kl_sum, loss_sum, gap_sum, gap_n]
         maxes = [stats.ratio_max, gap_max]
@@ -235,13 +239,19 @@ class Learner:
         )
 
     # -- batch plan (rank 0) -----------------------------------------------------------------
+    def warmup_factor(self) -> float:
+        """lr multiplier of the coming step: linear over the first warmup_steps of the run (from its checkpointed step)."""
+        if self.cfg.warmup_steps <= 0:
+            return 1.0
+        return min(1.0, (self.state.step + 1) / self.cfg.warmup_steps)
+
     def plan(self, batch: list[Any]) -> list[tuple[Any, float]]:
         """Advantages over the whole global batch (so every rank trains the same objective)."""
         from learner.loss import advantages
 
         adv = advantages([e.reward for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
                          self.baseline, group_relative=self.cfg.group_relative,
-                         normalize=self.cfg.normalize_advantages)
+                         normalize=self.cfg.normalize_advantages, batch_baseline=self.cfg.baseline == "batch")
         return list(zip(batch, adv))
 
     def next_batch(self, stop: threading.Event) -> tuple[list[Any], Counter] | None:

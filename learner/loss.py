@@ -15,9 +15,13 @@ so each token's gradient is weighted by the ratio pi_new / pi_old = exp(logp_new
 - "ppo": the clipped surrogate -min(ratio * adv, clip(ratio, 1-eps, 1+eps) * adv).
 KL to the base model uses the k3 estimator exp(ref - new) - (ref - new) - 1 (>= 0, unbiased).
 
-Token normalisation: the loss is a sum over tokens divided by the token count of the GLOBAL
-batch (all micro-batches, all ranks), so gradient accumulation and data parallelism give the
-same gradient as one big batch.
+Aggregation ("token" or "sequence"): "token" sums over tokens and divides by the token count of
+the GLOBAL batch (all micro-batches, all ranks); "sequence" first averages each row over its own
+tokens and divides by the global row count, so every row weighs the same whatever its length.
+Either way gradient accumulation and data parallelism give the same gradient as one big batch.
+Why "sequence" exists: the advantage is one number per row, so under "token" a row that rambled
+to max_tokens pulls several times harder than a crisp 20-token tool call with the same advantage;
+"sequence" keeps the advantages' zero sum (batch baseline) a zero sum of pulls.
 """
 
 from __future__ import annotations
@@ -53,11 +57,15 @@ class LossStats:
 
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, *,
                 kind: str, tis_cap: float, ppo_eps: float, token_normalizer: float,
-                logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, LossStats]:
-    """Scalar loss of one micro-batch (already divided by the global token count) and its stats."""
+                logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
+                agg: str = "token") -> tuple[torch.Tensor, LossStats]:
+    """Scalar loss of one micro-batch and its stats.
+
+    token_normalizer: the GLOBAL batch's trained-token count (agg "token") or row count ("sequence").
+    """
     assert logp_new.shape == logp_old.shape == mask.shape, f"shapes {logp_new.shape} {logp_old.shape} {mask.shape}"
     assert adv.shape == logp_new.shape[:1], f"adv {adv.shape} vs batch {logp_new.shape[:1]}"
-    assert token_normalizer > 0, "token_normalizer must count the global batch's trained tokens"
+    assert token_normalizer > 0, "token_normalizer must count the global batch's trained tokens (or rows)"
     mask = mask.to(logp_new.dtype)
     adv_bt = adv.to(logp_new.dtype)[:, None].expand_as(logp_new)  # [B, T]
     log_ratio = (logp_new - logp_old).masked_fill(mask == 0, 0.0)  # [B, T]; padding may hold junk
@@ -79,7 +87,13 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tens
         d = (logp_ref - logp_new).masked_fill(mask == 0, 0.0)  # [B, T]
         kl_tok = torch.exp(d) - d - 1.0
         per_token = per_token + kl_coef * kl_tok
-    loss = (per_token * mask).sum() / token_normalizer
+    if agg == "token":
+        loss = (per_token * mask).sum() / token_normalizer
+    elif agg == "sequence":
+        row_tokens = mask.sum(dim=1).clamp(min=1.0)  # [B]
+        loss = ((per_token * mask).sum(dim=1) / row_tokens).sum() / token_normalizer
+    else:
+        raise ValueError(f"unknown loss aggregation {agg!r} (token or sequence)")
     with torch.no_grad():
         gap = (logp_new - logp_old).abs() * mask
         stats = LossStats(
@@ -106,12 +120,19 @@ class Baseline:
 
 
 def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: Sequence[str | None],
-               baseline: Baseline | None, *, group_relative: bool, normalize: bool) -> list[float]:
+               baseline: Baseline | None, *, group_relative: bool, normalize: bool,
+               batch_baseline: bool = False) -> list[float]:
     """Per-row advantages of one global batch; updates the running baseline with this batch.
 
     Rows whose group_id is shared by >= 2 rows of the batch use their group's mean reward as the
-    baseline (group-relative, as in GRPO); the others use the running mean of their task_type
-    (the batch mean of that task_type the first time it is seen), or 0 without a baseline.
+    baseline (group-relative, as in GRPO); the others use the batch mean of their task_type
+    (batch_baseline), else the running mean of their task_type (the batch mean the first time it
+    is seen), or 0 without a baseline.
+
+    Why a batch baseline: a running mean lags a policy that changes. When success fell after a bad
+    step, the lagging mean made nearly every advantage negative, the next step pushed every sampled
+    token down, success fell further: at lr 1e-3 the demo policy went from 31% to 6% in 3 steps.
+    The batch mean makes the advantages of each task_type sum to zero in every step.
     """
     n = len(rewards)
     assert n == len(task_types) == len(group_ids), "rewards, task_types and group_ids differ in length"
@@ -130,7 +151,11 @@ def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: S
             for i in members:
                 base[i], in_group[i] = mean, True
     for i, t in enumerate(task_types):
-        if not in_group[i] and baseline is not None:
+        if in_group[i]:
+            continue
+        if batch_baseline:
+            base[i] = sum(by_task[t]) / len(by_task[t])
+        elif baseline is not None:
             base[i] = baseline.means.get(t, sum(by_task[t]) / len(by_task[t]))
     adv = [r - b for r, b in zip(rewards, base)]
     if baseline is not None:
@@ -141,6 +166,9 @@ def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: S
     if normalize and n > 1:
         mean = sum(adv) / n
         std = math.sqrt(sum((a - mean) ** 2 for a in adv) / (n - 1))
-        # scale only: the baseline already centres the advantages, and re-centring would undo it
-        adv = [a / (std + 1e-6) for a in adv]
+        # scale only: the baseline already centres the advantages, and re-centring would undo it.
+        # Equal rewards (std 0) are not scaled: dividing by 1e-6 turned a batch of all-failed rows
+        # into advantages of -2e5, one step of "push everything down" that the policy never recovered from.
+        if std > 1e-3:
+            adv = [a / std for a in adv]
     return adv

@@ -49,6 +49,7 @@ def test_daemon_training_raises_the_rewarded_behaviour_in_vllm(tmp_path: Path, v
                         mlflow_tracking_uri=mlflow_uri, experiment=f"test-learner-learning-{uuid.uuid4().hex[:8]}",
                         registered_model=f"test-learner-learning-{start}", vllm_url=vllm_url, start_version=start,
                         batch_size=64, min_batch=64, micro_batch=64, lr=3e-3, lora_rank=16, max_steps=8,
+                        warmup_steps=0,  # 8 steps only: a warm-up would spend most of them ramping
                         publish_every_steps=8, parity_samples=4, idle_exit_s=30)
     cfg.check()
     name = f"policy-v{start + 1}"

@@ -119,3 +119,22 @@ def test_ppo_with_kl_and_full_weights_train_and_write_servable_versions(tmp_path
         assert any(not torch.equal(base[k], new[k]) for k in base), "full-weight training changed nothing"
     else:
         assert (version / "adapter_model.safetensors").is_file()
+
+
+def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Path, model_dir: Path) -> None:
+    from learner.daemon import Learner
+
+    learner = Learner(_cfg(tmp_path, model_dir, lr=1e-3, warmup_steps=4))
+    factors = []
+    for step in range(6):
+        learner.state.step = step
+        factors.append(learner.warmup_factor())
+    assert factors == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    learner.state.step = 0
+    rows = random_rows(8, seed=3, vocab_size=512)
+    write_episodes(tmp_path / "lake", rows, seq=0)
+    learner.stream.poll()  # type: ignore[union-attr]
+    batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
+    learner.train_step(learner.plan(batch))
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4), "the first step runs at lr / warmup_steps"
+    assert Learner(_cfg(tmp_path / "b", model_dir, warmup_steps=0)).warmup_factor() == 1.0

@@ -110,3 +110,68 @@ def test_normalised_advantages_have_unit_scale_but_keep_sign() -> None:
     mean = sum(raw) / 4
     std = math.sqrt(sum((a - mean) ** 2 for a in raw) / 3)
     assert adv == pytest.approx([a / std for a in raw], rel=1e-5)
+
+
+def test_batch_baseline_centres_each_task_type_in_every_batch() -> None:
+    # a running mean from a better past (0.9) would make every row of a worse batch negative
+    b = Baseline(momentum=0.9, means={"a": 0.9, "b": 0.9})
+    adv = advantages([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], ["a", "a", "a", "a", "b", "b"], [None] * 6, b,
+                     group_relative=True, normalize=False, batch_baseline=True)
+    assert adv == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.0, 0.0])
+    assert sum(adv[:4]) == pytest.approx(0.0), "the advantages of a task type sum to zero"
+    assert b.means["a"] == pytest.approx(0.9 * 0.9 + 0.1 * 0.25), "the running mean is still tracked"
+
+
+def test_equal_rewards_are_not_blown_up_by_normalisation() -> None:
+    # all rows failed: the standard deviation is 0, and dividing by it made advantages of -2e5
+    running = advantages([0.0] * 4, ["a"] * 4, [None] * 4, Baseline(0.9, {"a": 0.3}),
+                         group_relative=True, normalize=True)
+    assert running == pytest.approx([-0.3] * 4)
+    batch = advantages([0.0] * 4, ["a"] * 4, [None] * 4, None, group_relative=True, normalize=True,
+                       batch_baseline=True)
+    assert batch == [0.0] * 4
+
+
+def _seq_grad(logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, rows: float) -> torch.Tensor:
+    x = logp.clone().requires_grad_(True)
+    loss, _ = policy_loss(x, logp, mask, adv, kind="tis", tis_cap=2.0, ppo_eps=0.2, token_normalizer=rows,
+                          agg="sequence")
+    loss.backward()
+    return x.grad
+
+
+def test_sequence_aggregation_weighs_every_row_the_same() -> None:
+    logp = -torch.rand(2, 6) - 0.5
+    mask = torch.ones(2, 6)
+    mask[0, 2:] = 0  # a 2-token row next to a 6-token row
+    adv = torch.tensor([1.0, -1.0])
+    g = _seq_grad(logp, mask, adv, rows=2.0)
+    # each row's tokens share 1/(rows * its length): the short row's total pull equals the long row's
+    assert g[0].sum() == pytest.approx(-0.5) and g[1].sum() == pytest.approx(0.5)
+    assert torch.allclose(g[0, :2], torch.full((2,), -0.25)) and g[0, 2:].abs().sum() == 0
+    # under token aggregation the long row dominates: 6 of the 8 tokens
+    x = logp.clone().requires_grad_(True)
+    loss, _ = policy_loss(x, logp, mask, adv, kind="tis", tis_cap=2.0, ppo_eps=0.2, token_normalizer=8.0)
+    loss.backward()
+    assert x.grad[1].sum() == pytest.approx(6 / 8) and x.grad[0].sum() == pytest.approx(-2 / 8)
+
+
+def test_sequence_aggregation_micro_batches_sum_to_the_full_batch_gradient() -> None:
+    torch.manual_seed(2)
+    logp = -torch.rand(5, 4) * 3
+    mask = (torch.rand(5, 4) > 0.3).float()
+    mask[:, 0] = 1.0
+    adv = torch.randn(5)
+    full = _seq_grad(logp, mask, adv, rows=5.0)
+    x = logp.clone().requires_grad_(True)
+    for part in (slice(0, 3), slice(3, 5)):
+        loss, _ = policy_loss(x[part], logp[part], mask[part], adv[part], kind="tis", tis_cap=2.0, ppo_eps=0.2,
+                              token_normalizer=5.0, agg="sequence")
+        loss.backward()
+    assert torch.allclose(x.grad, full, atol=1e-7)
+
+
+def test_unknown_aggregation_is_refused() -> None:
+    with pytest.raises(ValueError, match="aggregation"):
+        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1), kind="tis", tis_cap=2.0,
+                    ppo_eps=0.2, token_normalizer=1.0, agg="mean")
