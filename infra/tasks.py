@@ -156,13 +156,21 @@ class ParsedReply:
 
 
 def parse_reply(text: str) -> ParsedReply:
-    """Read a model reply: a tool call (well-formed or not) or a final answer."""
+    """Read a model reply: a tool call (well-formed or not) or a final answer.
+
+    A call must be the whole reply: text before or after it makes the call malformed. A lenient
+    parser (first call wins, the rest ignored) let a policy that stopped emitting its end token
+    still succeed; the rambling went unpenalised and RL spread it (a third of the demo's calls
+    ran to max_tokens after ~20 steps).
+    """
     match = TOOL_CALL_RE.search(text)
     if match is None:
         if "<tool_call>" in text:
             return ParsedReply("malformed_call")  # started a call and never closed it
         answer = ANSWER_RE.match(text)
         return ParsedReply("answer", answer=(answer.group(1) if answer else text).strip())
+    if text[:match.start()].strip() or text[match.end():].strip():
+        return ParsedReply("malformed_call")
     try:
         payload = json.loads(match.group(1))
     except json.JSONDecodeError:

@@ -56,6 +56,10 @@ def test_parse_reply_reads_calls_answers_and_malformed_calls() -> None:
     assert tasks.parse_reply("<tool_call>{\"name\": \"add\", \"argu").kind == "malformed_call"
     assert tasks.parse_reply("<tool_call>{not json}</tool_call>").kind == "malformed_call"
     assert tasks.parse_reply("<tool_call>[1, 2]</tool_call>").kind == "malformed_call"
+    good = tasks.format_tool_call("add", {"a": 1, "b": 2})
+    assert tasks.parse_reply(f"  {good}\n").kind == "tool_call", "whitespace around the call is fine"
+    assert tasks.parse_reply(good + '{"name": nswer').kind == "malformed_call", "rambling after the call"
+    assert tasks.parse_reply("Sure. " + good).kind == "malformed_call", "text before the call"
     answer = tasks.parse_reply("Answer:  95 ")
     assert (answer.kind, answer.answer) == ("answer", "95")
     assert tasks.parse_reply("I think 95").answer == "I think 95"
