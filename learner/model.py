@@ -32,15 +32,19 @@ class Policy:
     base_model: str
     vocab_size: int
     device: torch.device
+    ref_module: torch.nn.Module | None = None  # full mode with a KL anchor: a frozen copy of the base
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
-        """The base model for the KL anchor: the adapter disabled (lora); full mode keeps no copy."""
+        """The base model for the KL anchor: the adapter disabled (lora) or the frozen copy (full)."""
         if self.mode != "lora":
-            raise RuntimeError("kl_coef > 0 needs mode=lora (the full-weight learner keeps no frozen base copy)")
+            if self.ref_module is None:
+                raise RuntimeError("full mode keeps a frozen base copy only when loaded with kl_coef > 0")
+            yield self.ref_module
+            return
         with self.module.disable_adapter():
             yield self.module
 
@@ -119,7 +123,13 @@ def load_policy(cfg: LearnerConfig) -> Policy:
     n_all = sum(p.numel() for p in module.parameters())
     log.info("model: %s from %s on %s (%s), %d of %d parameters trainable", cfg.mode, cfg.base_model, device,
              cfg.dtype, n_train, n_all)
-    return Policy(module, cfg.mode, cfg.base_model, int(hf_config.vocab_size), device)
+    ref = None
+    if cfg.mode == "full" and cfg.kl_coef > 0:
+        # a second copy of the base: full training has no adapter to switch off (memory: one more model)
+        ref = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype, attn_implementation="eager").to(device)
+        ref.config.use_cache = False
+        ref.eval().requires_grad_(False)
+    return Policy(module, cfg.mode, cfg.base_model, int(hf_config.vocab_size), device, ref)
 
 
 @dataclass

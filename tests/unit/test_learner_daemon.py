@@ -97,7 +97,8 @@ def test_stale_episodes_never_reach_a_step(tmp_path: Path, model_dir: Path) -> N
     assert state.cursor == {"synthetic/0": 1}, "dropped rows are consumed: the cursor moves past them"
 
 
-@pytest.mark.parametrize("variant", [dict(loss="ppo", kl_coef=0.1), dict(mode="full", lr=1e-4)])
+@pytest.mark.parametrize("variant", [dict(loss="ppo", kl_coef=0.1), dict(mode="full", lr=1e-4),
+                                     dict(mode="full", lr=1e-4, kl_coef=0.1)])
 def test_ppo_with_kl_and_full_weights_train_and_write_servable_versions(tmp_path: Path, model_dir: Path,
                                                                         variant: dict) -> None:
     import torch
