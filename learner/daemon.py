@@ -487,6 +487,10 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
             if world.is_main:
                 assert got is not None
                 learner.finish_step(got[0], got[1], result, tracker)
+            else:
+                # the other ranks keep no bookkeeping but must count steps too: the warm-up lr follows
+                # state.step, and ranks stepping with different lrs drift apart (DDP syncs grads, not weights)
+                learner.state.step += 1
             if cfg.max_steps and learner.steps_this_run >= cfg.max_steps:
                 log.info("learner: max_steps %d reached", cfg.max_steps)
                 stop.set()  # rank 0 then broadcasts the stop; the other ranks follow it
