@@ -210,6 +210,9 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.lr * self.warmup_factor()
         self.optimizer.step()
+        # counted here, on every rank, not in rank 0's bookkeeping: the warm-up lr follows state.step,
+        # and ranks stepping with different lrs drift apart (DDP syncs gradients, not weights)
+        self.state.step += 1
         sums = [stats.tokens, stats.ratio_sum, stats.clipped, stats.kl_sum, loss_sum, gap_sum, gap_n]
         maxes = [stats.ratio_max, gap_max]
         if world.distributed:
@@ -289,7 +292,6 @@ class Learner:
         from learner import checkpoint
 
         assert self.stream is not None
-        self.state.step += 1
         self.steps_this_run += 1
         self.stream.mark_trained(batch)
         checkpoint.append_trained(self.run_dir, self.state.step, self.state.policy_version,
@@ -487,10 +489,6 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
             if world.is_main:
                 assert got is not None
                 learner.finish_step(got[0], got[1], result, tracker)
-            else:
-                # the other ranks keep no bookkeeping but must count steps too: the warm-up lr follows
-                # state.step, and ranks stepping with different lrs drift apart (DDP syncs grads, not weights)
-                learner.state.step += 1
             if cfg.max_steps and learner.steps_this_run >= cfg.max_steps:
                 log.info("learner: max_steps %d reached", cfg.max_steps)
                 stop.set()  # rank 0 then broadcasts the stop; the other ranks follow it
