@@ -144,6 +144,7 @@ def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: S
     by_task: dict[str, list[float]] = {}
     for r, t in zip(rewards, task_types):
         by_task.setdefault(t, []).append(r)
+    batch_means = {t: sum(rs) / len(rs) for t, rs in by_task.items()}
     base = [0.0] * n
     in_group = [False] * n
     for members in groups.values():
@@ -155,13 +156,12 @@ def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: S
         if in_group[i]:
             continue
         if batch_baseline:
-            base[i] = sum(by_task[t]) / len(by_task[t])
+            base[i] = batch_means[t]
         elif baseline is not None:
-            base[i] = baseline.means.get(t, sum(by_task[t]) / len(by_task[t]))
+            base[i] = baseline.means.get(t, batch_means[t])
     adv = [r - b for r, b in zip(rewards, base)]
     if baseline is not None:
-        for t, rs in by_task.items():
-            batch_mean = sum(rs) / len(rs)
+        for t, batch_mean in batch_means.items():
             prev = baseline.means.get(t)
             baseline.means[t] = batch_mean if prev is None else baseline.momentum * prev + (1 - baseline.momentum) * batch_mean
     if normalize and n > 1:

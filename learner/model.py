@@ -103,10 +103,14 @@ def load_policy(cfg: LearnerConfig) -> Policy:
     if cfg.mode == "full" and getattr(hf_config, "tie_word_embeddings", False):
         # vLLM's in-place reload of tied embeddings matched neither old nor new weights (design.md facts)
         raise RuntimeError(f"mode=full needs an untied model; {cfg.base_model} ties its embeddings (use mode=lora)")
-    # eager attention: identical maths on CPU and GPU, and no sdpa kernel choice changing logprobs
-    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype, attn_implementation="eager")
-    model.to(device)
-    model.config.use_cache = False
+
+    def load_base() -> Any:
+        # eager attention: identical maths on CPU and GPU, and no sdpa kernel choice changing logprobs
+        base = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype, attn_implementation="eager").to(device)
+        base.config.use_cache = False
+        return base
+
+    model = load_base()
     torch.manual_seed(cfg.seed)
     if cfg.mode == "lora":
         from peft import LoraConfig, get_peft_model
@@ -126,9 +130,7 @@ def load_policy(cfg: LearnerConfig) -> Policy:
     ref = None
     if cfg.mode == "full" and cfg.kl_coef > 0:
         # a second copy of the base: full training has no adapter to switch off (memory: one more model)
-        ref = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype, attn_implementation="eager").to(device)
-        ref.config.use_cache = False
-        ref.eval().requires_grad_(False)
+        ref = load_base().eval().requires_grad_(False)
     return Policy(module, cfg.mode, cfg.base_model, int(hf_config.vocab_size), device, ref)
 
 
