@@ -171,7 +171,8 @@ class Learner:
         normalizer = global_trained if cfg.loss_agg == "token" else sum(1 for e, _ in plan if e.trained_tokens)
         # rows the current weights produced, before this step changes them: the pure train/inference gap
         unchanged = self.state.step == self.state.last_published_step
-        mine = dist.shard(plan, world)
+        rows = self.rows_to_run(plan)
+        mine = dist.shard(rows, world)
         chunks = [mine[i:i + cfg.micro_batch] for i in range(0, len(mine), cfg.micro_batch)]
         self.optimizer.zero_grad(set_to_none=True)
         stats = LossStats()
@@ -228,7 +229,7 @@ class Learner:
             torch.cuda.synchronize()
         return StepResult(
             episodes=len(plan),
-            tokens=sum(e.seq_len for e, _ in plan),
+            tokens=sum(e.seq_len for e, _ in rows),
             trained_tokens=global_trained,
             loss=loss_total,
             ratio_mean=ratio_sum / max(tokens, 1.0),
@@ -240,6 +241,19 @@ class Learner:
             behaviour_gap_mean=gap_sum / gap_n if gap_n else None,
             behaviour_gap_max=maxes[1] if gap_n else None,
         )
+
+    def rows_to_run(self, plan: list[tuple[Any, float]]) -> list[tuple[Any, float]]:
+        """The rows worth a forward/backward: without a KL term a row of advantage 0 adds exactly 0 to the gradient.
+
+        Under `--baseline none` with 0/1 outcomes that is every failed row (about 80% of the demo's
+        batches), so the step costs a fifth. The normalizer still counts every row of `plan`, so the
+        gradient is the same as running them all; the step's ratio/clip/gap stats cover the rows run.
+        With fewer such rows than ranks every row runs: DDP needs a backward on every rank.
+        """
+        if self.cfg.kl_coef > 0:
+            return plan
+        nonzero = [(e, a) for e, a in plan if a != 0.0]
+        return nonzero if len(nonzero) >= self.world.size else plan
 
     # -- batch plan (rank 0) -----------------------------------------------------------------
     def warmup_factor(self) -> float:

@@ -33,6 +33,9 @@ from typing import Sequence
 import torch
 
 
+KL_CLAMP = 10.0  # per-token cap of the k3 KL estimate (see policy_loss)
+
+
 @dataclass
 class LossStats:
     """Sums over the masked tokens of one micro-batch (the caller adds them up over the step)."""
@@ -85,7 +88,10 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tens
     kl_tok = torch.zeros_like(logp_new)
     if logp_ref is not None and kl_coef > 0:
         d = (logp_ref - logp_new).masked_fill(mask == 0, 0.0)  # [B, T]
-        kl_tok = torch.exp(d) - d - 1.0
+        # k3 grows like exp(d): one sampled token the policy has moved far below the base (d ~ 10)
+        # outweighed the whole batch (a demo step logged kl 297 and loss +115). Clamped as verl's
+        # low_var_kl does: beyond KL_CLAMP a token adds a constant and no gradient.
+        kl_tok = torch.clamp(torch.exp(d) - d - 1.0, max=KL_CLAMP)
         per_token = per_token + kl_coef * kl_tok
     if agg == "token":
         loss = (per_token * mask).sum() / token_normalizer

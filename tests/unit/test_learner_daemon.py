@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ingest import lake
 from learner import checkpoint
@@ -139,3 +140,27 @@ def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Pa
     learner.train_step(learner.plan(batch))
     assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4), "the first step runs at lr / warmup_steps"
     assert Learner(_cfg(tmp_path / "b", model_dir, warmup_steps=0)).warmup_factor() == 1.0
+
+
+def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_path: Path, model_dir: Path) -> None:
+    from learner.daemon import Learner
+
+    rows = random_rows(8, seed=5, vocab_size=512)
+    write_episodes(tmp_path / "lake", rows, seq=0)
+    grads = []
+    for name, skip in (("skip", True), ("all", False)):
+        learner = Learner(_cfg(tmp_path / name, model_dir, lake_root=str(tmp_path / "lake"), loss_agg="sequence"))
+        learner.stream.poll()  # type: ignore[union-attr]
+        batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
+        plan = [(e, a if i % 3 else 0.0) for i, (e, a) in enumerate(zip(batch, [0.5, -1.0, 2.0, 1.5] * 2))]
+        if not skip:
+            learner.rows_to_run = lambda p: p  # type: ignore[method-assign]
+        run_rows = learner.rows_to_run(plan)
+        assert len(run_rows) == (5 if skip else 8), "rows 0, 3 and 6 have advantage 0"
+        learner.train_step(plan)
+        grads.append([p.grad.clone() for p in learner.policy.trainable_parameters()])
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6), "skipping advantage-0 rows changed the gradient"
+    with_kl = Learner(_cfg(tmp_path / "kl", model_dir, lake_root=str(tmp_path / "lake"), kl_coef=0.1))
+    assert with_kl.rows_to_run(plan) == plan, "with a KL term every row has a gradient"

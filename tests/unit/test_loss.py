@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.loss import Baseline, advantages, policy_loss
+from learner.loss import KL_CLAMP, Baseline, advantages, policy_loss
 
 
 def _grad(kind: str, logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
@@ -69,6 +69,18 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away() -> None:
     loss.backward()
     assert s1.kl_sum > 0 and loss.item() > 0
     assert torch.all(x.grad > 0), "the KL gradient pushes logp back down towards the reference"
+
+
+def test_kl_of_a_token_far_below_the_reference_is_capped() -> None:
+    # one sampled token the policy has pushed 12 nats below the base: k3 would be e^12 ~ 1.6e5
+    logp_ref = torch.tensor([[-1.0, -1.0]])
+    x = torch.tensor([[-13.0, -1.5]], requires_grad=True)
+    loss, s = policy_loss(x, logp_ref, torch.ones(1, 2), torch.zeros(1), kind="tis", tis_cap=2, ppo_eps=0.2,
+                          token_normalizer=2, logp_ref=logp_ref, kl_coef=1.0)
+    loss.backward()
+    assert s.kl_sum == pytest.approx(KL_CLAMP + math.exp(0.5) - 0.5 - 1, rel=1e-5)
+    assert x.grad[0, 0] == 0, "beyond the cap a token adds a constant, no gradient"
+    assert x.grad[0, 1] < 0, "below the cap the KL still pulls logp up towards the reference"
 
 
 def test_micro_batches_sum_to_the_full_batch_gradient() -> None:
