@@ -3,7 +3,7 @@ into a running vLLM, and the full push's effective MB/s next to a plain local co
 
 Each variant is repeated `--reps` times and the median reported:
   lora push   publish(): validate the adapter + POST /v1/load_lora_adapter (unloaded between reps)
-  full push   publish(): validate the weights + pause / reload_weights / update_weight_version / resume
+  full push   publish(): validate the weights + pause / reload_weights / reset_prefix_cache / update_weight_version / resume
   validate    load_version() alone on the full version, with the server idle
   file copy   shutil.copyfile of model.safetensors to a new file, fsync'd (the floor a reload from
               a shared path competes with)

@@ -12,8 +12,8 @@ The learner hands over a finished directory (docs/CONTRIBUTING.md, "Policy versi
      longer routed (neither champion, challenger nor among the newest few) are unloaded first so
      the server stays within --max-loras;
    - full, transport "http": POST /pause?mode=wait (running requests finish on the old weights,
-     new ones queue), /collective_rpc reload_weights from the directory, /update_weight_version,
-     POST /resume. A failed reload is undone by reloading the weights the server held before.
+     new ones queue), /collective_rpc reload_weights from the directory, /reset_prefix_cache (vLLM
+     keeps the old weights' cached KV otherwise), /update_weight_version, POST /resume. A failed reload is undone by reloading the weights the server held before.
      Works for UNTIED embeddings only (design.md facts), so tied models are refused up front.
    - full, transport "nccl": vLLM's weight-transfer API (NCCL broadcast from this process),
      for a GPU tier started with a NCCL weight-transfer config. Built against vLLM 0.32's
@@ -285,9 +285,26 @@ def n_is_lora(name: str, tier: TierConfig) -> bool:
     return name != tier.base_served_name
 
 
+def reset_prefix_cache(server: str, timeout: float = 60.0) -> None:
+    """Drop the server's cached prefix KV; call it after new weights are in and before requests run.
+
+    vLLM keeps prefix-cache blocks across reload_weights (by design: vllm#46125 leaves the reset to
+    the caller), so the new weights would decode on KV the old ones computed for every cached
+    prefix: the agent's system prompt and each earlier turn of a session. /pause clears the cache
+    by default in this vLLM (its clear_cache flag is marked deprecated), but a reload without a
+    pause kept it: in tests/integration/test_publish.py a 300-token cached prompt decoded 1.29 nats
+    away from the restored base weights; the demo's start reloads policy-v0 that way, the NCCL
+    path never pauses. It only succeeds when no request holds blocks: call it paused or idle.
+    """
+    out = http("POST", f"{server}/reset_prefix_cache", None, timeout)
+    if isinstance(out, dict) and out.get("success") is False:
+        raise ServerError(f"{server}: /reset_prefix_cache refused (requests still hold cache blocks)")
+
+
 def _reload(server: str, path: Path, version: int, tier: TierConfig) -> None:
     http("POST", f"{server}/collective_rpc",
          {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, tier.http_timeout_s)
+    reset_prefix_cache(server, tier.http_timeout_s)
     http("POST", f"{server}/update_weight_version", {"new_version": defaults.policy_name(version)}, tier.http_timeout_s)
 
 
@@ -359,6 +376,7 @@ def push_full_nccl(server: str, pv: PolicyVersion, tier: TierConfig, master_port
     engine = NCCLTrainerWeightTransferEngine.trainer_init(init, client=client, source=ModuleSource(model))
     try:
         engine.send_weights()
+        reset_prefix_cache(server, tier.http_timeout_s)
         http("POST", f"{server}/update_weight_version", {"new_version": pv.name}, tier.http_timeout_s)
     finally:
         engine.shutdown()

@@ -34,6 +34,7 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
     finally:
         # leave the shared server on the base weights for everyone else
         http("POST", f"{vllm_url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(base_model_dir.resolve())}})
+        http("POST", f"{vllm_url}/reset_prefix_cache")  # the trained weights' cached KV must not outlive them
         http("POST", f"{vllm_url}/update_weight_version", {"new_version": "policy-v0"})
     run_dir = tmp_path / "var" / "demo" / cfg.run_id
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())

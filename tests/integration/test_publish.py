@@ -41,18 +41,18 @@ def tier(vllm_url: str, mlflow_uri: str, base_model_dir: Path, tmp_path: Path) -
             http("POST", f"{vllm_url}/v1/unload_lora_adapter", {"lora_name": f"policy-v{rv.policy_version}"})
 
 
-def _complete(url: str, model: str, max_tokens: int = 8) -> tuple[list[int], list[float]]:
+def _complete(url: str, model: str, max_tokens: int = 8, prompt: list[int] = PROMPT) -> tuple[list[int], list[float]]:
     # ignore_eos: every request produces exactly max_tokens, so a cut-short request is visible
-    out = http("POST", f"{url}/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
+    out = http("POST", f"{url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                                   "temperature": 0, "logprobs": 1, "return_token_ids": True,
                                                   "ignore_eos": True})
     choice = out["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-def _max_gap(url: str, model: str, base: Path, version_dir: Path | None) -> float:
-    ids, served = _complete(url, model)
-    ref = synthetic.reference_logprobs(synthetic.load_reference(base, version_dir), PROMPT, ids)
+def _max_gap(url: str, model: str, base: Path, version_dir: Path | None, prompt: list[int] = PROMPT) -> float:
+    ids, served = _complete(url, model, prompt=prompt)
+    ref = synthetic.reference_logprobs(synthetic.load_reference(base, version_dir), prompt, ids)
     return max(abs(a - b) for a, b in zip(served, ref))
 
 
@@ -122,6 +122,25 @@ def test_full_weight_version_serves_its_weights_and_base_is_restored(tier: TierC
     finally:
         publisher._reload(vllm_url, base_model_dir.resolve(), 0, tier)
     assert _max_gap(vllm_url, tier.base_served_name, base_model_dir, None) < TOLERANCE
+
+
+def test_full_weight_version_does_not_decode_on_the_old_weights_cached_prefix(tier: TierConfig, vllm_url: str,
+                                                                              base_model_dir: Path, tmp_path: Path,
+                                                                              vllm_weights_lock: None) -> None:
+    # a prompt of many KV blocks, as an agent's system prompt and earlier turns are: vLLM caches its
+    # prefix under the base weights, and keeps it across reload_weights unless the publisher resets it
+    long_prompt = [(7 * i) % 400 + 5 for i in range(300)]
+    _complete(vllm_url, tier.base_served_name, prompt=long_prompt)
+    v = _version()
+    vdir = synthetic.make_full_version(base_model_dir, tmp_path / f"policy-v{v}", v, seed=22)
+    try:
+        publisher.publish(vdir, tier)
+        gap = _max_gap(vllm_url, tier.base_served_name, base_model_dir, vdir, prompt=long_prompt)
+        assert gap < TOLERANCE, f"after a full publish a cached prompt decodes {gap:.2e} away from the new weights"
+    finally:
+        publisher._reload(vllm_url, base_model_dir.resolve(), 0, tier)
+    gap = _max_gap(vllm_url, tier.base_served_name, base_model_dir, None, prompt=long_prompt)
+    assert gap < TOLERANCE, f"after restoring the base a cached prompt decodes {gap:.2e} away from the base weights"
 
 
 def test_tied_or_misshapen_full_weights_are_refused(tier: TierConfig, base_model_dir: Path, tmp_path: Path) -> None:
