@@ -43,6 +43,8 @@ class LearnerConfig:
     baseline_momentum: float = setting(0.9, "running baseline b <- m*b + (1-m)*batch mean")
     group_relative: bool = setting(True, "rows sharing a group_id (>=2 in the batch) use the group mean as their baseline")
     normalize_advantages: bool = setting(True, "divide advantages by their batch standard deviation")
+    positive_only: bool = setting(False, "advantages below 0 become 0: only rows better than their baseline are reinforced, "
+                                         "and without a KL term the others cost no compute (learner/loss.py advantages)")
     kl_coef: float = setting(0.0, "coefficient of the KL penalty to the base model (k3 estimator); 0 disables it")
     # -- model and optimiser ---------------------------------------------------------------
     base_model: str = setting(defaults.BASE_MODEL_DIR, "base model directory (HF format); policy version 0")

@@ -245,15 +245,16 @@ class Learner:
     def rows_to_run(self, plan: list[tuple[Any, float]]) -> list[tuple[Any, float]]:
         """The rows worth a forward/backward: without a KL term a row of advantage 0 adds exactly 0 to the gradient.
 
-        Under `--baseline none` with 0/1 outcomes that is every failed row (about 80% of the demo's
-        batches), so the step costs a fifth. The normalizer still counts every row of `plan`, so the
+        Under `--positive-only` that is every row at or below its baseline (about 75% of the demo's
+        batches), so the step costs a quarter. The normalizer still counts every row of `plan`, so the
         gradient is the same as running them all; the step's ratio/clip/gap stats cover the rows run.
-        With fewer such rows than ranks every row runs: DDP needs a backward on every rank.
+        Rows of advantage 0 pad the list to one per rank: DDP needs a backward on every rank.
         """
         if self.cfg.kl_coef > 0:
             return plan
         nonzero = [(e, a) for e, a in plan if a != 0.0]
-        return nonzero if len(nonzero) >= self.world.size else plan
+        zero = [(e, a) for e, a in plan if a == 0.0]
+        return nonzero + zero[: max(0, self.world.size - len(nonzero))]
 
     # -- batch plan (rank 0) -----------------------------------------------------------------
     def warmup_factor(self) -> float:
@@ -268,7 +269,8 @@ class Learner:
 
         adv = advantages([e.reward for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
                          self.baseline, group_relative=self.cfg.group_relative,
-                         normalize=self.cfg.normalize_advantages, batch_baseline=self.cfg.baseline == "batch")
+                         normalize=self.cfg.normalize_advantages, batch_baseline=self.cfg.baseline == "batch",
+                         positive_only=self.cfg.positive_only)
         return list(zip(batch, adv))
 
     def next_batch(self, stop: threading.Event) -> tuple[list[Any], Counter] | None:

@@ -127,7 +127,7 @@ class Baseline:
 
 def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: Sequence[str | None],
                baseline: Baseline | None, *, group_relative: bool, normalize: bool,
-               batch_baseline: bool = False) -> list[float]:
+               batch_baseline: bool = False, positive_only: bool = False) -> list[float]:
     """Per-row advantages of one global batch; updates the running baseline with this batch.
 
     Rows whose group_id is shared by >= 2 rows of the batch use their group's mean reward as the
@@ -140,6 +140,11 @@ def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: S
     token down, success fell further: on the demo's task, sampled on-policy at lr 1e-3, from 31% to
 6% in 3 steps.
     The batch mean makes the advantages of each task_type sum to zero in every step.
+
+    positive_only: advantages below 0 become 0, so only rows better than their baseline are
+    reinforced (and the learner skips the rest). Pushing down the tokens of failed rows is what
+    collapsed the demo's tiny policy: with few successes the push-downs dominated, malformed calls
+    rose from 15% to 47% of rows in ten versions and success fell from 21% to 0%.
     """
     n = len(rewards)
     assert n == len(task_types) == len(group_ids), "rewards, task_types and group_ids differ in length"
@@ -178,4 +183,6 @@ def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: S
         # (a collapsing run) into advantages of -2e5, a full-size step of "push everything down".
         if std > 1e-3:
             adv = [a / std for a in adv]
+    if positive_only:
+        adv = [max(a, 0.0) for a in adv]
     return adv

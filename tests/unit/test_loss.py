@@ -187,3 +187,14 @@ def test_unknown_aggregation_is_refused() -> None:
     with pytest.raises(ValueError, match="aggregation"):
         policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1), kind="tis", tis_cap=2.0,
                     ppo_eps=0.2, token_normalizer=1.0, agg="mean")
+
+
+def test_positive_only_keeps_rows_above_their_baseline_and_zeroes_the_rest() -> None:
+    rewards = [1.0, 0.0, 0.0, -0.5, 0.15, 1.15]
+    types = ["tool_use"] * 4 + ["research"] * 2
+    signed = advantages(rewards, types, [None] * 6, None, group_relative=True, normalize=True, batch_baseline=True)
+    pos = advantages(rewards, types, [None] * 6, None, group_relative=True, normalize=True, batch_baseline=True,
+                     positive_only=True)
+    assert pos == [max(a, 0.0) for a in signed], "the same scale as the signed advantages, negatives cut to 0"
+    assert [a > 0 for a in pos] == [True, False, False, False, False, True]
+    assert pos[4] == 0.0, "a shaping-only reward below its task type's batch mean is not reinforced"
