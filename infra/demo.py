@@ -54,18 +54,16 @@ class DemoConfig:
     concurrency: int = setting(3, "agent sessions in flight (about what the learner keeps up with on 2 cores; more only starves it of CPU)")
     multi_share: float = setting(0.1, "share of tasks split across two sub-agents (their rows share the session's reward, "
                                       "which a sibling's failure zeroes: at 0.2 a third of the learner's rows were such)")
-    learner_batch: int = setting(64, "episodes per learner step (rows of advantage 0 cost no compute without KL, so 64 gives "
-                                     "twice the steps of 128 on the same traffic)")
-    learner_lr: float = setting(4e-4, "learner Adam learning rate (4e-4 climbed in every setting tried; 8e-4 and 1e-3 fell back "
-                                      "within 10 steps under the batch baseline, 1e-3 stayed flat under positive-only)")
-    learner_kl: float = setting(0.0, "learner KL coefficient to policy-v0 (0.1 kept the batch-baseline learner out of gibberish "
-                                     "but halved its pace; run f of the README needed none)")
-    learner_baseline: str = setting("none", "learner reward baseline. none: a row's reward is its advantage, so rows of reward 0 "
-                                            "are skipped and successes pull the policy; from a 0.29 base it reached 0.52 in 14 "
-                                            "min (README run f). From a 0.21 base the malformed-call penalties dominated and it "
-                                            "collapsed (run g), hence the stronger warm start. Or batch, running")
-    learner_positive_only: bool = setting(False, "reinforce only rows above their baseline (stable but flat from a 0.19 base, "
-                                                 "README runs h, i)")
+    learner_batch: int = setting(128, "episodes per learner step (design.md: batch 128 learns; 32 drifted the policy down)")
+    learner_lr: float = setting(4e-4, "learner Adam learning rate (with the batch baseline, sequence aggregation and warm-up: "
+                                      "4e-4 climbed, 8e-4 and 1e-3 fell back within 10 steps)")
+    learner_kl: float = setting(0.1, "learner KL coefficient to policy-v0 (without it the signed-advantage learner drifted into "
+                                     "gibberish after 20-30 steps: rambling calls, broken JSON)")
+    learner_baseline: str = setting("batch", "learner reward baseline: batch (per-task-type batch mean), running or none")
+    learner_positive_only: bool = setting(False, "reinforce only rows above their baseline (the rest cost no compute without "
+                                                 "KL). Not the default: with baseline none it took a 0.29 base to 0.52 in 14 min, but from 0.19-0.21 "
+                                                 "bases it stayed flat (batch) or, with penalties left signed, fell to 0 "
+                                                 "(README table)")
     learner_max_staleness: int = setting(2, "versions an episode may lag before the learner drops it (it takes the newest first)")
     learner_threads: int = setting(1, "the learner's torch CPU threads (1: its cores are shared with vLLM; 2 threads ran 5-20x slower)")
     publish_every_steps: int = setting(3, "learner steps between published versions")
