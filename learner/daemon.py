@@ -245,8 +245,8 @@ class Learner:
     def rows_to_run(self, plan: list[tuple[Any, float]]) -> list[tuple[Any, float]]:
         """The rows worth a forward/backward: without a KL term a row of advantage 0 adds exactly 0 to the gradient.
 
-        Under `--positive-only` that is every row at or below its baseline (about 75% of the demo's
-        batches), so the step costs a quarter. The normalizer still counts every row of `plan`, so the
+        Under `--positive-only` that is every row at or below its baseline (70-80% of the rows in the
+        positive-only demo runs), so the step costs about a quarter. The normalizer still counts every row of `plan`, so the
         gradient is the same as running them all; the step's ratio/clip/gap stats cover the rows run.
         Rows of advantage 0 pad the list to one per rank: DDP needs a backward on every rank.
         """

@@ -13,7 +13,8 @@ The learner hands over a finished directory (docs/CONTRIBUTING.md, "Policy versi
      the server stays within --max-loras;
    - full, transport "http": POST /pause?mode=wait (running requests finish on the old weights,
      new ones queue), /collective_rpc reload_weights from the directory, /reset_prefix_cache (vLLM
-     keeps the old weights' cached KV otherwise), /update_weight_version, POST /resume. A failed reload is undone by reloading the weights the server held before.
+     keeps the old weights' cached KV otherwise), /update_weight_version, POST /resume. A failed
+     reload is undone by reloading the weights the server held before.
      Works for UNTIED embeddings only (design.md facts), so tied models are refused up front.
    - full, transport "nccl": vLLM's weight-transfer API (NCCL broadcast from this process),
      for a GPU tier started with a NCCL weight-transfer config. Built against vLLM 0.32's
