@@ -81,16 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 pv = publisher.load_version(full_dir, tier)
                 for _ in track(range(cfg.reps), description="full push", console=console):
-                    publisher._reload(url, base, 0, tier)  # start each rep from the base weights
+                    publisher.reload_full(url, base, 0, tier.http_timeout_s)  # start each rep from the base weights
                     t0 = time.perf_counter()
                     publisher.publish(full_dir, tier, register=False)
                     full_s.append(time.perf_counter() - t0)
-                    publisher._reload(url, base, 0, tier)
+                    publisher.reload_full(url, base, 0, tier.http_timeout_s)
                     t0 = time.perf_counter()
                     publisher.push_full_http(url, pv, tier)  # the server-side part alone, no validation
                     reload_s.append(time.perf_counter() - t0)
             finally:
-                publisher._reload(url, base, 0, tier)
+                publisher.reload_full(url, base, 0, tier.http_timeout_s)
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
         validate_s: list[float] = []

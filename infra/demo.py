@@ -166,7 +166,7 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
 def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
     from infra import stack
 
-    from serving.publisher import http, reset_prefix_cache
+    from serving.publisher import reload_full
 
     scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(cfg))
     started = stack.ensure_up(scfg)
@@ -174,9 +174,8 @@ def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
         raise stack.StackError(f"vLLM at {scfg.vllm_url} does not serve {policy_v0(cfg)} as {scfg.served_model_name}")
     # An earlier run may have left its trained weights in place (full reloads keep the served name):
     # start from exactly policy-v0's weights, as the publisher does when it restores a version.
-    http("POST", f"{scfg.vllm_url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(policy_v0(cfg).resolve())}})
-    reset_prefix_cache(scfg.vllm_url)  # no pause here: without it the last run's cached KV would serve policy-v0
-    http("POST", f"{scfg.vllm_url}/update_weight_version", {"new_version": defaults.policy_name(0)})
+    # (no pause: the demo's own traffic has not started yet)
+    reload_full(scfg.vllm_url, policy_v0(cfg).resolve(), 0)
     stack.ensure_topics(stack.replace_config(scfg, kafka_topics=topics))
     return scfg, started
 

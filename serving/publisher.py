@@ -302,11 +302,18 @@ def reset_prefix_cache(server: str, timeout: float = 60.0) -> None:
         raise ServerError(f"{server}: /reset_prefix_cache refused (requests still hold cache blocks)")
 
 
-def _reload(server: str, path: Path, version: int, tier: TierConfig) -> None:
+def reload_full(server: str, path: Path | str, version: int, timeout: float = 60.0) -> None:
+    """Load full weights from a directory the server can read and record them as policy-v<version>.
+
+    The one sequence every full-weight load goes through (publish, restore, the demo's start, the
+    tests' restores): reload_weights, then reset_prefix_cache (else cached prefixes decode on the old
+    weights' KV), then update_weight_version (what the router and the gate read). It does not pause:
+    a caller with traffic in flight pauses around it (push_full_http), an idle caller need not.
+    """
     http("POST", f"{server}/collective_rpc",
-         {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, tier.http_timeout_s)
-    reset_prefix_cache(server, tier.http_timeout_s)
-    http("POST", f"{server}/update_weight_version", {"new_version": defaults.policy_name(version)}, tier.http_timeout_s)
+         {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, timeout)
+    reset_prefix_cache(server, timeout)
+    http("POST", f"{server}/update_weight_version", {"new_version": defaults.policy_name(version)}, timeout)
 
 
 def _resume(server: str, tier: TierConfig) -> None:
@@ -336,11 +343,11 @@ def push_full_http(server: str, pv: PolicyVersion, tier: TierConfig, restore_dir
         # Waiting for in-flight requests is legitimate, so this call gets the long timeout.
         http("POST", f"{server}/pause?mode=wait", None, tier.pause_timeout_s)
         try:
-            _reload(server, pv.path, pv.version, tier)
+            reload_full(server, pv.path, pv.version, tier.http_timeout_s)
         except ServerError as exc:
             log.error("publish: reload of %s on %s failed (%s); restoring policy-v%d", pv.name, server, exc, before)
             try:
-                _reload(server, restore_dir or version_dir_of(before, tier), before, tier)
+                reload_full(server, restore_dir or version_dir_of(before, tier), before, tier.http_timeout_s)
             except ServerError as restore_exc:
                 raise ServerError(f"{exc}; restoring policy-v{before} ALSO failed: {restore_exc}") from exc
             raise

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
         stack: stack_mod.StackConfig, base_model_dir: Path, vllm_url: str, tmp_path: Path, vllm_weights_lock: None) -> None:
-    from serving.publisher import http, weight_version
+    from serving.publisher import reload_full, weight_version
 
     cfg = demo.DemoConfig(minutes=1.5, var_dir=tmp_path / "var", report_dir=tmp_path / "report", base_model=base_model_dir,
                           warm_start=False, concurrency=6, learner_batch=16, publish_every_steps=2, publish_every_s=30.0,
@@ -33,9 +33,7 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
         assert demo.run(cfg) == 0
     finally:
         # leave the shared server on the base weights for everyone else
-        http("POST", f"{vllm_url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(base_model_dir.resolve())}})
-        http("POST", f"{vllm_url}/reset_prefix_cache")  # the trained weights' cached KV must not outlive them
-        http("POST", f"{vllm_url}/update_weight_version", {"new_version": "policy-v0"})
+        reload_full(vllm_url, base_model_dir.resolve(), 0)
     run_dir = tmp_path / "var" / "demo" / cfg.run_id
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     facts = lake_facts(str(run_dir / "lake"))

@@ -163,7 +163,7 @@ def test_full_weight_versions_gate_on_cached_champion_score_and_reject_restores_
         assert publisher.weight_version(vllm_url) == b, "after a reject the server must hold the champion's weights"
         assert Router(cfg).route("s").policy_version == b
     finally:
-        publisher._reload(vllm_url, base_model_dir.resolve(), 0, cfg)
+        publisher.reload_full(vllm_url, base_model_dir.resolve(), 0, cfg.http_timeout_s)
 
 
 def test_promote_auto_loop_from_the_command_line(cfg: promote.PromoteConfig, base_model_dir: Path,

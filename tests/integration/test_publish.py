@@ -120,7 +120,7 @@ def test_full_weight_version_serves_its_weights_and_base_is_restored(tier: TierC
         route = Router(tier).route("any-session")
         assert (route.model, route.policy_version) == (tier.base_served_name, v), route
     finally:
-        publisher._reload(vllm_url, base_model_dir.resolve(), 0, tier)
+        publisher.reload_full(vllm_url, base_model_dir.resolve(), 0, tier.http_timeout_s)
     assert _max_gap(vllm_url, tier.base_served_name, base_model_dir, None) < TOLERANCE
 
 
@@ -138,7 +138,7 @@ def test_full_weight_version_does_not_decode_on_the_old_weights_cached_prefix(ti
         gap = _max_gap(vllm_url, tier.base_served_name, base_model_dir, vdir, prompt=long_prompt)
         assert gap < TOLERANCE, f"after a full publish a cached prompt decodes {gap:.2e} away from the new weights"
     finally:
-        publisher._reload(vllm_url, base_model_dir.resolve(), 0, tier)
+        publisher.reload_full(vllm_url, base_model_dir.resolve(), 0, tier.http_timeout_s)
     gap = _max_gap(vllm_url, tier.base_served_name, base_model_dir, None, prompt=long_prompt)
     assert gap < TOLERANCE, f"after restoring the base a cached prompt decodes {gap:.2e} away from the base weights"
 
@@ -187,7 +187,7 @@ def test_publish_while_requests_stream_fails_none_of_them(tier: TierConfig, vllm
         stop.set()
         for t in threads:
             t.join(timeout=60)
-        publisher._reload(vllm_url, base_model_dir.resolve(), 0, tier)
+        publisher.reload_full(vllm_url, base_model_dir.resolve(), 0, tier.http_timeout_s)
     assert not errors, f"{len(errors)} of {len(results) + len(errors)} streamed requests failed: {errors[:3]}"
     assert all(len(ids) == 24 for ids, _, _ in results), "a request was cut short by the publish"
     by_version: dict[int, set[tuple[int, ...]]] = {}

@@ -134,8 +134,9 @@ def test_full_weight_reload_matches_new_weights(vllm_url, base_model_dir, tmp_pa
         reference = _reference_logprobs(model, PROMPT, ids)
         diff = max(abs(a - b) for a, b in zip(served, reference))
     finally:
-        _post(f"{vllm_url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(base_model_dir.resolve())}})
-        _post(f"{vllm_url}/reset_prefix_cache", {})  # the perturbed weights' cached KV must not outlive them
+        from serving.publisher import reload_full
+
+        reload_full(vllm_url, base_model_dir.resolve(), 0)  # base weights back, and no cached KV of the perturbed ones
     assert diff < 1e-4, f"after reload_weights vLLM logprobs differ from the new weights by {diff:.2e} (limit 1e-4)"
     base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).eval()
     ids, served = _complete(vllm_url, "policy-v0", PROMPT)
