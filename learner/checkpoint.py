@@ -44,6 +44,7 @@ class TrainerState:
     trained: dict[str, int] = field(default_factory=dict)  # episode_id -> label_version
     baseline: dict[str, float] = field(default_factory=dict)
     published: list[int] = field(default_factory=list)
+    abandoned: list[int] = field(default_factory=list)  # published versions the gate refused; their rows are not trained
 
 
 def _fsync_dir(path: Path) -> None:

@@ -72,6 +72,9 @@ class LearnerConfig:
     policies_dir: str = setting(defaults.POLICIES_DIR, "where policy-v<N>/ directories are written")
     vllm_url: str = setting(defaults.VLLM_URL, "vLLM server the publisher pushes to and the parity check scores on")
     registered_model: str = setting(defaults.REGISTERED_MODEL, "MLflow registered model the publisher records versions in")
+    follow_gate: bool = setting(True, "when the promotion gate rejects or rolls back the newest published version, continue from "
+                                      "the champion's weights and drop the rows the abandoned versions served")
+    follow_gate_every_s: float = setting(10.0, "seconds between reads of the registry's champion/challenger aliases (follow_gate)")
     parity_samples: int = setting(8, "episodes scored by vLLM at each publish for the train/inference mismatch (0: off)")
     mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "MLflow tracking URI ('' disables tracking)")
     experiment: str = setting("flywheel-learner", "MLflow experiment of the learner's runs")

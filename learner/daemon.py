@@ -151,8 +151,12 @@ class Learner:
         self.stream: EpisodeStream | None = None
         if self.world.is_main:
             self.stream = EpisodeStream(cfg.lake_root, self.policy.vocab_size, cfg.max_seq_len,
-                                        cursor=self.state.cursor, trained=self.state.trained)
+                                        cursor=self.state.cursor, trained=self.state.trained,
+                                        abandoned=set(self.state.abandoned))
         self.steps_this_run = 0
+        self.rebased: tuple[int, str | None] | None = None  # rank 0's rebase since the last broadcast
+        self._registry: Any = None
+        self._gate_read_at = 0.0
         self.last_publish_time = time.monotonic()
         self.last_batch: list[Any] = []
 
@@ -256,6 +260,59 @@ class Learner:
         zero = [(e, a) for e, a in plan if a == 0.0]
         return nonzero + zero[: max(0, self.world.size - len(nonzero))]
 
+    # -- following the promotion gate ---------------------------------------------------------
+    def follow_gate(self) -> None:
+        """Rank 0: when the gate abandoned our newest version, continue from the champion (rebase)."""
+        cfg = self.cfg
+        if not (cfg.follow_gate and cfg.publish and cfg.mlflow_tracking_uri and self.state.published):
+            return
+        if time.monotonic() - self._gate_read_at < cfg.follow_gate_every_s:
+            return
+        self._gate_read_at = time.monotonic()
+        try:
+            from serving.registry import Registry
+
+            if self._registry is None:
+                tier = self.tier()
+                self._registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
+            target = rebase_target(self.state.published, self.state.policy_version, self._registry.aliases())
+            if target is None:
+                return
+            # a version whose publish failed before it was registered was never judged: keep training it
+            if self._registry.find(self.state.published[-1]) is None:
+                return
+            found = self._registry.find(target) if target != 0 else None
+            source = found.source if found is not None else None
+            if target != 0 and source is None:
+                source = str(Path(cfg.policies_dir) / defaults.policy_name(target))
+        except Exception as exc:  # MLflow unreachable: keep training; the next read decides
+            log.warning("gate: registry %s unreadable (%s: %s); not following the gate this time",
+                        cfg.registered_model, type(exc).__name__, exc)
+            return
+        self.rebase(target, source)
+        self.rebased = (target, source)
+
+    def rebase(self, version: int, source: str | None) -> None:
+        """Continue from policy-v<version>'s weights (source: its directory; None for policy-v0).
+
+        The first moment of Adam points along the abandoned line, so it is zeroed; the second moment
+        (the gradient scale) stays, so the first steps after a rebase are not full-size sign steps.
+        """
+        abandoned = [v for v in self.state.published if v > version and v not in self.state.abandoned]
+        self.policy.load_published(Path(source) if source else None)
+        for slot in self.optimizer.state.values():
+            if "exp_avg" in slot:
+                slot["exp_avg"].zero_()
+        self.state.abandoned.extend(abandoned)
+        if self.stream is not None:
+            self.stream.abandoned.update(abandoned)
+        log.warning("gate: policy-v%d was not kept (the champion is policy-v%d); continuing from the champion's "
+                    "weights, rows served by %s dropped", self.state.policy_version, version,
+                    ", ".join(defaults.policy_name(v) for v in abandoned) or "none")
+        self.state.policy_version = version
+        self.state.last_published_step = self.state.step
+        self.last_publish_time = time.monotonic()
+
     # -- batch plan (rank 0) -----------------------------------------------------------------
     def warmup_factor(self) -> float:
         """lr multiplier of the coming step: linear over the first warmup_steps of the run (from its checkpointed step)."""
@@ -280,6 +337,7 @@ class Learner:
         sleep_s, last_note, idle_since = 0.1, 0.0, time.monotonic()
         seen = self.stream.trainable(self.state.policy_version, cfg.max_staleness)
         while not stop.is_set():
+            self.follow_gate()  # also while starving: after a rejection only the champion's rows arrive
             self.stream.poll()
             self.stream.drop_stale(self.state.policy_version, cfg.max_staleness)
             ready = self.stream.trainable(self.state.policy_version, cfg.max_staleness)
@@ -331,6 +389,7 @@ class Learner:
             "policy_lag_max": float(max(lags) if lags else 0), "policy_version": self.state.policy_version,
             "dropped_stale_total": counters["stale"], "dropped_corrupt_total": counters["corrupt"],
             "relabel_after_train_total": counters["relabel_after_train"],
+            "abandoned_versions_total": float(len(self.state.abandoned)),
         }
         for lag in range(self.cfg.max_staleness + 1):
             metrics[f"staleness_lag_{lag}"] = float(lags.get(lag, 0))
@@ -473,6 +532,25 @@ class Learner:
         }, var_dir=self.cfg.var_dir)
 
 
+def rebase_target(published: list[int], current: int, aliases: dict[str, int]) -> int | None:
+    """The champion to continue from when the gate abandoned the learner's line, else None.
+
+    The line is abandoned when the newest published version is neither champion nor challenger:
+    the gate rejected it (and cleared the challenger alias) or rolled it back. Serving then runs
+    the champion. A learner that kept its own weights would publish more of what the gate refused,
+    and in a full-weight tier it would see only the champion's rows, more than max_staleness
+    versions behind it after a few rejections in a row: dropped as stale, so it never stepped again.
+    """
+    from serving.registry import CHALLENGER, CHAMPION
+
+    if not published:
+        return None
+    champion = aliases.get(CHAMPION, 0)  # no alias yet: policy-v0 is the champion, as the gate reads it
+    if published[-1] in (champion, aliases.get(CHALLENGER)) or current == champion:
+        return None
+    return champion
+
+
 def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
     """Set up (logging each phase), then loop: batch -> step -> checkpoint -> maybe publish."""
     from learner import dist
@@ -497,8 +575,12 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
         while True:
             got = learner.next_batch(stop) if world.is_main else None
             plan = learner.plan(got[0]) if got is not None else None
-            # rank 0 decides; the others follow (None = stop). Every rank then trains the same global batch.
-            plan = dist.broadcast(plan, world)
+            rebased, learner.rebased = learner.rebased, None
+            # rank 0 decides; the others follow (None = stop): the same rebase onto the champion, if
+            # rank 0 made one while waiting, then the same global batch on every rank
+            plan, rebased = dist.broadcast((plan, rebased), world)
+            if rebased is not None and not world.is_main:
+                learner.rebase(*rebased)
             if plan is None:
                 break
             result = learner.train_step(plan)

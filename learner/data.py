@@ -120,7 +120,8 @@ class EpisodeStream:
     """New episodes since a durable cursor, with the de-duplication state a checkpoint restores."""
 
     def __init__(self, root: str, vocab_size: int, max_seq_len: int,
-                 cursor: lake.Cursor | None = None, trained: dict[str, int] | None = None) -> None:
+                 cursor: lake.Cursor | None = None, trained: dict[str, int] | None = None,
+                 abandoned: set[int] | None = None) -> None:
         self.root = root
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
@@ -131,6 +132,9 @@ class EpisodeStream:
         self._loaded: list[lake.LakeFile] = []  # files read into memory, in lake order
         self._remaining: Counter = Counter()  # file path -> rows of it still pending
         self.counters: Counter = Counter()  # corrupt, stale, duplicate, relabel_after_train, relabel_replaced
+        # versions of a line the gate rejected (the learner went back to the champion): their rows
+        # are stale whatever their number says, since the weights no longer descend from them
+        self.abandoned: set[int] = set(abandoned or ())
 
     # -- reading ------------------------------------------------------------------------------
     def poll(self) -> int:
@@ -183,17 +187,21 @@ class EpisodeStream:
         return 1
 
     # -- batching -----------------------------------------------------------------------------
+    def fresh(self, policy_version: int, current_version: int, max_staleness: int) -> bool:
+        """A row may be trained: served by a version at most max_staleness behind, not an abandoned one."""
+        return policy_version not in self.abandoned and current_version - policy_version <= max_staleness
+
     def trainable(self, current_version: int, max_staleness: int) -> int:
         """Pending rows that would survive the staleness filter now."""
-        return sum(1 for p in self.pending if current_version - p.episode.policy_version <= max_staleness)
+        return sum(1 for p in self.pending if self.fresh(p.episode.policy_version, current_version, max_staleness))
 
     def drop_stale(self, current_version: int, max_staleness: int) -> int:
         """Drop pending rows that lag too far (they only get staler); returns how many."""
-        keep = [p for p in self.pending if current_version - p.episode.policy_version <= max_staleness]
+        keep = [p for p in self.pending if self.fresh(p.episode.policy_version, current_version, max_staleness)]
         dropped = len(self.pending) - len(keep)
         if dropped:
             for p in self.pending:
-                if current_version - p.episode.policy_version > max_staleness:
+                if not self.fresh(p.episode.policy_version, current_version, max_staleness):
                     self._remaining[p.file.path] -= 1
             self.pending = keep
             self._index = {p.episode.episode_id: i for i, p in enumerate(keep)}
@@ -220,7 +228,7 @@ class EpisodeStream:
             lag = current_version - p.episode.policy_version
             if len(batch) >= n:
                 keep.append(p)
-            elif lag > max_staleness:
+            elif not self.fresh(p.episode.policy_version, current_version, max_staleness):
                 stats.stale += 1
                 self._remaining[p.file.path] -= 1
             else:

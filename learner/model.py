@@ -66,6 +66,32 @@ class Policy:
         else:
             self.module.load_state_dict(state, strict=True)
 
+    def load_published(self, path: Path | None) -> None:
+        """Make the trainable weights those of a published version directory (None: policy-v0, the base).
+
+        In place (the optimizer keeps its parameter references). Full mode reads the directory as an
+        HF model, so it briefly holds a second copy of the weights.
+        """
+        if self.mode == "lora":
+            if path is None:
+                # lora_B = 0 makes every adapter a no-op: exactly the base model
+                for name, param in self.module.named_parameters():
+                    if "lora_B" in name:
+                        param.data.zero_()
+                return
+            from peft import set_peft_model_state_dict
+            from peft.utils import load_peft_weights
+
+            result = set_peft_model_state_dict(self.module, load_peft_weights(str(path), device=str(self.device)))
+            unexpected = getattr(result, "unexpected_keys", [])
+            assert not unexpected, f"{path}: adapter has keys this model lacks: {unexpected[:3]}"
+            return
+        from transformers import AutoModelForCausalLM
+
+        dtype = next(self.module.parameters()).dtype
+        source = AutoModelForCausalLM.from_pretrained(str(path or self.base_model), dtype=dtype)
+        self.module.load_state_dict(source.state_dict(), strict=True)
+
     # -- publishing -------------------------------------------------------------------------
     def save_weights(self, out: Path) -> str:
         """Write the servable weights into `out` (adapter or full HF weights); returns the kind."""

@@ -164,3 +164,53 @@ def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_pa
         assert torch.allclose(a, b, atol=1e-6), "skipping advantage-0 rows changed the gradient"
     with_kl = Learner(_cfg(tmp_path / "kl", model_dir, lake_root=str(tmp_path / "lake"), kl_coef=0.1))
     assert with_kl.rows_to_run(plan) == plan, "with a KL term every row has a gradient"
+
+
+def test_the_learner_follows_the_gate_only_when_its_newest_version_was_abandoned() -> None:
+    from learner.daemon import rebase_target
+
+    assert rebase_target([], 0, {}) is None, "nothing published: nothing to abandon"
+    assert rebase_target([1, 2], 2, {"challenger": 2}) is None, "v2 still waits for the gate"
+    assert rebase_target([1, 2], 2, {"champion": 2}) is None, "v2 was promoted"
+    assert rebase_target([1, 2], 2, {}) == 0, "v2 rejected before any promotion: policy-v0 is the champion"
+    assert rebase_target([1, 2, 3], 3, {"champion": 1}) == 1, "v3 rejected (challenger alias cleared)"
+    assert rebase_target([1, 2, 3], 1, {"champion": 1}) is None, "already rebased onto the champion"
+    assert rebase_target([4, 5], 5, {"champion": 3, "challenger": 4}) == 3, "v5 gone, an older v4 is challenger"
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, model_dir: Path, mode: str) -> None:
+    from learner.daemon import Learner
+
+    write_episodes(tmp_path / "lake", random_rows(16, seed=5, vocab_size=512), seq=0)
+    learner = Learner(_cfg(tmp_path, model_dir, mode=mode, lr=1e-3, warmup_steps=0))
+    learner.stream.poll()  # type: ignore[union-attr]
+    batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
+    learner.train_step(learner.plan(batch))
+    champion = {k: v.clone() for k, v in learner.policy.weights_state().items()}
+    learner.write_version()  # policy-v1: the champion-to-be
+    learner.train_step(learner.plan(batch))
+    learner.write_version()  # policy-v2, which the gate will refuse
+    learner.train_step(learner.plan(batch))
+    assert any(not torch.equal(champion[k], v) for k, v in learner.policy.weights_state().items())
+
+    learner.rebase(1, str(tmp_path / "policies" / "policy-v1"))
+    now = learner.policy.weights_state()
+    for key, value in champion.items():
+        assert torch.allclose(now[key], value, atol=1e-6), f"{key} is not policy-v1's after the rebase"
+    assert learner.state.policy_version == 1 and learner.state.abandoned == [2]
+    assert learner.stream is not None and learner.stream.abandoned == {2}
+    assert all(float(s["exp_avg"].abs().sum()) == 0.0 for s in learner.optimizer.state.values()), \
+        "Adam's first moment still points along the abandoned line"
+    assert all(float(s["exp_avg_sq"].abs().sum()) > 0.0 for s in learner.optimizer.state.values())
+    assert learner.next_version() == 3, "a version number is never reused"
+
+    learner.rebase(0, None)  # the champion may be policy-v0 itself
+    if mode == "full":
+        from safetensors.torch import load_file
+
+        base = load_file(str(model_dir / "model.safetensors"))
+        assert all(torch.equal(learner.policy.weights_state()[k], v) for k, v in base.items())
+    else:
+        assert all(float(v.abs().sum()) == 0.0 for k, v in learner.policy.weights_state().items() if "lora_B" in k)
+    assert learner.state.abandoned == [2, 1], "back at v0 (a rollback), the weights descend from neither"

@@ -102,3 +102,15 @@ def test_relabel_policy_newest_label_if_pending_never_twice(tmp_path: Path) -> N
 def test_empty_or_missing_lake_is_just_empty(tmp_path: Path) -> None:
     s = _stream(tmp_path / "nothing-here")
     assert s.poll() == 0 and s.take(5, 0, 1)[0] == []
+
+
+def test_rows_of_abandoned_versions_are_stale_whatever_their_lag(tmp_path: Path) -> None:
+    # the gate rejected v3 and v4; the learner went back to the champion v2 and later published v5
+    rows = random_rows(2, seed=1, policy_version=2) + random_rows(3, seed=2, policy_version=4)
+    rows += random_rows(2, seed=3, policy_version=5)
+    write_episodes(tmp_path, rows, seq=0)
+    s = _stream(tmp_path, abandoned={3, 4})
+    s.poll()
+    assert s.trainable(current_version=5, max_staleness=3) == 4, "v4 lags only 1, but the weights no longer descend from it"
+    batch, stats = s.take(10, 5, 3)
+    assert sorted(e.policy_version for e in batch) == [2, 2, 5, 5] and stats.stale == 3
