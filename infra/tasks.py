@@ -57,8 +57,14 @@ class TaskSpec:
     def text(self) -> str:
         return "; ".join(p.text for p in self.parts)
 
-    # rewards/rewards.toml's tool_use type waits for the verifier's task_success before labelling
-    task_type = "tool_use"
+    @property
+    def task_type(self) -> str:
+        """tool_use.<tool> (tool_use.multi for a split task): rewards.toml's tool_use rules (wait for
+        the verifier's task_success) apply to all of them, while the learner keeps its baseline per
+        family. With one baseline for all, weather (about half solved by the warm start) set the
+        bar: the rare add/mul successes earned little more than routine weather ones, and under
+        --baseline none the policy learned to call weather for everything (30% wrong tools)."""
+        return "tool_use.multi" if self.multi else f"tool_use.{self.parts[0].tool}"
 
     @property
     def multi(self) -> bool:

@@ -114,8 +114,16 @@ class RewardConfig:
     digest: str = ""  # sha256 of the file's text, recorded in reward_detail so a label can be traced to its rules
 
     def task(self, task_type: str | None) -> TaskType:
-        """The rules of a task type; unknown task types use [task_types.default]."""
-        return self.task_types.get(task_type or "default") or self.task_types["default"]
+        """The rules of a task type; a dotted type without its own table uses its parent's
+        (tool_use.add -> tool_use), and unknown task types use [task_types.default].
+
+        Dotted types let an agent name a finer family than its reward rules need: the learner's
+        baseline is kept per task_type, so tool_use.add rows are compared with tool_use.add rows.
+        """
+        name = task_type or "default"
+        while name not in self.task_types and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return self.task_types.get(name) or self.task_types["default"]
 
     def kind(self, name: str) -> OutcomeKind | None:
         return self.outcomes.get(name)

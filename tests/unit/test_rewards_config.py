@@ -24,6 +24,14 @@ def test_default_toml_loads_with_cursor_tab_values() -> None:
     assert not any(t.judge for t in cfg.task_types.values()), "the shipped default keeps the judge off"
 
 
+def test_a_dotted_task_type_without_its_own_table_uses_its_parents() -> None:
+    cfg = config.parse(BASE + '[task_types."tool_use.search"]\nwait_for = []\n')  # quoted: a dotted name
+    assert cfg.task("tool_use.add").name == "tool_use" and list(cfg.task("tool_use.add").wait_for) == ["task_success"]
+    assert cfg.task("tool_use.add.two_digit").name == "tool_use", "every missing level falls back one step"
+    assert cfg.task("tool_use.search").name == "tool_use.search", "a type's own table wins over its parent's"
+    assert cfg.task("research.deep").name == "default"
+
+
 def test_raw_values_are_clipped() -> None:
     cfg = config.parse(BASE + "[outcomes.rating]\nlo = -1.0\nhi = 1.0\n")
     assert cfg.outcomes["rating"].score(3.0) == 1.0
