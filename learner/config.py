@@ -74,6 +74,9 @@ class LearnerConfig:
     registered_model: str = setting(defaults.REGISTERED_MODEL, "MLflow registered model the publisher records versions in")
     follow_gate: bool = setting(True, "when the promotion gate rejects or rolls back the newest published version, continue from "
                                       "the champion's weights and drop the rows the abandoned versions served")
+    publish_wait_for_gate: bool = setting(False, "publish by step count only once the gate has ruled on the previous version (publish_every_s "
+                                                 "still publishes regardless): in a one-version full-weight tier a new version replaces "
+                                                 "an unjudged one, and in a demo run the gate judged 4 of 41")
     follow_gate_every_s: float = setting(10.0, "seconds between reads of the registry's champion/challenger aliases (follow_gate)")
     parity_samples: int = setting(8, "episodes scored by vLLM at each publish for the train/inference mismatch (0: off)")
     mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "MLflow tracking URI ('' disables tracking)")

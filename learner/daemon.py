@@ -261,27 +261,48 @@ class Learner:
         return nonzero + zero[: max(0, self.world.size - len(nonzero))]
 
     # -- following the promotion gate ---------------------------------------------------------
-    def follow_gate(self) -> None:
-        """Rank 0: when the gate abandoned our newest version, continue from the champion (rebase)."""
+    def registry(self) -> Any:
+        from serving.registry import Registry
+
+        if self._registry is None:
+            tier = self.tier()
+            self._registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
+        return self._registry
+
+    def gate_ruled(self) -> bool:
+        """The gate has decided on our newest version (promoted, rejected, rolled back), or there is none."""
+        from serving.registry import CHALLENGER, CHAMPION
+
+        if not (self.cfg.publish and self.cfg.mlflow_tracking_uri and self.state.published):
+            return True
+        latest = self.state.published[-1]
+        try:
+            aliases = self.registry().aliases()
+        except Exception as exc:  # an unreadable registry must not stop publishing (publish reports it)
+            log.warning("gate: registry unreadable (%s: %s); publishing without waiting for a verdict",
+                        type(exc).__name__, exc)
+            return True
+        return aliases.get(CHALLENGER) != latest or aliases.get(CHAMPION) == latest
+
+    def follow_gate(self, now: bool = False) -> None:
+        """Rank 0: when the gate abandoned our newest version, continue from the champion (rebase).
+
+        now: read the registry even if it was read less than follow_gate_every_s ago.
+        """
         cfg = self.cfg
         if not (cfg.follow_gate and cfg.publish and cfg.mlflow_tracking_uri and self.state.published):
             return
-        if time.monotonic() - self._gate_read_at < cfg.follow_gate_every_s:
+        if not now and time.monotonic() - self._gate_read_at < cfg.follow_gate_every_s:
             return
         self._gate_read_at = time.monotonic()
         try:
-            from serving.registry import Registry
-
-            if self._registry is None:
-                tier = self.tier()
-                self._registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
-            target = rebase_target(self.state.published, self.state.policy_version, self._registry.aliases())
+            target = rebase_target(self.state.published, self.state.policy_version, self.registry().aliases())
             if target is None:
                 return
             # a version whose publish failed before it was registered was never judged: keep training it
-            if self._registry.find(self.state.published[-1]) is None:
+            if self.registry().find(self.state.published[-1]) is None:
                 return
-            found = self._registry.find(target) if target != 0 else None
+            found = self.registry().find(target) if target != 0 else None
             source = found.source if found is not None else None
             if target != 0 and source is None:
                 source = str(Path(cfg.policies_dir) / defaults.policy_name(target))
@@ -370,6 +391,10 @@ class Learner:
         self.stream.mark_trained(batch)
         checkpoint.append_trained(self.run_dir, self.state.step, self.state.policy_version,
                                   [e.episode_id for e in batch])
+        if self.cfg.publish_wait_for_gate:
+            # the verdict that makes the next version due may be a rejection: follow it first, or
+            # the next version would grow out of the refused line and take the challenger slot
+            self.follow_gate(now=True)
         published = self.publish_due()
         if published:
             self.write_version()
@@ -424,6 +449,8 @@ class Learner:
         cfg = self.cfg
         by_steps = cfg.publish_every_steps > 0 and self.state.step - self.state.last_published_step >= cfg.publish_every_steps
         by_time = cfg.publish_every_s > 0 and time.monotonic() - self.last_publish_time >= cfg.publish_every_s
+        if by_steps and not by_time and cfg.publish_wait_for_gate and not self.gate_ruled():
+            return False  # the steps go on; the version waits until the gate has judged the one before
         return by_steps or by_time
 
     def next_version(self) -> int:

@@ -214,3 +214,37 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
     else:
         assert all(float(v.abs().sum()) == 0.0 for k, v in learner.policy.weights_state().items() if "lora_B" in k)
     assert learner.state.abandoned == [2, 1], "back at v0 (a rollback), the weights descend from neither"
+
+
+def test_with_wait_for_gate_a_version_is_published_only_after_the_gate_ruled_on_the_last(tmp_path: Path,
+                                                                                      model_dir: Path) -> None:
+    from learner.daemon import Learner
+    from serving.registry import Registry
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    learner = Learner(_cfg(tmp_path, model_dir, publish=True, mlflow_tracking_uri=uri, registered_model="m",
+                           publish_every_steps=2, publish_every_s=3600.0, publish_wait_for_gate=True))
+    registry = Registry(uri, "m")
+    for version in (1, 2):
+        registry.register(version, str(learner.write_version()), {"kind": "lora"})
+    registry.set_alias("challenger", 1)
+    learner.state.published, learner.state.policy_version = [1], 1
+    learner.state.step, learner.state.last_published_step = 5, 2
+    assert not learner.publish_due(), "policy-v1 is still the challenger: the gate has not ruled"
+    registry.make_champion(1)
+    assert learner.publish_due(), "promoted"
+    registry.set_alias("challenger", 2)
+    learner.state.published, learner.state.policy_version = [1, 2], 2
+    assert not learner.publish_due()
+    learner.last_publish_time -= 3601.0
+    assert learner.publish_due(), "publish_every_s publishes even without a verdict (a stopped gate must not stop the loop)"
+    learner.last_publish_time += 3601.0
+    learner.cfg.publish_wait_for_gate = False
+    assert learner.publish_due(), "without wait_for_gate the step count alone decides"
+    learner.cfg.publish_wait_for_gate = True
+
+    registry.clear_alias("challenger")  # policy-v2 rejected
+    assert learner.publish_due(), "a rejection is a ruling too"
+    learner.follow_gate(now=True)  # what finish_step does before asking publish_due
+    assert learner.state.policy_version == 1 and learner.state.abandoned == [2], "back on the champion"
+    assert not learner.publish_due(), "the champion's weights get their own steps before the next version"
