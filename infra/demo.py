@@ -54,23 +54,26 @@ class DemoConfig:
     concurrency: int = setting(3, "agent sessions in flight (about what the learner keeps up with on 2 cores; more only starves it of CPU)")
     multi_share: float = setting(0.1, "share of tasks split across two sub-agents (their rows share the session's reward, "
                                       "which a sibling's failure zeroes: at 0.2 a third of the learner's rows were such)")
-    learner_batch: int = setting(128, "episodes per learner step (design.md: batch 128 learns; 32 drifted the policy down)")
-    learner_lr: float = setting(4e-4, "learner Adam learning rate (with the batch baseline, sequence aggregation and warm-up: "
-                                      "4e-4 climbed, 8e-4 and 1e-3 fell back within 10 steps)")
-    learner_kl: float = setting(0.1, "learner KL coefficient to policy-v0 (without it the signed-advantage learner drifted into "
-                                     "gibberish after 20-30 steps: rambling calls, broken JSON)")
-    learner_baseline: str = setting("batch", "learner reward baseline: batch (per-task-type batch mean), running or none")
-    learner_positive_only: bool = setting(False, "reinforce only rows above their baseline (the rest cost no compute without "
-                                                 "KL). Not the default: with baseline none it took a 0.29 base to 0.52 in 14 min, but from 0.19-0.21 "
-                                                 "bases it stayed flat (batch) or, with penalties left signed, fell to 0 "
-                                                 "(README table)")
+    learner_batch: int = setting(64, "episodes per learner step (64 with positive-only advantages: about 4 s a step on 2 cores, "
+                                     "since rows at or below their baseline are not run)")
+    learner_lr: float = setting(4e-4, "learner Adam learning rate (with sequence aggregation and warm-up: 4e-4 climbed, "
+                                      "8e-4 and 1e-3 fell back within 10 steps)")
+    learner_kl: float = setting(0.0, "learner KL coefficient to policy-v0 (0.1 kept signed advantages from drifting into broken "
+                                     "JSON but halved the climb; positive-only advantages and the gate keep the policy sane without it)")
+    learner_baseline: str = setting("batch", "learner reward baseline: batch (the batch mean per task type, tool_use.add ...), "
+                                             "running or none")
+    learner_positive_only: bool = setting(True, "reinforce only rows above their task type's batch mean; pushing failed rows "
+                                                "down drove the tiny policy into broken calls (README runs b, g, l)")
     learner_max_staleness: int = setting(2, "versions an episode may lag before the learner drops it (it takes the newest first)")
     learner_threads: int = setting(1, "the learner's torch CPU threads (1: its cores are shared with vLLM; 2 threads ran 5-20x slower)")
     publish_every_steps: int = setting(3, "learner steps between published versions")
+    publish_wait_for_gate: bool = setting(True, "a new version waits until the gate has ruled on the last (the server holds one "
+                                                "version: with a fast learner the gate judged only 4 of 41 versions before the next replaced them)")
     publish_every_s: float = setting(120.0, "also publish after this many seconds")
     challenger_share: float = setting(0.5, "share of sessions the challenger gets (for LoRA tiers; full weights serve one version)")
-    gate_interval_s: float = setting(20.0, "seconds between promotion-gate rounds")
-    gate_min_sessions: int = setting(40, "sessions the gate wants on each side")
+    gate_interval_s: float = setting(10.0, "seconds between promotion-gate rounds (each version waits for a verdict)")
+    gate_min_sessions: int = setting(100, "sessions the gate wants on each side (with 40 it promoted versions 6 points worse, "
+                                          "p_worse 0.23)")
     base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
     measure_s: float = setting(150.0, "the last seconds of traffic: the learner is stopped, the gate decides on its last "
                                       "version, and the champion serves a few hundred sessions to be measured on")
@@ -314,6 +317,7 @@ def run(cfg: DemoConfig) -> int:
                                     "--max-staleness", str(cfg.learner_max_staleness),
                                     "--run-dir", str(learner_dir), "--policies-dir", str(policies_dir),
                                     "--publish-every-steps", str(cfg.publish_every_steps),
+                                    "--publish-wait-for-gate" if cfg.publish_wait_for_gate else "--no-publish-wait-for-gate",
                                     "--publish-every-s", str(cfg.publish_every_s), "--vllm-url", scfg.vllm_url,
                                     "--registered-model", registered_model, "--mlflow-tracking-uri", tracking_uri,
                                     "--experiment", f"{run_id}-learner", "--var-dir", str(status_dir)], env=tier_env)
