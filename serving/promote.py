@@ -50,6 +50,9 @@ class PromoteConfig(TierConfig):
     lake_root: str = setting(defaults.LAKE_ROOT, "trajectory lake root (episodes are read from <root>/episodes)")
     min_sessions: int = setting(30, "sessions each side needs before the online test may decide")
     alpha: float = setting(0.05, "one-sided significance level for a regression (online and offline)")
+    max_drop: float = setting(float("inf"), "largest drop of the challenger's mean online reward below the champion's that may "
+                                            "still be promoted; a larger one is rejected even when not significant (inf: "
+                                            "only significant regressions are rejected)")
     eval_tasks: str = setting("serving.evaluate:arithmetic_tasks", "offline eval set: module:function returning EvalTasks")
     require_offline_eval: bool = setting(True, "hold the promotion when a side has no offline score")
     experiment: str = setting("flywheel-promotion", "MLflow experiment receiving one run per decision")
@@ -65,6 +68,8 @@ class PromoteConfig(TierConfig):
             raise ConfigError(f"min_sessions: {self.min_sessions} < 2; a t-test needs two sessions per side")
         if not 0.0 < self.alpha < 0.5:
             raise ConfigError(f"alpha: {self.alpha} is not within (0, 0.5)")
+        if not self.max_drop >= 0.0:
+            raise ConfigError(f"max_drop: {self.max_drop} must be >= 0 (inf turns it off)")
 
 
 @dataclass
@@ -197,6 +202,13 @@ def decide(champion: int, challenger: int | None, rewards: dict[int, list[float]
     if online.p_worse < cfg.alpha:
         return Decision("reject", f"online reward regressed: {online.mean_b:.3f} vs {online.mean_a:.3f} "
                         f"(p={online.p_worse:.4f} < {cfg.alpha})", champion, challenger, numbers)
+    if online.diff < -cfg.max_drop:
+        # "not significantly worse" is not "as good": with 100-300 sessions a side the gate promoted
+        # versions 6-9 points of success below their champion (p_worse 0.055-0.17), and the champion
+        # line drifted down from its best. Rejecting costs little: the learner continues from the champion.
+        return Decision("reject", f"online reward dropped {-online.diff:.3f} > max_drop {cfg.max_drop} "
+                        f"({online.mean_b:.3f} vs {online.mean_a:.3f}, p_worse={online.p_worse:.3f})",
+                        champion, challenger, numbers)
     if isinstance(offline, tuple):
         champ_s, chal_s = offline
         off = two_proportions(champ_s.successes, champ_s.n, chal_s.successes, chal_s.n)

@@ -33,6 +33,17 @@ def test_worse_challenger_is_rejected_online() -> None:
     assert d.action == "reject" and "online" in d.reason, d.reason
 
 
+def test_a_drop_beyond_max_drop_is_rejected_though_not_significant() -> None:
+    champ, chal = [1.0] * 35 + [0.0] * 65, [1.0] * 28 + [0.0] * 72  # 0.35 -> 0.28 over 100 sessions each
+    d = decide(1, 2, {1: champ, 2: chal}, _scores(30, 30), CFG)
+    assert d.action == "promote" and d.numbers["online_p_worse"] > 0.05, "not significant: the default promotes it"
+    strict = PromoteConfig(min_sessions=30, alpha=0.05, max_drop=0.02)
+    d = decide(1, 2, {1: champ, 2: chal}, _scores(30, 30), strict)
+    assert d.action == "reject" and "max_drop" in d.reason, d.reason
+    d = decide(1, 2, {1: champ, 2: [1.0] * 34 + [0.0] * 66}, _scores(30, 30), strict)
+    assert d.action == "promote", "a drop within max_drop still passes"
+
+
 def test_offline_regression_rejects_even_with_good_online_reward() -> None:
     d = decide(1, 2, {1: _binary(0.5, 80, 5), 2: _binary(0.55, 80, 6)}, _scores(50, 20), CFG)
     assert d.action == "reject" and "offline" in d.reason, d.reason
