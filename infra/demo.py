@@ -74,6 +74,9 @@ class DemoConfig:
     gate_interval_s: float = setting(10.0, "seconds between promotion-gate rounds (each version waits for a verdict)")
     gate_min_sessions: int = setting(100, "sessions the gate wants on each side (with 40 it promoted versions 6 points worse, "
                                           "p_worse 0.23)")
+    gate_max_drop: float = setting(0.0, "the gate rejects a challenger whose mean online reward is below the champion's by more "
+                                        "than this, significant or not (inf: only significant drops; then the champion line "
+                                        "drifted from 34% to 28% success through promotions 6-9 points down, p_worse 0.055-0.17)")
     base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
     measure_s: float = setting(150.0, "the last seconds of traffic: the learner is stopped, the gate decides on its last "
                                       "version, and the champion serves a few hundred sessions to be measured on")
@@ -325,7 +328,8 @@ def run(cfg: DemoConfig) -> int:
                                     "--servers", scfg.vllm_url, "--base-model", str(policy_v0(cfg).resolve()),
                                     "--policies-dir", str(policies_dir), "--registered-model", registered_model,
                                     "--mlflow-tracking-uri", tracking_uri, "--lake-root", str(lake_root),
-                                    "--min-sessions", str(cfg.gate_min_sessions), "--eval-tasks", "infra.tasks:eval_tasks",
+                                    "--min-sessions", str(cfg.gate_min_sessions), "--max-drop", str(cfg.gate_max_drop),
+                                    "--eval-tasks", "infra.tasks:eval_tasks",
                                     "--experiment", f"{run_id}-promotion", "--var-dir", str(status_dir)])
 
 
