@@ -10,6 +10,10 @@ importance-corrected policy gradient (learner/loss.py) -> log the step's episode
 checkpoint (atomic) -> every N steps or T seconds write var/policies/policy-v<N>/ and hand it
 to serving.publisher.publish. SIGTERM/SIGINT finish the current step, checkpoint, exit 0; a
 SIGKILL loses at most the step in progress (learner/checkpoint.py).
+
+It follows the promotion gate (follow_gate): when the gate rejects or rolls back its newest
+version it continues from the champion's weights; with publish_wait_for_gate a new version
+waits for the gate's verdict on the last.
 """
 
 from __future__ import annotations
