@@ -273,47 +273,62 @@ class Learner:
             self._registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
         return self._registry
 
-    def gate_ruled(self) -> bool:
-        """The gate has decided on our newest version (promoted, rejected, rolled back), or there is none."""
+    def read_aliases(self) -> dict[str, int] | None:
+        """The registry's aliases once this learner has published (None: nothing published, no registry, unreadable)."""
+        cfg = self.cfg
+        if not (cfg.publish and cfg.mlflow_tracking_uri and self.state.published):
+            return None
+        try:
+            return self.registry().aliases()
+        except Exception as exc:  # MLflow unreachable: training and publishing go on; the next read decides
+            log.warning("gate: registry %s unreadable (%s: %s); not waiting for or following the gate this time",
+                        cfg.registered_model, type(exc).__name__, exc)
+            return None
+
+    def gate_ruled(self, aliases: dict[str, int] | None = None) -> bool:
+        """The gate has decided on our newest version (promoted, rejected, rolled back), or there is none.
+
+        aliases: as the caller just read them (None: read them here). Unreadable counts as ruled, so a
+        registry outage cannot stop publishing (publish reports the outage itself).
+        """
         from serving.registry import CHALLENGER, CHAMPION
 
-        if not (self.cfg.publish and self.cfg.mlflow_tracking_uri and self.state.published):
+        aliases = aliases if aliases is not None else self.read_aliases()
+        if aliases is None:
             return True
         latest = self.state.published[-1]
-        try:
-            aliases = self.registry().aliases()
-        except Exception as exc:  # an unreadable registry must not stop publishing (publish reports it)
-            log.warning("gate: registry unreadable (%s: %s); publishing without waiting for a verdict",
-                        type(exc).__name__, exc)
-            return True
         return aliases.get(CHALLENGER) != latest or aliases.get(CHAMPION) == latest
 
-    def follow_gate(self, now: bool = False) -> None:
+    def follow_gate(self, aliases: dict[str, int] | None = None) -> None:
         """Rank 0: when the gate abandoned our newest version, continue from the champion (rebase).
 
-        now: read the registry even if it was read less than follow_gate_every_s ago.
+        aliases: as the caller just read them; None: read them here, at most every follow_gate_every_s.
         """
         cfg = self.cfg
-        if not (cfg.follow_gate and cfg.publish and cfg.mlflow_tracking_uri and self.state.published):
+        if not cfg.follow_gate:
             return
-        if not now and time.monotonic() - self._gate_read_at < cfg.follow_gate_every_s:
-            return
-        self._gate_read_at = time.monotonic()
-        try:
-            target = rebase_target(self.state.published, self.state.policy_version, self.registry().aliases())
-            if target is None:
+        if aliases is None:
+            if time.monotonic() - self._gate_read_at < cfg.follow_gate_every_s:
                 return
+            self._gate_read_at = time.monotonic()
+            aliases = self.read_aliases()
+            if aliases is None:
+                return
+        target = rebase_target(self.state.published, self.state.policy_version, aliases)
+        if target is None:
+            return
+        try:
             # a version whose publish failed before it was registered was never judged: keep training it
             if self.registry().find(self.state.published[-1]) is None:
                 return
             found = self.registry().find(target) if target != 0 else None
-            source = found.source if found is not None else None
-            if target != 0 and source is None:
-                source = str(Path(cfg.policies_dir) / defaults.policy_name(target))
         except Exception as exc:  # MLflow unreachable: keep training; the next read decides
             log.warning("gate: registry %s unreadable (%s: %s); not following the gate this time",
                         cfg.registered_model, type(exc).__name__, exc)
             return
+        source = found.source if found is not None else None
+        if target != 0 and source is None:
+            source = str(Path(cfg.policies_dir) / defaults.policy_name(target))
         self.rebase(target, source)
         self.rebased = (target, source)
 
@@ -395,11 +410,12 @@ class Learner:
         self.stream.mark_trained(batch)
         checkpoint.append_trained(self.run_dir, self.state.step, self.state.policy_version,
                                   [e.episode_id for e in batch])
-        if self.cfg.publish_wait_for_gate:
+        aliases = self.read_aliases() if self.cfg.publish_wait_for_gate else None
+        if aliases is not None:
             # the verdict that makes the next version due may be a rejection: follow it first, or
             # the next version would grow out of the refused line and take the challenger slot
-            self.follow_gate(now=True)
-        published = self.publish_due()
+            self.follow_gate(aliases)
+        published = self.publish_due(aliases)
         if published:
             self.write_version()
         self.save_checkpoint()
@@ -449,11 +465,12 @@ class Learner:
         checkpoint.save(self.run_dir, self.state, self.policy.weights_state(), self.optimizer.state_dict(),
                         keep=self.cfg.keep_checkpoints)
 
-    def publish_due(self) -> bool:
+    def publish_due(self, aliases: dict[str, int] | None = None) -> bool:
+        """A version is due by step count or by time; aliases: the registry's, if the caller just read them."""
         cfg = self.cfg
         by_steps = cfg.publish_every_steps > 0 and self.state.step - self.state.last_published_step >= cfg.publish_every_steps
         by_time = cfg.publish_every_s > 0 and time.monotonic() - self.last_publish_time >= cfg.publish_every_s
-        if by_steps and not by_time and cfg.publish_wait_for_gate and not self.gate_ruled():
+        if by_steps and not by_time and cfg.publish_wait_for_gate and not self.gate_ruled(aliases):
             return False  # the steps go on; the version waits until the gate has judged the one before
         return by_steps or by_time
 

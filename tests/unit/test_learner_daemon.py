@@ -245,6 +245,6 @@ def test_with_wait_for_gate_a_version_is_published_only_after_the_gate_ruled_on_
 
     registry.clear_alias("challenger")  # policy-v2 rejected
     assert learner.publish_due(), "a rejection is a ruling too"
-    learner.follow_gate(now=True)  # what finish_step does before asking publish_due
+    learner.follow_gate(learner.read_aliases())  # what finish_step does before asking publish_due
     assert learner.state.policy_version == 1 and learner.state.abandoned == [2], "back on the champion"
     assert not learner.publish_due(), "the champion's weights get their own steps before the next version"
