@@ -64,6 +64,8 @@ class DemoConfig:
                                              "running or none")
     learner_positive_only: bool = setting(True, "reinforce only rows above their task type's batch mean; pushing failed rows "
                                                 "down drove the tiny policy into broken calls (README runs b, g, l)")
+    learner_epochs: int = setting(1, "learner passes over each batch (> 1 switches its loss to PPO's clipped ratio); the "
+                                     "learner trains every episode as it arrives, so traffic, not compute, sets its pace")
     learner_max_staleness: int = setting(2, "versions an episode may lag before the learner drops it (it takes the newest first)")
     learner_threads: int = setting(1, "the learner's torch CPU threads (1: its cores are shared with vLLM; 2 threads ran 5-20x slower)")
     publish_every_steps: int = setting(3, "learner steps between published versions")
@@ -318,6 +320,7 @@ def run(cfg: DemoConfig) -> int:
                                     "--kl-coef", str(cfg.learner_kl), "--baseline", cfg.learner_baseline,
                                     *(["--positive-only"] if cfg.learner_positive_only else ["--no-positive-only"]),
                                     "--max-staleness", str(cfg.learner_max_staleness),
+                                    "--epochs", str(cfg.learner_epochs), "--loss", "ppo" if cfg.learner_epochs > 1 else "tis",
                                     "--run-dir", str(learner_dir), "--policies-dir", str(policies_dir),
                                     "--publish-every-steps", str(cfg.publish_every_steps),
                                     "--publish-wait-for-gate" if cfg.publish_wait_for_gate else "--no-publish-wait-for-gate",

@@ -36,6 +36,9 @@ class LearnerConfig:
     loss: str = setting("tis", "importance correction: tis (truncated IS weight, detached) or ppo (clipped ratio)")
     tis_cap: float = setting(2.0, "c: truncated-IS weight min(ratio, c)")
     ppo_eps: float = setting(0.2, "PPO clip range: ratio clipped to [1-eps, 1+eps]")
+    epochs: int = setting(1, "optimizer passes over each batch (PPO-style reuse: a learner fed by live traffic gets more "
+                             "out of each episode); > 1 needs loss=ppo, whose clipped ratio keeps later passes near the "
+                             "behaviour policy")
     loss_agg: str = setting("token", "token: sum over tokens / global token count; sequence: each row's token mean, averaged "
                                      "over rows (every row weighs the same, however long)")
     baseline: str = setting("batch", "reward baseline for rows without a group: the batch's per-task_type mean, a running "
@@ -107,6 +110,12 @@ class LearnerConfig:
             raise ConfigError(f"min_batch ({self.min_batch}) > batch_size ({self.batch_size}): a step could never fill")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.epochs < 1:
+            raise ConfigError(f"epochs: must be >= 1, got {self.epochs}")
+        if self.epochs > 1 and self.loss != "ppo":
+            # the truncated-IS weight is detached: a second pass would push the same rows again with no trust region
+            raise ConfigError(f"epochs {self.epochs} needs loss=ppo (got {self.loss!r}): only the clipped ratio "
+                              "bounds how far later passes move from the behaviour policy")
         if self.tis_cap <= 0 or not 0 < self.ppo_eps < 1:
             raise ConfigError(f"tis_cap ({self.tis_cap}) must be > 0 and ppo_eps ({self.ppo_eps}) in (0, 1)")
         if not 0 <= self.baseline_momentum < 1:

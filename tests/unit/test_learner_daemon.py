@@ -248,3 +248,30 @@ def test_with_wait_for_gate_a_version_is_published_only_after_the_gate_ruled_on_
     learner.follow_gate(learner.read_aliases())  # what finish_step does before asking publish_due
     assert learner.state.policy_version == 1 and learner.state.abandoned == [2], "back on the champion"
     assert not learner.publish_due(), "the champion's weights get their own steps before the next version"
+
+
+def test_epochs_reuse_each_batch_under_the_clipped_ratio_only(tmp_path: Path, model_dir: Path) -> None:
+    from infra.config import ConfigError
+    from learner.daemon import Learner
+
+    with pytest.raises(ConfigError, match="needs loss=ppo"):
+        _cfg(tmp_path, model_dir, epochs=2)  # tis: a detached weight gives later passes no trust region
+    with pytest.raises(ConfigError, match="epochs"):
+        _cfg(tmp_path, model_dir, epochs=0)
+    write_episodes(tmp_path / "lake", random_rows(8, seed=4, vocab_size=512), seq=0)
+    results, weights = {}, {}
+    for epochs in (1, 3):
+        learner = Learner(_cfg(tmp_path / f"e{epochs}", model_dir, lake_root=str(tmp_path / "lake"), loss="ppo",
+                               epochs=epochs, mode="full", lr=1e-3, warmup_steps=0))
+        learner.stream.poll()  # type: ignore[union-attr]
+        batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
+        results[epochs] = learner.train_step(learner.plan(batch))
+        weights[epochs] = learner.policy.weights_state()
+        adam_steps = {int(s["step"]) for s in learner.optimizer.state.values()}
+        assert adam_steps == {epochs}, "one optimizer step per pass"
+        assert learner.state.step == 1, "a learner step is one batch, however many passes"
+    assert results[3].tokens == 3 * results[1].tokens
+    # the last pass sees a policy the first two moved: its ratios are off 1 and the clip engages
+    assert abs(results[3].ratio_mean - results[1].ratio_mean) > 1e-3
+    assert results[3].clip_frac > results[1].clip_frac
+    assert any(not torch.equal(weights[1][k], weights[3][k]) for k in weights[1])
