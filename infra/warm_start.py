@@ -5,7 +5,7 @@ randomly initialised model would never produce a well-formed tool call, so onlin
 have no signal. `flywheel model init --warm-start` calls `run(base_dir, out_dir)`, which
 trains on `infra.tasks` demonstrations in chunks and measures, after each chunk, how often
 the model solves held-out tasks when sampled as vLLM serves it (temperature 1.0, no top-k).
-It stops once that success rate reaches `target_success` (default 0.2): the base succeeds
+It stops once that success rate reaches `target_success` (default 0.12): the base succeeds
 sometimes but far from always, and the online loop has room to show improvement.
 
 The result is a full Hugging Face model directory (untied, float32) that vLLM serves as
@@ -32,7 +32,13 @@ log = logging.getLogger(__name__)
 class WarmStartSettings:
     """How long and how hard the warm start trains."""
 
-    target_success: float = 0.2  # stop once held-out success (sampled at temperature 1) reaches this
+    # Stop once held-out success (sampled at temperature 1) reaches this. What online RL improves in
+    # minutes is the answer turn (copying the tool's result) and the weather call; the digit copy of
+    # add/mul stays where the warm start leaves it (README runs k-r). So the later the warm start
+    # stops, the less is left to learn: stopped at 30% the demo gained 1.11x (run p), at 21%
+    # (step 275, answer turn 59% right) 1.34-1.49x (runs n, o, r), at 14% (step 225, answer turn
+    # 45%) 1.50x within 14 minutes and still climbing (run q).
+    target_success: float = 0.12
     min_steps: int = 100
     # Measured here (one-digit operands, 8 cities, lr 3e-3 decaying over 600 steps, 128 held-out parts):
     # 3-7% up to step 200 while the model learns the format, then copying arguments appears and success
