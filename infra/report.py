@@ -286,7 +286,8 @@ def plots(facts: Facts, out_dir: Path) -> list[str]:
     if versions:
         rates = [facts.by_version[v].rate for v in versions]
         cis = [wilson(facts.by_version[v].successes, facts.by_version[v].sessions) for v in versions]
-        fig, ax = plt.subplots(figsize=(7, 4))
+        # wide enough for each bar's "n=..." label: at 7 inches 18 versions' labels ran into each other
+        fig, ax = plt.subplots(figsize=(max(7.0, 0.65 * len(versions) + 1.5), 4))
         ax.bar([f"v{v}\nn={facts.by_version[v].sessions}" for v in versions], rates,
                yerr=[[max(0.0, r - lo) for r, (lo, _) in zip(rates, cis)], [max(0.0, hi - r) for r, (_, hi) in zip(rates, cis)]],
                capsize=4, color=["#888888" if v == 0 else ("#2a9d8f" if v == facts.champion else "#8ab6d6") for v in versions])
