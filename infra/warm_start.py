@@ -37,7 +37,7 @@ class WarmStartSettings:
     # add/mul stays where the warm start leaves it (README runs k-r). So the later the warm start
     # stops, the less is left to learn: stopped at 30% the demo gained 1.11x (run p), at 21%
     # (step 275, answer turn 59% right) 1.34-1.49x (runs n, o, r), at 14% (step 225, answer turn
-    # 45%) 1.50x within 14 minutes and still climbing (run q).
+    # 45%) 1.50x within 14 minutes (run q) and 2.26x in a fresh-clone `make demo` (run s).
     target_success: float = 0.12
     min_steps: int = 100
     # Measured here (one-digit operands, 8 cities, lr 3e-3 decaying over 600 steps, 128 held-out parts):
