@@ -292,15 +292,14 @@ class Learner:
                         cfg.registered_model, type(exc).__name__, exc)
             return None
 
-    def gate_ruled(self, aliases: dict[str, int] | None = None) -> bool:
+    def gate_ruled(self, aliases: dict[str, int] | None) -> bool:
         """The gate has decided on our newest version (promoted, rejected, rolled back), or there is none.
 
-        aliases: as the caller just read them (None: read them here). Unreadable counts as ruled, so a
-        registry outage cannot stop publishing (publish reports the outage itself).
+        aliases: as read_aliases returned them. None (nothing published, or the registry unreadable)
+        counts as ruled, so a registry outage cannot stop publishing (publish reports the outage itself).
         """
         from serving.registry import CHALLENGER, CHAMPION
 
-        aliases = aliases if aliases is not None else self.read_aliases()
         if aliases is None:
             return True
         latest = self.state.published[-1]
@@ -472,8 +471,9 @@ class Learner:
         checkpoint.save(self.run_dir, self.state, self.policy.weights_state(), self.optimizer.state_dict(),
                         keep=self.cfg.keep_checkpoints)
 
-    def publish_due(self, aliases: dict[str, int] | None = None) -> bool:
-        """A version is due by step count or by time; aliases: the registry's, if the caller just read them."""
+    def publish_due(self, aliases: dict[str, int] | None) -> bool:
+        """A version is due by step count or by time. aliases: read_aliases() as finish_step read it (only
+        consulted with publish_wait_for_gate; never read again here, so an outage costs one failed read)."""
         cfg = self.cfg
         by_steps = cfg.publish_every_steps > 0 and self.state.step - self.state.last_published_step >= cfg.publish_every_steps
         by_time = cfg.publish_every_s > 0 and time.monotonic() - self.last_publish_time >= cfg.publish_every_s

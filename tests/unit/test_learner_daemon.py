@@ -230,24 +230,24 @@ def test_with_wait_for_gate_a_version_is_published_only_after_the_gate_ruled_on_
     registry.set_alias("challenger", 1)
     learner.state.published, learner.state.policy_version = [1], 1
     learner.state.step, learner.state.last_published_step = 5, 2
-    assert not learner.publish_due(), "policy-v1 is still the challenger: the gate has not ruled"
+    assert not learner.publish_due(learner.read_aliases()), "policy-v1 is still the challenger: the gate has not ruled"
     registry.make_champion(1)
-    assert learner.publish_due(), "promoted"
+    assert learner.publish_due(learner.read_aliases()), "promoted"
     registry.set_alias("challenger", 2)
     learner.state.published, learner.state.policy_version = [1, 2], 2
-    assert not learner.publish_due()
+    assert not learner.publish_due(learner.read_aliases())
     learner.last_publish_time -= 3601.0
-    assert learner.publish_due(), "publish_every_s publishes even without a verdict (a stopped gate must not stop the loop)"
+    assert learner.publish_due(learner.read_aliases()), "publish_every_s publishes even without a verdict (a stopped gate must not stop the loop)"
     learner.last_publish_time += 3601.0
     learner.cfg.publish_wait_for_gate = False
-    assert learner.publish_due(), "without wait_for_gate the step count alone decides"
+    assert learner.publish_due(learner.read_aliases()), "without wait_for_gate the step count alone decides"
     learner.cfg.publish_wait_for_gate = True
 
     registry.clear_alias("challenger")  # policy-v2 rejected
-    assert learner.publish_due(), "a rejection is a ruling too"
+    assert learner.publish_due(learner.read_aliases()), "a rejection is a ruling too"
     learner.follow_gate(learner.read_aliases())  # what finish_step does before asking publish_due
     assert learner.state.policy_version == 1 and learner.state.abandoned == [2], "back on the champion"
-    assert not learner.publish_due(), "the champion's weights get their own steps before the next version"
+    assert not learner.publish_due(learner.read_aliases()), "the champion's weights get their own steps before the next version"
 
 
 def test_epochs_reuse_each_batch_under_the_clipped_ratio_only(tmp_path: Path, model_dir: Path) -> None:
