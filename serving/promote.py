@@ -206,7 +206,7 @@ def decide(champion: int, challenger: int | None, rewards: dict[int, list[float]
         # "not significantly worse" is not "as good": with 100-300 sessions a side the gate promoted
         # versions 6-9 points of success below their champion (p_worse 0.055-0.17), and the champion
         # line drifted down from its best. Rejecting costs little: the learner continues from the champion.
-        return Decision("reject", f"online reward dropped {-online.diff:.3f} > max_drop {cfg.max_drop} "
+        return Decision("reject", f"online reward dropped {-online.diff:.4f} > max_drop {cfg.max_drop} "
                         f"({online.mean_b:.3f} vs {online.mean_a:.3f}, p_worse={online.p_worse:.3f})",
                         champion, challenger, numbers)
     if isinstance(offline, tuple):
