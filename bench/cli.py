@@ -1,4 +1,7 @@
-"""`flywheel bench NAME`: each benchmark is bench/NAME.py with a main(argv)."""
+"""`flywheel bench NAME`: each benchmark is bench/NAME.py with a main(argv).
+
+Benchmarks and their synthetic fixtures are not installed with the package: they run from a
+source checkout (the repository root is put on sys.path by `flywheel.cli`)."""
 
 from __future__ import annotations
 

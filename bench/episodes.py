@@ -25,7 +25,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rewards import config, episodes, synthetic
+from flywheel.rewards import config, builder as episodes
+
+from bench.fixtures import sessions as synthetic
 
 TOML = """
 [outcomes.task_success]

@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ingest import lake, schema
+from flywheel.ingest import lake, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def raw_consume(bootstrap: str, topic: str, n: int) -> float:
     """Seconds kafka-python takes to hand over n records (first to last), with the writer's fetch settings."""
     from kafka import KafkaConsumer, TopicPartition
 
-    from ingest.lake_writer import LakeWriterConfig
+    from flywheel.ingest.lake_writer import LakeWriterConfig
 
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
                              max_partition_fetch_bytes=LakeWriterConfig.fetch_partition_bytes,
@@ -109,7 +109,7 @@ def raw_consume(bootstrap: str, topic: str, n: int) -> float:
 
 def writer_rate(bootstrap: str, topic: str, n: int, lake_root: str, var_dir: str) -> tuple[float, int]:
     """Seconds the lake writer takes from its first record to n records published; and its file count."""
-    from ingest.lake_writer import LakeWriter, LakeWriterConfig, run
+    from flywheel.ingest.lake_writer import LakeWriter, LakeWriterConfig, run
 
     cfg = LakeWriterConfig(kafka_bootstrap=bootstrap, events_topic=topic, outcomes_topic="",
                            dlq_topic=f"{topic}.dlq", group_id=f"bench-{uuid.uuid4().hex[:8]}", lake_root=lake_root,
@@ -133,10 +133,10 @@ def writer_rate(bootstrap: str, topic: str, n: int, lake_root: str, var_dir: str
 
 def live_latency(bootstrap: str, topic: str, rate: float, seconds: float, lake_root: str, var_dir: str) -> list[float]:
     """Produce at `rate`/s for `seconds` while a writer subprocess follows; return produce-to-visible seconds."""
-    from infra.status import read_statuses
+    from flywheel.base.heartbeat import read_statuses
 
     name = f"bench-{uuid.uuid4().hex[:6]}"
-    args = [sys.executable, "-m", "ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
+    args = [sys.executable, "-m", "flywheel.ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
             "--outcomes-topic", "", "--dlq-topic", f"{topic}.dlq", "--group-id", name, "--writer-id", name,
             "--lake-root", lake_root, "--var-dir", var_dir, "--log-level", "WARNING"]
     proc = subprocess.Popen(args, cwd=ROOT)
@@ -194,7 +194,7 @@ def cost_breakdown(n: int = 2000, seed: int = 3) -> dict[str, float]:
 
     import pyarrow.parquet as pq
 
-    from ingest.lake_writer import _loads, decode_record, rows_to_table
+    from flywheel.ingest.lake_writer import _loads, decode_record, rows_to_table
 
     rng = random.Random(seed)
     values = [json.dumps(realistic_event(rng, i)).encode() for i in range(n)]
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from infra import stack
+    from flywheel import stack
 
     console = Console(stderr=True)
     scfg = stack.load_stack_config(["--kafka-bootstrap", args.kafka_bootstrap]) if _stack_takes_flag() else stack.load_stack_config([])
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 def _stack_takes_flag() -> bool:
     import dataclasses
 
-    from infra import stack
+    from flywheel import stack
 
     return any(f.name == "kafka_bootstrap" for f in dataclasses.fields(stack.StackConfig))
 

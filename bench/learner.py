@@ -27,8 +27,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import defaults
-from infra.config import load_config, setting, setup_logging
+from flywheel.base import defaults
+from flywheel.base.config import load_config, setting, setup_logging
 
 
 @dataclass
@@ -49,7 +49,7 @@ class LearnerBenchConfig:
 def _bare_step(policy, optimizer, micro, grad_clip: float) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from learner.model import token_logprobs
+    from flywheel.learner.model import token_logprobs
 
     optimizer.zero_grad(set_to_none=True)
     total = sum(float(p.mask.sum()) for p, _ in micro)
@@ -95,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from infra import stack
-    from learner.config import LearnerConfig
-    from learner.daemon import Learner, Tracker
-    from learner.model import load_policy, pack
-    from learner.synthetic import random_rows, write_episodes
+    from flywheel import stack
+    from flywheel.learner.config import LearnerConfig
+    from flywheel.learner.daemon import Learner, Tracker
+    from flywheel.learner.model import load_policy, pack
+    from bench.fixtures.episodes import random_rows, write_episodes
 
     console = Console(stderr=True)
     stack_cfg = stack.load_stack_config([])
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("steps (learner | bare, interleaved)", total=cfg.steps + 1)
             # the bare loop reads the same lake files through its own stream: the same batches, in order
-            from learner.data import EpisodeStream
+            from flywheel.learner.data import EpisodeStream
 
             bare_stream = EpisodeStream(lcfg.lake_root, bare.vocab_size, lcfg.max_seq_len)
             bare_stream.poll()

@@ -159,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from infra import stack as stack_mod
-    from infra.config import setup_logging
-    from ingest.sidecar import SessionLogger
+    from flywheel import stack as stack_mod
+    from flywheel.base.config import setup_logging
+    from flywheel.ingest.sdk import SessionLogger
 
     setup_logging("WARNING")
-    for noisy in ("ingest.sidecar", "kafka"):  # connection-refused errors and outage warnings are expected here
+    for noisy in ("flywheel.ingest.sdk", "kafka"):  # connection-refused errors and outage warnings are expected here
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     console = Console(stderr=True, width=120)
     cfg = stack_mod.load_stack_config([])

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.config import load_config, setting, setup_logging
+from flywheel.base.config import load_config, setting, setup_logging
 
 
 @dataclass
@@ -47,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import track
     from rich.table import Table
 
-    from infra import stack
-    from serving import publisher, synthetic
-    from serving.tier import TierConfig
+    from flywheel import stack
+    from flywheel.serving import publisher
+    from bench.fixtures import models as synthetic
+    from flywheel.serving.tier import TierConfig
 
     console = Console(stderr=True)
     stack_cfg = stack.load_stack_config([])

@@ -7,24 +7,25 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 # sub-command -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "infra": ("infra.stack:main", "up|down|status of the local stack (Kafka, MLflow, vLLM)"),
-    "model": ("infra.model_init:main", "init: build the tiny base model (tokenizer + Qwen2-style LM)"),
-    "proxy": ("ingest.proxy:main", "OpenAI-compatible capture proxy in front of vLLM"),
-    "lake-writer": ("ingest.lake_writer:main", "Kafka -> exactly-once Parquet lake daemon"),
-    "compact": ("ingest.lake_writer:compact_main", "merge small files of closed lake partitions"),
-    "episodes": ("rewards.episodes:main", "build episodes (outcome join + rewards) from the lake"),
-    "learner": ("learner.daemon:main", "continuous training daemon"),
-    "publish": ("serving.publisher:main", "push a policy version directory to the vLLM tier"),
-    "promote": ("serving.promote:main", "champion/challenger gate"),
-    "rollback": ("serving.promote:rollback_main", "move the champion alias back"),
-    "status": ("infra.status:main", "one view of the whole loop"),
+    "infra": ("flywheel.stack:main", "up|down|status of the local stack (Kafka, MLflow, vLLM)"),
+    "model": ("flywheel.demo.model_init:main", "init: build the tiny base model (tokenizer + Qwen2-style LM)"),
+    "proxy": ("flywheel.serving.proxy:main", "OpenAI-compatible capture proxy in front of vLLM"),
+    "lake-writer": ("flywheel.ingest.lake_writer:main", "Kafka -> exactly-once Parquet lake daemon"),
+    "compact": ("flywheel.ingest.lake_writer:compact_main", "merge small files of closed lake partitions"),
+    "episodes": ("flywheel.rewards.builder:main", "build episodes (outcome join + rewards) from the lake"),
+    "learner": ("flywheel.learner.daemon:main", "continuous training daemon"),
+    "publish": ("flywheel.serving.publisher:main", "push a policy version directory to the vLLM tier"),
+    "promote": ("flywheel.serving.promote:main", "champion/challenger gate"),
+    "rollback": ("flywheel.serving.promote:rollback_main", "move the champion alias back"),
+    "status": ("flywheel.status:main", "one view of the whole loop"),
     "bench": ("bench.cli:main", "benchmarks: sidecar | ingest | episodes | learner | weights"),
-    "agent-sim": ("infra.agent_sim:main", "simulated production agent"),
-    "outcome-sim": ("infra.outcome_sim:main", "simulated outcome sources (verifier, user)"),
-    "demo": ("infra.demo:main", "the whole closed loop with a live view and a report"),
+    "agent-sim": ("flywheel.demo.agent_sim:main", "simulated production agent"),
+    "outcome-sim": ("flywheel.demo.outcome_sim:main", "simulated outcome sources (verifier, user)"),
+    "demo": ("flywheel.demo.closed_loop:main", "the whole closed loop with a live view and a report"),
 }
 
 
@@ -35,14 +36,33 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def _checkout_on_path() -> bool:
+    """Put the repository root on sys.path when this package runs from a checkout (editable install)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "cli.py").is_file():
+        return False
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--version":
+        from flywheel import __version__
+
+        print(f"flywheel {__version__}")
+        return 0
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
         print(f"flywheel: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    if name == "bench" and not _checkout_on_path():
+        print("flywheel bench: the benchmarks run from a source checkout (bench/ is not installed); "
+              "clone the repository and run `make setup`", file=sys.stderr)
         return 2
     target, _ = COMMANDS[name]
     module_name, func_name = target.split(":")

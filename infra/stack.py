@@ -36,8 +36,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from infra import defaults, tracking
-from infra.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base import defaults, tracking
+from flywheel.base.config import ConfigError, load_config, setting, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -436,7 +436,7 @@ def vllm_serves_base(cfg: StackConfig) -> bool:
 def start_vllm(cfg: StackConfig) -> dict[str, Any]:
     base = Path(cfg.base_model)
     if base.resolve() == (REPO_ROOT / defaults.BASE_MODEL_DIR).resolve() or base == Path(defaults.BASE_MODEL_DIR):
-        from infra.model_init import ensure_base_model
+        from flywheel.demo.model_init import ensure_base_model
 
         ensure_base_model(base)
     if not (base / "config.json").exists():

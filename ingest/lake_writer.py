@@ -54,10 +54,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from infra import defaults
-from infra.config import ConfigError, load_config, setting, setup_logging, write_resolved
-from infra.status import write_status
-from ingest import lake, schema
+from flywheel.base import defaults
+from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base.heartbeat import write_status
+from flywheel.ingest import lake, schema
 
 if TYPE_CHECKING:
     import pyarrow as pa

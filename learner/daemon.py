@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra import defaults
-from infra.config import load_config, setup_logging, write_resolved
-from learner.config import LearnerConfig
+from flywheel.base import defaults
+from flywheel.base.config import load_config, setup_logging, write_resolved
+from flywheel.learner.config import LearnerConfig
 
 log = logging.getLogger("learner")
 
@@ -53,7 +53,7 @@ class Tracker:
         if not cfg.mlflow_tracking_uri:
             log.warning("mlflow: tracking disabled (mlflow_tracking_uri is empty); metrics go to the log only")
             return
-        from infra import tracking
+        from flywheel.base import tracking
 
         self.client = tracking.client(cfg.mlflow_tracking_uri)
         exp = tracking.experiment_id(cfg.experiment, cfg.mlflow_tracking_uri)
@@ -121,11 +121,11 @@ class Learner:
     def __init__(self, cfg: LearnerConfig, world: Any | None = None) -> None:
         import torch
 
-        from learner import checkpoint, dist
-        from learner.checkpoint import TrainerState
-        from learner.data import EpisodeStream
-        from learner.loss import Baseline
-        from learner.model import load_policy, resolve_device
+        from flywheel.learner import checkpoint, dist
+        from flywheel.learner.checkpoint import TrainerState
+        from flywheel.learner.data import EpisodeStream
+        from flywheel.learner.loss import Baseline
+        from flywheel.learner.model import load_policy, resolve_device
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
@@ -169,9 +169,9 @@ class Learner:
         """Train on the global batch `plan` [(episode, advantage)]; this rank takes its shard."""
         import torch
 
-        from learner import dist
-        from learner.loss import LossStats, policy_loss
-        from learner.model import pack, token_logprobs
+        from flywheel.learner import dist
+        from flywheel.learner.loss import LossStats, policy_loss
+        from flywheel.learner.model import pack, token_logprobs
 
         cfg, world = self.cfg, self.world
         start = time.perf_counter()
@@ -273,7 +273,7 @@ class Learner:
 
     # -- following the promotion gate ---------------------------------------------------------
     def registry(self) -> Any:
-        from serving.registry import Registry
+        from flywheel.serving.registry import Registry
 
         if self._registry is None:
             tier = self.tier()
@@ -298,7 +298,7 @@ class Learner:
         aliases: as read_aliases returned them. None (nothing published, or the registry unreadable)
         counts as ruled, so a registry outage cannot stop publishing (publish reports the outage itself).
         """
-        from serving.registry import CHALLENGER, CHAMPION
+        from flywheel.serving.registry import CHALLENGER, CHAMPION
 
         if aliases is None:
             return True
@@ -368,7 +368,7 @@ class Learner:
 
     def plan(self, batch: list[Any]) -> list[tuple[Any, float]]:
         """Advantages over the whole global batch (so every rank trains the same objective)."""
-        from learner.loss import advantages
+        from flywheel.learner.loss import advantages
 
         adv = advantages([e.reward for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
                          self.baseline, group_relative=self.cfg.group_relative,
@@ -409,7 +409,7 @@ class Learner:
 
     # -- bookkeeping (rank 0) ----------------------------------------------------------------
     def finish_step(self, batch: list[Any], lags: Counter, result: StepResult, tracker: Tracker) -> None:
-        from learner import checkpoint
+        from flywheel.learner import checkpoint
 
         assert self.stream is not None
         self.steps_this_run += 1
@@ -462,7 +462,7 @@ class Learner:
                  counters["stale"], counters["corrupt"], gap)
 
     def save_checkpoint(self) -> None:
-        from learner import checkpoint
+        from flywheel.learner import checkpoint
 
         assert self.stream is not None
         self.state.cursor = dict(self.stream.cursor)
@@ -518,8 +518,8 @@ class Learner:
     def tier(self) -> Any:
         """The serving tier to publish to: the tier's own FLYWHEEL_* settings (FLYWHEEL_SERVERS lists every
         server of a multi-server tier), with this learner's model, directories and registry winning."""
-        from infra.config import resolve
-        from serving.tier import TierConfig
+        from flywheel.base.config import resolve
+        from flywheel.serving.tier import TierConfig
 
         mine: dict[str, Any] = {"base_model": self.cfg.base_model, "policies_dir": self.cfg.policies_dir,
                                 "registered_model": self.cfg.registered_model,
@@ -548,7 +548,7 @@ class Learner:
         start = time.perf_counter()
         try:
             # the one hand-off owned by serving: push to every vLLM server and register in MLflow
-            from serving.publisher import publish
+            from flywheel.serving.publisher import publish
 
             result = publish(self.version_dir, self.tier())
             served = result.served_name
@@ -560,7 +560,7 @@ class Learner:
                       self.state.policy_version, type(exc).__name__, exc, self.version_dir)
             return out
         if served is not None and self.cfg.parity_samples > 0 and self.last_batch:
-            from learner.parity import served_gap
+            from flywheel.learner.parity import served_gap
 
             sample = random.Random(self.state.step).sample(self.last_batch,
                                                            min(self.cfg.parity_samples, len(self.last_batch)))
@@ -574,7 +574,7 @@ class Learner:
         return out
 
     def heartbeat(self, phase: str, **extra: Any) -> None:
-        from infra.status import write_status
+        from flywheel.base.heartbeat import write_status
 
         now = time.monotonic()
         if phase == "waiting" and now - getattr(self, "_last_beat", 0.0) < self.cfg.status_every_s:
@@ -596,7 +596,7 @@ def rebase_target(published: list[int], current: int, aliases: dict[str, int]) -
     and in a full-weight tier it would see only the champion's rows, more than max_staleness
     versions behind it after a few rejections in a row: dropped as stale, so it never stepped again.
     """
-    from serving.registry import CHALLENGER, CHAMPION
+    from flywheel.serving.registry import CHALLENGER, CHAMPION
 
     if not published:
         return None
@@ -608,7 +608,7 @@ def rebase_target(published: list[int], current: int, aliases: dict[str, int]) -
 
 def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
     """Set up (logging each phase), then loop: batch -> step -> checkpoint -> maybe publish."""
-    from learner import dist
+    from flywheel.learner import dist
 
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ingest import lake
+from flywheel.ingest import lake
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from learner.config import LearnerConfig
-from learner.data import Episode
+from flywheel.learner.config import LearnerConfig
+from flywheel.learner.data import Episode
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Sequence
 
 import torch
 
-from learner.data import Episode
-from learner.model import Policy, pack, token_logprobs
+from flywheel.learner.data import Episode
+from flywheel.learner.model import Policy, pack, token_logprobs
 
 log = logging.getLogger(__name__)
 

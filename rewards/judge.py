@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rewards.config import Rubric
+from flywheel.rewards.config import Rubric
 
 log = logging.getLogger(__name__)
 CHOICES = ["1", "2", "3", "4", "5"]

@@ -10,7 +10,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from rewards.config import RewardConfig, TaskType
+from flywheel.rewards.config import RewardConfig, TaskType
 
 
 @dataclass

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rewards.config import ParlSettings
-from rewards.session import Session
+from flywheel.rewards.config import ParlSettings
+from flywheel.rewards.session import Session
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ingest import lake
+from flywheel.ingest import lake
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra import defaults
-from infra.config import ConfigError, setting
-from serving import evaluate, publisher
-from serving.registry import CHALLENGER, CHAMPION, Registry
-from serving.stats import Comparison, mean_ci, two_proportions, welch
-from serving.tier import TierConfig
+from flywheel.base import defaults
+from flywheel.base.config import ConfigError, setting
+from flywheel.serving import evaluate, publisher
+from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
+from flywheel.serving.stats import Comparison, mean_ci, two_proportions, welch
+from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class PromoteConfig(TierConfig):
     max_drop: float = setting(float("inf"), "largest drop of the challenger's mean online reward below the champion's that may "
                                             "still be promoted; a larger one is rejected even when not significant (inf: "
                                             "only significant regressions are rejected)")
-    eval_tasks: str = setting("serving.evaluate:arithmetic_tasks", "offline eval set: module:function returning EvalTasks")
+    eval_tasks: str = setting("flywheel.serving.evaluate:arithmetic_tasks", "offline eval set: module:function returning EvalTasks")
     require_offline_eval: bool = setting(True, "hold the promotion when a side has no offline score")
     experiment: str = setting("flywheel-promotion", "MLflow experiment receiving one run per decision")
     auto: bool = setting(False, "loop: gate every interval_s and roll back a regressed champion")
@@ -89,7 +89,7 @@ def online_rewards(lake_root: str) -> dict[int, list[float]]:
     """policy_version -> one reward per session it served (mean over the session's latest-labelled episodes)."""
     import duckdb
 
-    from ingest import lake
+    from flywheel.ingest import lake
 
     files = [f.path for f in lake.list_files(lake_root, "episodes")]
     if not files:
@@ -283,7 +283,7 @@ def ensure_serving(version: int, registry: Registry, tier: TierConfig) -> None:
 
 def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | None:
     """One MLflow run per decision (params, metrics, reason) plus tags on the challenger's model version."""
-    from infra import tracking
+    from flywheel.base import tracking
 
     if decision.action == "none":
         return None
@@ -374,11 +374,11 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
 def run(cfg: PromoteConfig) -> int:
     from rich.console import Console
 
-    from infra.status import write_status
+    from flywheel.base.heartbeat import write_status
 
     console = Console()
     if cfg.auto:  # a daemon: keep the resolved config so this run can be reproduced with --config
-        from infra.config import write_resolved
+        from flywheel.base.config import write_resolved
 
         log.info("promote: resolved config in %s", write_resolved(cfg, Path(cfg.var_dir) / "run" / "promote.toml"))
     registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
@@ -400,7 +400,7 @@ def run(cfg: PromoteConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from infra.config import load_config, setup_logging
+    from flywheel.base.config import load_config, setup_logging
 
     cfg = load_config(PromoteConfig, argv, "flywheel promote")
     setup_logging()
@@ -411,7 +411,7 @@ def rollback_main(argv: list[str] | None = None) -> int:
     """`flywheel rollback`: move the champion alias back to the previous champion now."""
     from rich.console import Console
 
-    from infra.config import load_config, setup_logging
+    from flywheel.base.config import load_config, setup_logging
 
     cfg = load_config(PromoteConfig, argv, "flywheel rollback")
     setup_logging()

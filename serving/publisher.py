@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra import defaults
-from infra.config import setting
-from serving.tier import TierConfig
+from flywheel.base import defaults
+from flywheel.base.config import setting
+from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
     Raises PublishError when the directory is refused (nothing changed) or when any server failed
     (those servers keep their old version; the message lists them). Safe to call again.
     """
-    from serving.registry import CHALLENGER, CHAMPION, Registry
+    from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
 
     tier = tier or TierConfig()
     tier.check()  # a tier built in code skips load_config's check; a bad slot policy would evict routed adapters
@@ -484,7 +484,7 @@ class PublishConfig(TierConfig):
 
     def check(self) -> None:
         super().check()
-        from infra.config import ConfigError
+        from flywheel.base.config import ConfigError
 
         if not self.version_dir:
             raise ConfigError("version_dir: the policy version directory to publish is required")
@@ -493,7 +493,7 @@ class PublishConfig(TierConfig):
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from infra.config import load_config, setup_logging
+    from flywheel.base.config import load_config, setup_logging
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and not args[0].startswith("-"):

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from infra import tracking
+from flywheel.base import tracking
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from serving.tier import TierConfig
+from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Router:
     @property
     def registry(self) -> Any:
         if self._registry is None:
-            from serving.registry import Registry
+            from flywheel.serving.registry import Registry
 
             self._registry = Registry(self.tier.mlflow_tracking_uri, self.tier.registered_model)
         return self._registry
@@ -137,7 +137,7 @@ class Router:
                 self._refreshing = False
 
     def _probe(self, server: str) -> int:
-        from serving.publisher import ServerError, weight_version
+        from flywheel.serving.publisher import ServerError, weight_version
 
         if self._probe_fn is not None:
             return self._probe_fn(server)
@@ -148,7 +148,7 @@ class Router:
 
     def loaded_version(self, server: str) -> int:
         """The full-weight version a server holds right now (uncached; see `logged_version`)."""
-        from serving.publisher import weight_version
+        from flywheel.serving.publisher import weight_version
 
         return weight_version(server.rstrip("/"), timeout=2.0)
 

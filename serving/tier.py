@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from infra import defaults
-from infra.config import ConfigError, setting
+from flywheel.base import defaults
+from flywheel.base.config import ConfigError, setting
 
 
 @dataclass

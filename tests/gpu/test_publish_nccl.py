@@ -15,8 +15,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from serving import publisher, synthetic
-from serving.tier import TierConfig
+from flywheel.serving import publisher
+
+from bench.fixtures import models as synthetic
+from flywheel.serving.tier import TierConfig
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "var" / "models" / "tiny-base"

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from infra import stack as stack_mod
+from flywheel import stack as stack_mod
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +95,7 @@ def _start_proxy(args: list[str], log_path: Path, env: dict[str, str] | None = N
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "infra.cli", "proxy", "--port", str(port), "--heartbeat-s", "0", *args]
+    cmd = [sys.executable, "-m", "flywheel.cli", "proxy", "--port", str(port), "--heartbeat-s", "0", *args]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"

@@ -20,9 +20,9 @@ from typing import Callable
 import pyarrow as pa
 import pytest
 
-from ingest import lake
-from ingest.lake_writer import LakeWriterConfig, run
-from rewards import synthetic
+from flywheel.ingest import lake
+from flywheel.ingest.lake_writer import LakeWriterConfig, run
+from bench.fixtures import sessions as synthetic
 
 pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def write_lake(bootstrap: str, topics: dict[str, str], root: Path, expect: dict[
 def builder(root: Path, tmp: Path) -> subprocess.CompletedProcess:
     toml = tmp / "rewards.toml"
     toml.write_text(TOML)
-    return subprocess.run([sys.executable, "-m", "infra.cli", "episodes", "--lake-root", str(root), "--state-dir",
+    return subprocess.run([sys.executable, "-m", "flywheel.cli", "episodes", "--lake-root", str(root), "--state-dir",
                            str(tmp / "state"), "--rewards-toml", str(toml), "--var-dir", str(tmp / "var")],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
 

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ingest import lake
-from rewards import synthetic
+from flywheel.ingest import lake
+from bench.fixtures import sessions as synthetic
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_follow_picks_up_new_files_and_stops_on_sigterm(tmp_path: Path) -> None:
     root = tmp_path / "lake"
     var = tmp_path / "var"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "episodes", "--follow", "--poll-interval-s", "0.2", "--lake-root", str(root),
+        [sys.executable, "-m", "flywheel.cli", "episodes", "--follow", "--poll-interval-s", "0.2", "--lake-root", str(root),
          "--state-dir", str(tmp_path / "state"), "--var-dir", str(var)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

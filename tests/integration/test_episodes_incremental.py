@@ -13,7 +13,9 @@ import shutil
 import time
 from pathlib import Path
 
-from rewards import config, episodes, synthetic
+from flywheel.rewards import config, builder as episodes
+
+from bench.fixtures import sessions as synthetic
 
 TOML = """
 [outcomes.task_success]

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from ingest import lake
-from rewards import synthetic
+from flywheel.ingest import lake
+from bench.fixtures import sessions as synthetic
 
 TOML = """
 [outcomes.task_success]
@@ -55,7 +55,7 @@ def build_lake(root: Path) -> None:
 
 
 def flywheel(lake_root: Path, state: Path, toml: Path) -> list[str]:
-    return [sys.executable, "-m", "infra.cli", "episodes", "--lake-root", str(lake_root), "--state-dir", str(state),
+    return [sys.executable, "-m", "flywheel.cli", "episodes", "--lake-root", str(lake_root), "--state-dir", str(state),
             "--rewards-toml", str(toml), "--max-files-per-pass", "1", "--var-dir", str(state.parent / "var"),
             "--log-level", "INFO"]
 

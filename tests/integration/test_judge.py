@@ -15,8 +15,9 @@ from typing import Iterator
 import pyarrow as pa
 import pytest
 
-from ingest import lake
-from rewards import config, episodes, judge, synthetic
+from flywheel.ingest import lake
+from flywheel.rewards import config, builder as episodes, judge
+from bench.fixtures import sessions as synthetic
 
 RUBRIC = config.Rubric("t", "1", "Rate how well the answer solves the task: 1 bad, 5 perfect.")
 TOML = """

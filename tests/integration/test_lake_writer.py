@@ -11,8 +11,8 @@ from typing import Callable
 
 import pytest
 
-from ingest import lake, schema
-from ingest.lake_writer import LakeWriterConfig, run
+from flywheel.ingest import lake, schema
+from flywheel.ingest.lake_writer import LakeWriterConfig, run
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import pytest
 
-from ingest import lake, schema
+from flywheel.ingest import lake, schema
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | N
 
 def start_writer(bootstrap: str, topic: str, dlq: str, group: str, instance: str, root: Path,
                  var: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
+    args = [sys.executable, "-m", "flywheel.ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
             "--outcomes-topic", "", "--dlq-topic", dlq, "--group-id", group, "--instance-id", instance,
             "--lake-root", str(root), "--var-dir", str(var), "--roll-max-age-s", "0.5", "--roll-max-records", "2000",
             "--session-timeout-s", "6", "--log-level", "WARNING"]
@@ -157,7 +157,7 @@ def read_letters(bootstrap: str, topic: str, at_least: int, timeout_s: float = 3
 @pytest.mark.timeout(300)
 def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_topic: Callable[..., str],
                                                      tmp_path: Path) -> None:
-    from infra.status import read_statuses
+    from flywheel.base.heartbeat import read_statuses
 
     n, partitions = 20_000, 4
     topic, dlq = new_topic("lw-pair", partitions=partitions), new_topic("lw-pair-dlq")
@@ -199,7 +199,7 @@ def test_a_frozen_writer_that_wakes_after_losing_its_partitions_duplicates_nothi
     """The zombie case: a writer stalls (SIGSTOP) past the session timeout with open files, the other
     writer takes its partitions over and publishes past them, then the stalled one wakes up and
     publishes what it held before it notices. Range claims must keep the lake exact."""
-    from infra.status import read_statuses
+    from flywheel.base.heartbeat import read_statuses
 
     partitions = 4
     topic, dlq = new_topic("lw-zombie", partitions=partitions), new_topic("lw-zombie-dlq")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from infra.config import write_resolved
-from learner import checkpoint
-from learner.config import LearnerConfig
-from learner.synthetic import random_rows, tiny_model, write_episodes
+from flywheel.base.config import write_resolved
+from flywheel.learner import checkpoint
+from flywheel.learner.config import LearnerConfig
+from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def _metric(mlflow_uri: str, config: Path, key: str) -> list[float]:
     """The per-step history of one metric of the (single) run logged under a config's experiment."""
     import tomllib
 
-    from infra import tracking
+    from flywheel.base import tracking
 
     name = tomllib.loads(config.read_text())["experiment"]
     client = tracking.client(mlflow_uri)
@@ -48,11 +48,11 @@ def test_two_gloo_ranks_reach_the_weights_of_one_rank(tmp_path: Path, mlflow_uri
         write_episodes(tmp_path / "lake", random_rows(16, seed=i, prompt_len=p, completion_len=c), seq=i)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     one_cfg, two_cfg = _config(tmp_path, "one", mlflow_uri), _config(tmp_path, "two", mlflow_uri)
-    one = subprocess.run([sys.executable, "-m", "learner.daemon", "--config", str(one_cfg)],
+    one = subprocess.run([sys.executable, "-m", "flywheel.learner.daemon", "--config", str(one_cfg)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                "learner.daemon", "--config", str(two_cfg)]
+                "flywheel.learner.daemon", "--config", str(two_cfg)]
     two = subprocess.run(torchrun, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "dist: rank 1 of 2 (gloo)" in two.stdout + two.stderr

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from infra import tracking
-from learner import checkpoint
-from learner.config import LearnerConfig
-from learner.daemon import run
-from learner.data import parse_row
-from learner.model import load_policy
-from learner.parity import behaviour_gap
-from learner.synthetic import sample_rows, write_episodes
+from flywheel.base import tracking
+from flywheel.learner import checkpoint
+from flywheel.learner.config import LearnerConfig
+from flywheel.learner.daemon import run
+from flywheel.learner.data import parse_row
+from flywheel.learner.model import load_policy
+from flywheel.learner.parity import behaviour_gap
+from bench.fixtures.episodes import sample_rows, write_episodes
 
 
 def _unload(vllm_url: str, name: str) -> None:

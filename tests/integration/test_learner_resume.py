@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import write_resolved
-from learner import checkpoint
-from learner.config import LearnerConfig
-from learner.synthetic import random_rows, tiny_model, write_episodes
+from flywheel.base.config import write_resolved
+from flywheel.learner import checkpoint
+from flywheel.learner.config import LearnerConfig
+from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 
 REPO = Path(__file__).resolve().parents[2]
 FILES, ROWS = 10, 8
@@ -51,7 +51,7 @@ def _config(tmp: Path, lake_root: Path, model: Path, mlflow_uri: str, name: str)
 
 def _start(config: Path, log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "learner.daemon", "--config", str(config)], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "flywheel.learner.daemon", "--config", str(config)], cwd=REPO, env=env,
                             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
 
 

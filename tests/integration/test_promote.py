@@ -15,12 +15,13 @@ from typing import Iterator
 
 import pytest
 
-from infra import tracking
-from serving import evaluate, promote, publisher, synthetic
-from serving.episodes_fixture import write_sessions
-from serving.publisher import http
-from serving.registry import Registry
-from serving.router import Router
+from flywheel.base import tracking
+from flywheel.serving import evaluate, promote, publisher
+from bench.fixtures import models as synthetic
+from bench.fixtures.gate_episodes import write_sessions
+from flywheel.serving.publisher import http
+from flywheel.serving.registry import Registry
+from flywheel.serving.router import Router
 
 TASKS = evaluate.arithmetic_tasks(n=8)
 

@@ -15,11 +15,13 @@ from typing import Iterator
 
 import pytest
 
-from serving import publisher, synthetic
-from serving.publisher import PublishError, http
-from serving.registry import Registry
-from serving.router import Router, logged_version
-from serving.tier import TierConfig
+from flywheel.serving import publisher
+
+from bench.fixtures import models as synthetic
+from flywheel.serving.publisher import PublishError, http
+from flywheel.serving.registry import Registry
+from flywheel.serving.router import Router, logged_version
+from flywheel.serving.tier import TierConfig
 
 PROMPT = [5, 17, 33, 60, 61, 62, 100, 7]
 TOLERANCE = 1e-4

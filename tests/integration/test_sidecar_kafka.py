@@ -19,9 +19,9 @@ from typing import Callable
 
 import pytest
 
-from infra import stack as stack_mod
-from ingest import schema
-from ingest.sidecar import OutcomeReporter, SessionLogger
+from flywheel import stack as stack_mod
+from flywheel.ingest import schema
+from flywheel.ingest.sdk import OutcomeReporter, SessionLogger
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,7 +123,7 @@ def private_kafka(tmp_path: Path) -> stack_mod.StackConfig:
 CHAOS = """
 import json, os, signal, socket, sys, time
 from pathlib import Path
-from infra import stack
+from flywheel import stack
 cfg = stack.load_stack_config(json.loads(sys.argv[1]))
 record = json.loads((Path(cfg.var_dir) / "run" / "kafka.pid.json").read_text())
 print("down", time.monotonic(), flush=True)
@@ -211,7 +211,7 @@ def test_a_short_lived_process_delivers_at_exit_without_close(kafka_bootstrap: s
     topic = new_topic("exit")
     script = (
         "import sys\n"
-        "from ingest.sidecar import SessionLogger\n"
+        "from flywheel import SessionLogger\n"
         f"log = SessionLogger({kafka_bootstrap!r}, topic={topic!r}, name='exit', spool_dir={str(tmp_path / 'spool')!r})\n"
         "s = log.attach('sess-exit')\n"
         "for i in range(200):\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import stack as stack_mod
+from flywheel import stack as stack_mod
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,7 @@ def test_full_weight_reload_matches_new_weights(vllm_url, base_model_dir, tmp_pa
         reference = _reference_logprobs(model, PROMPT, ids)
         diff = max(abs(a - b) for a, b in zip(served, reference))
     finally:
-        from serving.publisher import reload_full
+        from flywheel.serving.publisher import reload_full
 
         reload_full(vllm_url, base_model_dir.resolve(), 0)  # base weights back, and no cached KV of the perturbed ones
     assert diff < 1e-4, f"after reload_weights vLLM logprobs differ from the new weights by {diff:.2e} (limit 1e-4)"
@@ -148,7 +148,7 @@ def test_mlflow_records_a_run_with_metric_and_artifact(mlflow_uri, tmp_path):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from infra import tracking
+    from flywheel.base import tracking
 
     client = tracking.client(mlflow_uri)
     exp_id = tracking.experiment_id(f"test-stack-{uuid.uuid4().hex[:8]}", mlflow_uri)
@@ -173,7 +173,7 @@ def _free_port() -> int:
 
 
 def _flywheel(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flywheel.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
 
 

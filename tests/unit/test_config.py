@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, resolve, setting, to_toml
+from flywheel.base.config import ConfigError, resolve, setting, to_toml
 import tomllib
 
 

@@ -15,8 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ingest import lake
-from rewards import config, episodes, synthetic
+from flywheel.ingest import lake
+from flywheel.rewards import config, builder as episodes
+from bench.fixtures import sessions as synthetic
 
 T0 = dt.datetime(2026, 1, 1, 12, tzinfo=dt.timezone.utc)
 TOML = """
@@ -289,8 +290,8 @@ def test_end_grace_waits_for_stragglers(tmp_path: Path) -> None:
 
 def test_rerun_of_a_killed_pass_reuses_its_judge_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The judge is the one input outside the lake: a re-run must not re-ask it and write different rows."""
-    from rewards import judge as judge_mod
-    from rewards.state import StateStore
+    from flywheel.rewards import judge as judge_mod
+    from flywheel.rewards.state import StateStore
 
     rig = Rig(tmp_path)
     rig.rewards = config.parse(TOML.replace("[task_types.tool_use]", "[task_types.tool_use]\njudge = true"))

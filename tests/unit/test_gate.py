@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from serving.episodes_fixture import episode_row, write_sessions
-from serving.evaluate import EvalScore, arithmetic_tasks
-from serving.promote import PromoteConfig, decide, decide_rollback, online_rewards
+from bench.fixtures.gate_episodes import episode_row, write_sessions
+from flywheel.serving.evaluate import EvalScore, arithmetic_tasks
+from flywheel.serving.promote import PromoteConfig, decide, decide_rollback, online_rewards
 
 CFG = PromoteConfig(min_sessions=30, alpha=0.05)
 
@@ -78,8 +78,8 @@ def test_online_rewards_per_session_use_the_latest_label(tmp_path: Path) -> None
 
     import pyarrow as pa
 
-    from ingest import lake
-    from ingest.schema import episode_arrow_schema
+    from flywheel.ingest import lake
+    from flywheel.ingest.schema import episode_arrow_schema
 
     root = str(tmp_path / "lake")
     assert online_rewards(root) == {}
@@ -105,11 +105,11 @@ def test_default_eval_tasks_are_deterministic_and_checkable() -> None:
 def test_eval_task_sets_load_from_a_module_or_a_file(tmp_path: Path) -> None:
     import pytest
 
-    from serving.evaluate import load_tasks
+    from flywheel.serving.evaluate import load_tasks
 
-    assert len(load_tasks("serving.evaluate:arithmetic_tasks")) == 64
+    assert len(load_tasks("flywheel.serving.evaluate:arithmetic_tasks")) == 64
     family = tmp_path / "family.py"
-    family.write_text("from serving.evaluate import arithmetic_tasks\n\ndef tasks():\n    return arithmetic_tasks(n=3)\n")
+    family.write_text("from flywheel.serving.evaluate import arithmetic_tasks\n\ndef tasks():\n    return arithmetic_tasks(n=3)\n")
     assert len(load_tasks(f"{family}:tasks")) == 3
     with pytest.raises(ValueError, match="module:function"):
-        load_tasks("serving.evaluate")
+        load_tasks("flywheel.serving.evaluate")

@@ -7,7 +7,7 @@ import random
 
 from scipy import stats as sps
 
-from serving.stats import mean_ci, two_proportions, welch
+from flywheel.serving.stats import mean_ci, two_proportions, welch
 
 
 def test_welch_matches_scipy_one_sided() -> None:

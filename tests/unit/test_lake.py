@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from ingest import lake
+from flywheel.ingest import lake
 
 SRC = "flywheel.events"
 

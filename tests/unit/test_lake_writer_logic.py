@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from ingest import lake, schema
-from ingest.lake_writer import (CompactConfig, DeadLetters, LakeWriter, LakeWriterConfig, Rejected, compact,
+from flywheel.ingest import lake, schema
+from flywheel.ingest.lake_writer import (CompactConfig, DeadLetters, LakeWriter, LakeWriterConfig, Rejected, compact,
                                 decode_record, plan_compaction)
 
 TOPIC = "flywheel.events"
@@ -296,7 +296,7 @@ def test_plan_compaction_respects_size_gaps_and_target() -> None:
 
 
 def test_config_rejects_contradictions() -> None:
-    from infra.config import ConfigError
+    from flywheel.base.config import ConfigError
 
     with pytest.raises(ConfigError, match="dlq_topic"):
         LakeWriterConfig(dlq_topic=schema.EVENTS_TOPIC).check()
@@ -308,7 +308,7 @@ def test_compact_command_and_stale_temps(tmp_path: Path) -> None:
     import os
     import time
 
-    from ingest.lake_writer import compact_main
+    from flywheel.ingest.lake_writer import compact_main
 
     w = make_writer(tmp_path, roll_max_records=2)
     w.assign([(TOPIC, 0)])
@@ -343,7 +343,7 @@ def test_a_dead_letter_too_large_for_the_topic_is_kept_in_the_lake(tmp_path: Pat
     import base64
 
     dlq = DeadLetters(_TooLarge(), "flywheel.dlq", str(tmp_path))
-    from ingest.lake_writer import dlq_envelope
+    from flywheel.ingest.lake_writer import dlq_envelope
 
     dlq.send(dlq_envelope("oversized", "big", TOPIC, 3, 77, b"\x00" * 1000))
     dlq.flush()

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ingest import lake
-from learner import checkpoint
-from learner.config import LearnerConfig
-from learner.daemon import run
-from learner.synthetic import random_rows, tiny_model, write_episodes
+from flywheel.ingest import lake
+from flywheel.learner import checkpoint
+from flywheel.learner.config import LearnerConfig
+from flywheel.learner.daemon import run
+from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_ppo_with_kl_and_full_weights_train_and_write_servable_versions(tmp_path
 
 
 def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Path, model_dir: Path) -> None:
-    from learner.daemon import Learner
+    from flywheel.learner.daemon import Learner
 
     learner = Learner(_cfg(tmp_path, model_dir, lr=1e-3, warmup_steps=4))
     factors = []
@@ -143,7 +143,7 @@ def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Pa
 
 
 def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_path: Path, model_dir: Path) -> None:
-    from learner.daemon import Learner
+    from flywheel.learner.daemon import Learner
 
     rows = random_rows(8, seed=5, vocab_size=512)
     write_episodes(tmp_path / "lake", rows, seq=0)
@@ -167,7 +167,7 @@ def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_pa
 
 
 def test_the_learner_follows_the_gate_only_when_its_newest_version_was_abandoned() -> None:
-    from learner.daemon import rebase_target
+    from flywheel.learner.daemon import rebase_target
 
     assert rebase_target([], 0, {}) is None, "nothing published: nothing to abandon"
     assert rebase_target([1, 2], 2, {"challenger": 2}) is None, "v2 still waits for the gate"
@@ -180,7 +180,7 @@ def test_the_learner_follows_the_gate_only_when_its_newest_version_was_abandoned
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, model_dir: Path, mode: str) -> None:
-    from learner.daemon import Learner
+    from flywheel.learner.daemon import Learner
 
     write_episodes(tmp_path / "lake", random_rows(16, seed=5, vocab_size=512), seq=0)
     learner = Learner(_cfg(tmp_path, model_dir, mode=mode, lr=1e-3, warmup_steps=0))
@@ -218,8 +218,8 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
 
 def test_with_wait_for_gate_a_version_is_published_only_after_the_gate_ruled_on_the_last(tmp_path: Path,
                                                                                       model_dir: Path) -> None:
-    from learner.daemon import Learner
-    from serving.registry import Registry
+    from flywheel.learner.daemon import Learner
+    from flywheel.serving.registry import Registry
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     learner = Learner(_cfg(tmp_path, model_dir, publish=True, mlflow_tracking_uri=uri, registered_model="m",
@@ -251,8 +251,8 @@ def test_with_wait_for_gate_a_version_is_published_only_after_the_gate_ruled_on_
 
 
 def test_epochs_reuse_each_batch_under_the_clipped_ratio_only(tmp_path: Path, model_dir: Path) -> None:
-    from infra.config import ConfigError
-    from learner.daemon import Learner
+    from flywheel.base.config import ConfigError
+    from flywheel.learner.daemon import Learner
 
     with pytest.raises(ConfigError, match="needs loss=ppo"):
         _cfg(tmp_path, model_dir, epochs=2)  # tis: a detached weight gives later passes no trust region

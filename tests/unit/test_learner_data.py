@@ -6,8 +6,8 @@ import logging
 import math
 from pathlib import Path
 
-from learner.data import EpisodeStream, parse_row
-from learner.synthetic import episode_row, random_rows, write_episodes
+from flywheel.learner.data import EpisodeStream, parse_row
+from bench.fixtures.episodes import episode_row, random_rows, write_episodes
 
 
 def _stream(root: Path, **kw: object) -> EpisodeStream:
@@ -22,7 +22,7 @@ def test_corrupt_rows_are_skipped_with_a_reason(tmp_path: Path, caplog) -> None:
     masked = episode_row(prompt=[5], completion=[7], logprobs=[-1.0], reward=1.0, loss_mask=[0], episode_id="masked")
     write_episodes(tmp_path, [good[0], bad_len, bad_nan, bad_vocab, masked, good[1]], seq=0)
     s = _stream(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="learner.data"):
+    with caplog.at_level(logging.WARNING, logger="flywheel.learner.data"):
         assert s.poll() == 2
     assert s.counters["corrupt"] == 4
     text = caplog.text

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.loss import KL_CLAMP, Baseline, advantages, policy_loss
+from flywheel.learner.loss import KL_CLAMP, Baseline, advantages, policy_loss
 
 
 def _grad(kind: str, logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,

@@ -6,9 +6,11 @@ import datetime as dt
 
 import pytest
 
-from rewards import config, parl, synthetic
-from rewards.session import assemble
-from ingest import schema
+from flywheel.rewards import config, parl
+
+from bench.fixtures import sessions as synthetic
+from flywheel.rewards.session import assemble
+from flywheel.ingest import schema
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

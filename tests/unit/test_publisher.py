@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from serving import publisher, synthetic
-from serving.publisher import PublishError, keep_set, load_version
-from serving.tier import TierConfig
+from flywheel.serving import publisher
+
+from bench.fixtures import models as synthetic
+from flywheel.serving.publisher import PublishError, keep_set, load_version
+from flywheel.serving.tier import TierConfig
 
 BASE = Path(__file__).resolve().parents[2] / "var" / "models" / "tiny-base"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.redact import redact_json, redact_text
+from flywheel.ingest.redact import redact_json, redact_text
 
 
 @pytest.mark.parametrize(

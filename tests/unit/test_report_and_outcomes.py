@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import outcome_sim, report, tasks
+from flywheel.demo import outcome_sim, report, tasks
 
 
 def test_wilson_interval_contains_the_rate_and_narrows_with_n() -> None:
@@ -93,7 +93,7 @@ def test_handoff_reader_returns_whole_lines_only_and_resumes_from_its_offset(tmp
 @pytest.mark.parametrize("successes, n", [(0, 658), (658, 658), (0, 3), (1, 1)])
 def test_wilson_interval_contains_its_estimate_at_the_edges(successes, n):
     # the demo report's error bars are rate - lo and hi - rate: they must never be negative
-    from infra.report import wilson
+    from flywheel.demo.report import wilson
 
     lo, hi = wilson(successes, n)
     rate = successes / n

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rewards import config
+from flywheel.rewards import config
 
 BASE = """
 [outcomes.task_success]
@@ -64,7 +64,7 @@ def test_missing_file_is_a_clear_error(tmp_path) -> None:
 
 
 def test_builder_refuses_a_bad_rewards_file(tmp_path, caplog) -> None:
-    from rewards import episodes
+    from flywheel.rewards import builder as episodes
 
     bad = tmp_path / "r.toml"
     bad.write_text("[outcomes.accepted]\nwieght = 1\n")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from rewards import config, outcome_rewards
+from flywheel.rewards import config, outcome_rewards
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 CFG = config.parse("""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from serving.registry import RegisteredVersion
-from serving.router import Router, bucket, logged_version
-from serving.tier import TierConfig
+from flywheel.serving.registry import RegisteredVersion
+from flywheel.serving.router import Router, bucket, logged_version
+from flywheel.serving.tier import TierConfig
 
 
 class MemoryRegistry:

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from ingest import schema
+from flywheel.ingest import schema
 
 
 def _llm_call(**over):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ingest import schema
-from ingest.sidecar import OutcomeReporter, SessionLogger
-from ingest.spool import Spool
+from flywheel.ingest import schema
+from flywheel.ingest.sdk import OutcomeReporter, SessionLogger
+from flywheel.ingest.spool import Spool
 
 
 def _closed_port() -> int:
@@ -87,7 +87,7 @@ def test_bad_input_is_warned_counted_and_never_raised(dead_bootstrap: str, tmp_p
     log = _logger(dead_bootstrap, tmp_path)
     s = log.attach("sess-bad")
     good = dict(model="m", policy_version=0, prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0])
-    with caplog.at_level(logging.WARNING, logger="ingest.sidecar"):
+    with caplog.at_level(logging.WARNING, logger="flywheel.ingest.sdk"):
         s.tool_call("f", {"when": object()})  # not JSON serialisable -> repr text, counted
         s.tool_result("c1", ok=True, output="x" * (schema.MAX_TEXT_CHARS + 10))  # capped and flagged
         s.llm_call(**good, bogus_field=1)  # unknown field: dropped from the event, warned
@@ -125,7 +125,7 @@ def test_text_is_redacted_before_it_leaves(dead_bootstrap: str, tmp_path: Path) 
 
 def test_no_bootstrap_is_a_noop_with_one_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
-    with caplog.at_level(logging.WARNING, logger="ingest.sidecar"):
+    with caplog.at_level(logging.WARNING, logger="flywheel.ingest.sdk"):
         log = SessionLogger()
         with log.session(task_type="t") as s:
             assert s.tool_call("f", {}) and s.spawn_subagent("x").agent_id
@@ -208,7 +208,7 @@ def test_non_finite_floats_never_leave_as_invalid_json(dead_bootstrap: str, tmp_
 
 def test_the_lake_writer_accepts_every_event_and_outcome_the_sdk_emits(dead_bootstrap: str, tmp_path: Path) -> None:
     """The hand-off contract: what the SDK puts on the wire is what the lake writer decodes without a DLQ."""
-    lake_writer = pytest.importorskip("ingest.lake_writer")
+    lake_writer = pytest.importorskip("flywheel.ingest.lake_writer")
     log = _logger(dead_bootstrap, tmp_path)
     _full_session(log)
     log.close(timeout=5)

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from ingest import schema
-from ingest.proxy import CaptureProxy, ProxyConfig, Routed, static_route
-from ingest.sidecar import SessionLogger
-from ingest.spool import Spool
+from flywheel.ingest import schema
+from flywheel.serving.proxy import CaptureProxy, ProxyConfig, Routed, static_route
+from flywheel.ingest.sdk import SessionLogger
+from flywheel.ingest.spool import Spool
 
 
 class _Headers(dict):
@@ -159,7 +159,7 @@ def test_http_errors_are_clear_when_the_body_is_bad_or_vllm_is_down(tmp_path: Pa
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from ingest.proxy import make_app
+    from flywheel.serving.proxy import make_app
 
     async def scenario() -> list[tuple[int, str]]:
         logger = SessionLogger(_dead_bootstrap(), name="h", spool_dir=tmp_path / "spool")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.spool import Spool, SpoolLocked
+from flywheel.ingest.spool import Spool, SpoolLocked
 
 
 def _records(start: int, n: int) -> list[bytes]:

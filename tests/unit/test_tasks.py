@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from infra import tasks
+from flywheel.demo import tasks
 
 
 def _spec(tool: str, args: dict, text: str = "x") -> tasks.TaskSpec:

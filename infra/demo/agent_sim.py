@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra import defaults, tasks
-from infra.config import ConfigError, load_config, setting, setup_logging, write_resolved
-from infra.status import write_status
+from flywheel.base import defaults
+
+from flywheel.demo import tasks
+from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base.heartbeat import write_status
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +243,7 @@ class AgentSim:
 def run(cfg: AgentSimConfig) -> int:
     from openai import OpenAI
 
-    from ingest.sidecar import SessionLogger
+    from flywheel.ingest.sdk import SessionLogger
 
     cfg.handoff.parent.mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, cfg.handoff.parent / "agent-sim.toml")

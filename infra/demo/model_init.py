@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import defaults
-from infra.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base import defaults
+from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _generated_corpus(n: int, rng: random.Random) -> list[str]:
 def _task_corpus(n: int) -> list[str]:
     """The demo task family's own texts, when infra.tasks provides them (so the BPE merges fit the task)."""
     try:
-        from infra import tasks
+        from flywheel.demo import tasks
     except ImportError:
         return []
     corpus_lines = getattr(tasks, "corpus_lines", None)
@@ -202,7 +202,7 @@ def ensure_base_model(path: str | Path = defaults.BASE_MODEL_DIR) -> Path:
 def run(cfg: ModelInitConfig) -> int:
     base = init_model(cfg)
     if cfg.warm_start:
-        from infra import warm_start
+        from flywheel.demo import warm_start
 
         if is_model_dir(Path(cfg.warm_out)) and not cfg.force:
             log.info("model init: %s already holds a warm-started model (use --force to rebuild)", cfg.warm_out)

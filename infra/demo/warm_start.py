@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from infra import tasks
+from flywheel.demo import tasks
 
 log = logging.getLogger(__name__)
 

@@ -303,7 +303,7 @@ def call_is_correct(part: Part, reply: str) -> bool:
 
 def eval_tasks(n: int = 64, seed: int = 7) -> list[Any]:
     """The promotion gate's offline set (serving.evaluate's "module:function" hook): first turns of held-out parts."""
-    from serving.evaluate import EvalTask
+    from flywheel.serving.evaluate import EvalTask
 
     rng = random.Random(seed)
     out = []

@@ -37,10 +37,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from infra import defaults
-from infra.config import ConfigError, load_config, setting, setup_logging
-from ingest import schema
-from ingest.sidecar import MAIN_AGENT, SessionLogger
+from flywheel.base import defaults
+from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.ingest import schema
+from flywheel.ingest.sdk import MAIN_AGENT, SessionLogger
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ def static_route(model: str, policy_version: int) -> RouteFn:
 
 
 def serving_route() -> RouteFn:
-    """serving.router.Router (config from FLYWHEEL_* like every process): champion/challenger, sticky per session."""
+    """flywheel.serving.router.Router (config from FLYWHEEL_* like every process): champion/challenger, sticky per session."""
     try:
-        from serving import router as serving_router
+        from flywheel.serving import router as serving_router
     except ImportError as exc:
         raise ConfigError(f"router: serving.router is not importable ({exc}); use --router static") from exc
     router = serving_router.Router(load_config(serving_router.RouterConfig, [], prog="router"))
@@ -183,7 +183,7 @@ class CaptureProxy:
 
     async def heartbeat(self) -> None:
         """`flywheel status` shows the proxy's counters and its SDK's delivery state."""
-        from infra.status import write_status
+        from flywheel.base.heartbeat import write_status
 
         name = "proxy" if self.cfg.port == ProxyConfig.port else f"proxy-{self.cfg.port}"
         while self.cfg.heartbeat_s > 0:
@@ -542,7 +542,7 @@ def run(cfg: ProxyConfig) -> int:
     from aiohttp import web
 
     route = build_route(cfg)
-    log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "serving.router.Router")
+    log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "flywheel.serving.router.Router")
     logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name)
     log.info("proxy: logging llm_call events to %s on %s", cfg.events_topic, cfg.kafka_bootstrap)
     proxy = CaptureProxy(cfg, logger, route)

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra import defaults
-from infra.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base import defaults
+from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Processes:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "infra.cli", *argv]
+        cmd = [sys.executable, "-m", "flywheel.cli", *argv]
         out = open(self.log_dir / f"{name}.log", "ab")
         log.info("demo: starting %s: flywheel %s (log %s)", name, " ".join(argv), self.log_dir / f"{name}.log")
         self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -158,8 +158,8 @@ def policy_v0(cfg: DemoConfig) -> Path:
 
 
 def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
-    from infra import warm_start
-    from infra.model_init import ensure_base_model, is_model_dir
+    from flywheel.demo import warm_start
+    from flywheel.demo.model_init import ensure_base_model, is_model_dir
 
     ensure_base_model(cfg.base_model)
     if not cfg.warm_start:
@@ -172,9 +172,9 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
-    from infra import stack
+    from flywheel import stack
 
-    from serving.publisher import reload_full
+    from flywheel.serving.publisher import reload_full
 
     scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(cfg))
     started = stack.ensure_up(scfg)
@@ -198,7 +198,7 @@ def lake_counts(lake_root: Path) -> dict[str, int]:
 
 def success_by_version(lake_root: Path, since: float) -> dict[int, tuple[int, int]]:
     """{version: (sessions, successes)} from the lake, for the live view (the report uses infra.report)."""
-    from infra import report
+    from flywheel.demo import report
 
     try:
         facts = report.lake_facts(str(lake_root), since)
@@ -213,7 +213,7 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
     from rich.console import Group
     from rich.table import Table
 
-    from infra.report import wilson
+    from flywheel.demo.report import wilson
 
     agent = statuses.get("agent-sim", {})
     top = Table(title=f"flywheel demo: {elapsed / 60:.1f} / {total / 60:.0f} min of traffic{': ' + phase if phase else ''}",
@@ -251,8 +251,8 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
 def run(cfg: DemoConfig) -> int:
     from rich.console import Console
 
-    from infra import report
-    from infra.status import read_statuses
+    from flywheel.demo import report
+    from flywheel.base.heartbeat import read_statuses
 
     console = Console()
     t_setup = time.time()
@@ -282,7 +282,7 @@ def run(cfg: DemoConfig) -> int:
     common_kafka = ["--kafka-bootstrap", scfg.kafka_bootstrap]
     status_dir = cfg.var_dir
     procs = Processes(run_dir / "logs")
-    from infra.status import status_dir as heartbeat_dir
+    from flywheel.base.heartbeat import status_dir as heartbeat_dir
 
     for stale in heartbeat_dir(status_dir).glob("*.json"):
         if stale.stem.startswith(("agent-sim", "outcome-sim", "learner", "promote", "episodes", "lake-writer", "proxy")):
@@ -332,7 +332,7 @@ def run(cfg: DemoConfig) -> int:
                                     "--policies-dir", str(policies_dir), "--registered-model", registered_model,
                                     "--mlflow-tracking-uri", tracking_uri, "--lake-root", str(lake_root),
                                     "--min-sessions", str(cfg.gate_min_sessions), "--max-drop", str(cfg.gate_max_drop),
-                                    "--eval-tasks", "infra.tasks:eval_tasks",
+                                    "--eval-tasks", "flywheel.demo.tasks:eval_tasks",
                                     "--experiment", f"{run_id}-promotion", "--var-dir", str(status_dir)])
 
 
@@ -380,7 +380,7 @@ def run(cfg: DemoConfig) -> int:
         codes = procs.stop_all()
         log.info("demo: processes stopped: %s", codes)
         if not cfg.keep_stack and stack_started:
-            from infra import stack
+            from flywheel import stack
 
             stack.down(scfg, stack_started)
             log.info("demo: stopped the stack parts it started: %s", ", ".join(stack_started))
@@ -399,7 +399,7 @@ def watch(cfg: DemoConfig, console: Any, tick: Any, render: Any, success_now: An
     """Refresh the live view (or log a line every 30 s) until tick() says the traffic phase is over."""
     from rich.live import Live
 
-    from infra.status import read_statuses
+    from flywheel.base.heartbeat import read_statuses
 
     if cfg.live and console.is_terminal:
         with Live(render(), console=console, refresh_per_second=1, transient=False) as live:

@@ -32,10 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra import defaults, tasks
-from infra.agent_sim import DEFAULT_HANDOFF
-from infra.config import ConfigError, load_config, setting, setup_logging, write_resolved
-from infra.status import write_status
+from flywheel.base import defaults
+
+from flywheel.demo import tasks
+from flywheel.demo.agent_sim import DEFAULT_HANDOFF
+from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base.heartbeat import write_status
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,7 @@ def save_offset(path: Path, offset: int) -> None:
 
 
 def run(cfg: OutcomeSimConfig) -> int:
-    from ingest.sidecar import OutcomeReporter
+    from flywheel.ingest.sdk import OutcomeReporter
 
     cfg.cursor.parent.mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, cfg.cursor.parent / "outcome-sim.toml")

@@ -46,15 +46,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from infra import defaults
-from infra.config import load_config, setting, setup_logging, write_resolved
-from infra.status import write_status
-from ingest import lake, schema
-from rewards import config as reward_config
-from rewards import judge as judge_mod
-from rewards import outcome_rewards, parl
-from rewards.session import Session, assemble
-from rewards.state import BuilderState, Intent, StateStore
+from flywheel.base import defaults
+from flywheel.base.config import load_config, setting, setup_logging, write_resolved
+from flywheel.base.heartbeat import write_status
+from flywheel.ingest import lake, schema
+from flywheel.rewards import config as reward_config
+from flywheel.rewards import judge as judge_mod
+from flywheel.rewards import outcome_rewards, parl
+from flywheel.rewards.session import Session, assemble
+from flywheel.rewards.state import BuilderState, Intent, StateStore
 
 if TYPE_CHECKING:
     import duckdb
@@ -88,7 +88,7 @@ class EpisodesConfig:
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
-        from infra.config import ConfigError
+        from flywheel.base.config import ConfigError
 
         if self.max_files_per_pass < 1:
             raise ConfigError(f"max_files_per_pass must be >= 1, got {self.max_files_per_pass}")

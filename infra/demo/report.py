@@ -204,7 +204,7 @@ def learner_facts(facts: Facts, lake_root: str, learner_run_dir: str | None, pol
 def registry_facts(facts: Facts, tracking_uri: str, registered_model: str, policies_dir: str, since: float) -> None:
     """Published versions (registered during the run), trained -> served delays, promotions and the champion."""
     try:
-        from infra import tracking
+        from flywheel.base import tracking
 
         client = tracking.client(tracking_uri)
         versions = client.search_model_versions(f"name='{registered_model}'")
@@ -374,8 +374,8 @@ def write_report(out_dir: str | Path, lake_root: str, since: float, learner_run_
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from infra import defaults
-    from infra.config import setup_logging
+    from flywheel.base import defaults
+    from flywheel.base.config import setup_logging
 
     parser = argparse.ArgumentParser(prog="python -m infra.report", description="write the demo report from the lake")
     parser.add_argument("--lake-root", default=defaults.LAKE_ROOT)

@@ -54,9 +54,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Sequence
 
-from ingest import schema
-from ingest.redact import Redactor, redact_json, redact_text
-from ingest.spool import Spool, SpoolLocked
+from flywheel.ingest import schema
+from flywheel.ingest.redact import Redactor, redact_json, redact_text
+from flywheel.ingest.spool import Spool, SpoolLocked
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,51 @@
+"""Heartbeat files: each daemon publishes its state; `flywheel status` and the demo read them.
+
+Each daemon calls `write_status(name, fields)` every few seconds; the file is replaced
+atomically, so a reader never sees half of one. Status files carry their own write time, so
+a dead daemon shows up as stale instead of looking healthy forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from flywheel.base import defaults
+
+STALE_AFTER_S = 30.0
+
+
+def status_dir(var_dir: str | Path = defaults.VAR_DIR) -> Path:
+    return Path(var_dir) / "run" / "status"
+
+
+def write_status(name: str, fields: dict[str, Any], var_dir: str | Path = defaults.VAR_DIR) -> None:
+    """Publish a daemon's current state (atomic replace; never raises into the daemon's loop)."""
+    directory = status_dir(var_dir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = {"name": name, "pid": os.getpid(), "updated": time.time(), **fields}
+        tmp = directory / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(payload, default=str, sort_keys=True))
+        os.replace(tmp, directory / f"{name}.json")
+    except OSError:
+        pass  # status is advisory: a full disk must not stop training or ingest
+
+
+def read_statuses(var_dir: str | Path = defaults.VAR_DIR) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    directory = status_dir(var_dir)
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        record["stale"] = time.time() - float(record.get("updated", 0)) > STALE_AFTER_S
+        out[path.stem] = record
+    return out
+
