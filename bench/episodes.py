@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from flywheel.rewards import config, builder as episodes
-
 from bench.fixtures import sessions as synthetic
+from flywheel.rewards import builder as episodes
+from flywheel.rewards import config
 
 TOML = """
 [outcomes.task_success]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from flywheel.base import defaults
 from flywheel.base.config import load_config, setting, setup_logging
+from flywheel.base.versions import version_name
 
 
 @dataclass
@@ -95,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from bench.fixtures.episodes import random_rows, write_episodes
     from flywheel import stack
     from flywheel.learner.config import LearnerConfig
     from flywheel.learner.daemon import Learner, Tracker
     from flywheel.learner.model import load_policy, pack
-    from bench.fixtures.episodes import random_rows, write_episodes
 
     console = Console(stderr=True)
     stack_cfg = stack.load_stack_config([])
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             out = learner.push_version()
             if "publish_s" not in out:
                 raise RuntimeError("publish failed; see the log above")
-            name = defaults.policy_name(learner.state.policy_version)
+            name = version_name(learner.state.policy_version)
             names.append(name)
             _served_after(url, name)
             publish_s.append(time.perf_counter() - t0)

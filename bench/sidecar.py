@@ -99,7 +99,11 @@ def _sdk_call(logger: Any, payload: dict[str, Any], sessions: int = 64) -> Calla
 def _otel_call(payload: dict[str, Any]) -> tuple[Callable[[int], None], Callable[[], None]]:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
 
     class EncodingExporter(SpanExporter):
         """Does what OTLPSpanExporter does up to the network call: encode the batch to protobuf."""

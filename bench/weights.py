@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import track
     from rich.table import Table
 
+    from bench.fixtures import models as synthetic
     from flywheel import stack
     from flywheel.serving import publisher
-    from bench.fixtures import models as synthetic
     from flywheel.serving.tier import TierConfig
 
     console = Console(stderr=True)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable
 
 from flywheel.base import defaults, tracking
 from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base.versions import version_name
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class StackConfig:
     vllm_host: str = setting("127.0.0.1", "address vLLM listens on")
     vllm_port: int = setting(8000, "vLLM port")
     base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "model directory vLLM serves (built by `flywheel model init` when it is the default)")
-    served_model_name: str = setting(defaults.policy_name(0), "name vLLM serves the base model under")
+    served_model_name: str = setting(version_name(0), "name vLLM serves the base model under")
     vllm_max_model_len: int = setting(2048, "context length vLLM allocates for")
     vllm_max_loras: int = setting(4, "LoRA adapters resident at once (--max-loras)")
     vllm_max_lora_rank: int = setting(32, "largest LoRA rank vLLM accepts (--max-lora-rank)")

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from flywheel.base.atomic import Durability, write_json, write_with
+
 if TYPE_CHECKING:  # pyarrow is an extra; keep it off the SDK's import path
     import pyarrow as pa
     import pyarrow.fs as pafs
@@ -199,15 +201,9 @@ def write_file(root: str, table: str, date: str, source: str, partition: int, fi
         # object stores publish a single PUT atomically and have no cheap rename
         pq.write_table(data, final, filesystem=fs, compression=compression)
     else:
-        tmp = f"{directory}/.{uuid.uuid4().hex}.tmp"
-        pq.write_table(data, tmp, filesystem=fs, compression=compression)
-        # fsync before rename so a power loss cannot publish a name whose bytes are not on disk
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+        # durable: a power loss cannot publish a name whose bytes are not on disk
+        write_with(final, lambda tmp: pq.write_table(data, str(tmp), filesystem=fs, compression=compression),
+                   Durability.DURABLE)
     return LakeFile(table, date, source, partition, first, last, final)
 
 
@@ -228,14 +224,7 @@ def load_cursor(path: Path) -> Cursor:
 
 def save_cursor(path: Path, cursor: Cursor) -> None:
     """Persist a cursor atomically (temp file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(cursor, fh, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_json(path, cursor, Durability.DURABLE, sort_keys=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,16 +47,21 @@ import gc
 import json
 import logging
 import os
-import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from flywheel.base import defaults
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base.config import (
+    ConfigError,
+    load_config,
+    setting,
+    setup_logging,
+    write_resolved,
+)
 from flywheel.base.heartbeat import write_status
+from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
 
 if TYPE_CHECKING:
@@ -636,15 +641,7 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
                 log.info("rebalance: assigned %s; resuming from the lake at %s", len(starts),
                          {f"{t}/{p}": s for (t, p), s in sorted(starts.items())})
 
-    stopping = {"flag": False}
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("stop: signal %d; publishing open files and leaving the group", signum)
-        stopping["flag"] = True
-
-    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+    stopping = stop_on_signals("publishing open files and leaving the group")
     _wait_for_topics(consumer, sorted(cfg.tables()))
     consumer.subscribe(topics=sorted(cfg.tables()), listener=Listener())
     # Decoded records are acyclic dicts and lists freed by reference counting as soon as they are in Arrow;
@@ -658,7 +655,7 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     last_status = time.monotonic()
     last_stats = Stats()
     try:
-        while not stopping["flag"] and not (stop is not None and stop(writer)):
+        while not stopping.is_set() and not (stop is not None and stop(writer)):
             batches = consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
             if failures:
                 raise RuntimeError(f"rebalance: could not resume assigned partitions from the lake: {failures[0]}") \

@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from flywheel.base.atomic import Durability, write_json
+
 SEGMENT_SUFFIX = ".seg"
 
 
@@ -95,9 +97,9 @@ class Spool:
             self._head_consumed = 0
 
     def _save_head(self) -> None:
-        tmp = self.directory / "head.json.tmp"
-        tmp.write_text(json.dumps({"segment": self._head_segment, "offset": self._head_offset}))
-        os.replace(tmp, self.directory / "head.json")
+        # advisory: a head lost to a power cut replays a few events again (the SDK is at-least-once)
+        write_json(self.directory / "head.json", {"segment": self._head_segment, "offset": self._head_offset},
+                   Durability.ADVISORY)
 
     # ---------------------------------------------------------------- queries
     def __len__(self) -> int:

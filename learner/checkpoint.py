@@ -21,12 +21,13 @@ import json
 import logging
 import os
 import shutil
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from flywheel.base.atomic import Durability, publish, temp_path, write_text
 
 log = logging.getLogger(__name__)
 
@@ -47,41 +48,20 @@ class TrainerState:
     abandoned: list[int] = field(default_factory=list)  # published versions the gate refused; their rows are not trained
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def save(run_dir: Path, state: TrainerState, weights: dict[str, torch.Tensor], optimizer: dict[str, Any],
          keep: int = 2) -> Path:
     """Write a complete checkpoint atomically and point LATEST at it; returns its directory."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:08d}"
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp = temp_path(final)
     tmp.mkdir()
     torch.save({"weights": weights, "optimizer": optimizer}, tmp / "trainer.pt")
-    with open(tmp / "trainer.pt", "rb+") as fh:
-        os.fsync(fh.fileno())
-    _write_synced(tmp / "state.json", json.dumps(asdict(state), sort_keys=True).encode())
-    _fsync_dir(tmp)
+    (tmp / "state.json").write_text(json.dumps(asdict(state), sort_keys=True))
     if final.exists():  # the same step written again after a restart: replace it
         shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest_tmp = root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
-    _write_synced(latest_tmp, final.name.encode())
-    os.replace(latest_tmp, root / LATEST)
-    _fsync_dir(root)
+    publish(tmp, final, Durability.DURABLE_DIR)
+    write_text(root / LATEST, final.name, Durability.DURABLE_DIR)  # the commit point
     _prune(root, keep, final.name)
     return final
 
@@ -91,8 +71,8 @@ def _prune(root: Path, keep: int, newest: str) -> None:
     for old in done[:-keep]:
         if old.name != newest:
             shutil.rmtree(old, ignore_errors=True)
-    for tmp in root.glob(".tmp-*"):  # left by a killed writer; never pointed at by LATEST
-        shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in root.glob(".*.tmp"):  # temp_path()s left by a killed writer; never pointed at by LATEST
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def load_latest(run_dir: Path, map_location: str | torch.device = "cpu") -> tuple[TrainerState, dict[str, Any]] | None:

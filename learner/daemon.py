@@ -24,18 +24,19 @@ import logging
 import math
 import os
 import random
-import signal
 import sys
 import threading
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flywheel.base import defaults
+from flywheel.base.atomic import Durability, publish, temp_path
 from flywheel.base.config import load_config, setup_logging, write_resolved
+from flywheel.base.stop import stop_on_signals
+from flywheel.base.versions import parse_version, version_name
 from flywheel.learner.config import LearnerConfig
 
 log = logging.getLogger("learner")
@@ -334,7 +335,7 @@ class Learner:
             return
         source = found.source if found is not None else None
         if target != 0 and source is None:
-            source = str(Path(cfg.policies_dir) / defaults.policy_name(target))
+            source = str(Path(cfg.policies_dir) / version_name(target))
         self.rebase(target, source)
         self.rebased = (target, source)
 
@@ -354,7 +355,7 @@ class Learner:
             self.stream.abandoned.update(abandoned)
         log.warning("gate: policy-v%d was not kept (the champion is policy-v%d); continuing from the champion's "
                     "weights, rows served by %s dropped", self.state.policy_version, version,
-                    ", ".join(defaults.policy_name(v) for v in abandoned) or "none")
+                    ", ".join(version_name(v) for v in abandoned) or "none")
         self.state.policy_version = version
         self.state.last_published_step = self.state.step
         self.last_publish_time = time.monotonic()
@@ -483,10 +484,7 @@ class Learner:
 
     def next_version(self) -> int:
         """One past both our own and any directory already there (a crash may have left one unrecorded)."""
-        import re
-
-        existing = [int(m.group(1)) for p in Path(self.cfg.policies_dir).glob("policy-v*")
-                    if (m := re.fullmatch(r"policy-v(\d+)", p.name))]
+        existing = [v for p in Path(self.cfg.policies_dir).glob("policy-v*") if (v := parse_version(p.name)) is not None]
         return max([self.state.policy_version, *existing]) + 1
 
     def write_version(self) -> Path:
@@ -495,8 +493,8 @@ class Learner:
         version = self.next_version()
         root = Path(self.cfg.policies_dir)
         root.mkdir(parents=True, exist_ok=True)
-        final = root / defaults.policy_name(version)
-        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        final = root / version_name(version)
+        tmp = temp_path(final)
         tmp.mkdir()
         kind = self.policy.save_weights(tmp)
         meta = {
@@ -505,7 +503,7 @@ class Learner:
             "data_window": self.stream.data_window(), "parent_version": self.state.policy_version,
         }
         (tmp / "policy.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        os.replace(tmp, final)
+        publish(tmp, final, Durability.DURABLE)  # serving may read it from another host right away
         log.info("publish: wrote %s (%s, step %d, parent policy-v%d)", final, kind, self.state.step,
                  self.state.policy_version)
         self.state.policy_version = version
@@ -533,7 +531,7 @@ class Learner:
         pushing it would otherwise leave it unserved (publish is idempotent, so this is cheap when it was)."""
         if not (self.cfg.publish and self.state.published):
             return
-        path = Path(self.cfg.policies_dir) / defaults.policy_name(self.state.published[-1])
+        path = Path(self.cfg.policies_dir) / version_name(self.state.published[-1])
         if path.is_dir():
             self.version_dir = path
             log.info("setup: making sure serving has %s", path.name)
@@ -610,14 +608,7 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
     """Set up (logging each phase), then loop: batch -> step -> checkpoint -> maybe publish."""
     from flywheel.learner import dist
 
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        def on_signal(signum: int, _frame: Any) -> None:
-            log.info("signal %s: finishing the current step, checkpointing, then exiting", signal.Signals(signum).name)
-            stop.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals("finishing the current step, checkpointing, then exiting", stop)
     learner = Learner(cfg)
     world = learner.world
     tracker = Tracker(cfg) if world.is_main else Tracker(LearnerConfig(mlflow_tracking_uri=""))

@@ -32,7 +32,6 @@ from typing import Sequence
 
 import torch
 
-
 KL_CLAMP = 10.0  # per-token cap of the k3 KL estimate (see policy_loss)
 
 

@@ -39,7 +39,6 @@ import datetime as dt
 import json
 import logging
 import signal
-import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from flywheel.base import defaults
 from flywheel.base.config import load_config, setting, setup_logging, write_resolved
 from flywheel.base.heartbeat import write_status
+from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
 from flywheel.rewards import config as reward_config
 from flywheel.rewards import judge as judge_mod
@@ -674,16 +674,10 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
     if any(t.judge for t in rewards.task_types.values()):
         log.info("episodes: LLM judge on for %s via %s model %s",
                  [t.name for t in rewards.task_types.values() if t.judge], cfg.judge_url, builder.judge.model)
-    stop_flag = {"flag": False}
-
-    def on_term(signum: int, frame: Any) -> None:
-        stop_flag["flag"] = True  # finish the pass in hand, then exit 0
-
-    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        signal.signal(signal.SIGTERM, on_term)
+    stop_flag = stop_on_signals("finishing the pass in hand, then exiting", signals=(signal.SIGTERM,))
     passes = 0
     last_status = 0.0
-    while not stop_flag["flag"] and not (stop is not None and stop()):
+    while not stop_flag.is_set() and not (stop is not None and stop()):
         res = builder.run_pass()
         passes += 1
         if not res.idle:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import socket
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flywheel.base.atomic import Durability, write_json
 from flywheel.rewards.config import Rubric
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,7 @@ class Judge:
         path = self._cache_path(key)
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"score": score, "model": self.model, "ts": time.time()}))
-        os.replace(tmp, path)
+        write_json(path, {"score": score, "model": self.model, "ts": time.time()}, Durability.ADVISORY)  # a cache
 
     def score(self, text: str, rubric: Rubric) -> JudgeResult:
         key = cache_key(text, rubric, self.model)

@@ -20,13 +20,19 @@ the rewritten file holds the same rewards as the one a reader may already have r
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flywheel.base.atomic import (
+    Durability,
+    publish,
+    temp_path,
+    write_json,
+    write_text,
+    write_with,
+)
 from flywheel.ingest import lake
 
 if TYPE_CHECKING:
@@ -68,15 +74,6 @@ class Intent:
         return self.__dict__.copy()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 class StateStore:
     def __init__(self, state_dir: str | Path) -> None:
         self.dir = Path(state_dir)
@@ -110,7 +107,7 @@ class StateStore:
 
     def save_intent(self, intent: Intent) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.dir / "intent.json", json.dumps(intent.to_json(), sort_keys=True))
+        write_json(self.dir / "intent.json", intent.to_json(), Durability.DURABLE, sort_keys=True)
 
     def clear_intent(self) -> None:
         for name in ("intent.json", "intent-judge.json"):
@@ -127,16 +124,14 @@ class StateStore:
             return {}
 
     def save_judge_memo(self, memo: dict[str, tuple[int | None, str]]) -> None:
-        _write_atomic(self.dir / "intent-judge.json", json.dumps({k: list(v) for k, v in memo.items()}, sort_keys=True))
+        write_json(self.dir / "intent-judge.json", {k: list(v) for k, v in memo.items()}, Durability.DURABLE,
+                   sort_keys=True)
 
     def write_segment(self, name: str, table: "pa.Table") -> None:
         import pyarrow.parquet as pq
 
-        self.segments_dir.mkdir(parents=True, exist_ok=True)
-        path = self.segment_path(name)
-        tmp = path.with_name(f".{name}.{uuid.uuid4().hex}.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        # durable: a committed generation names this segment, so its bytes must be on disk first
+        write_with(self.segment_path(name), lambda tmp: pq.write_table(table, tmp), Durability.DURABLE)
 
     def commit(self, state: BuilderState, retired_segments: list[str]) -> None:
         """Publish `state` as the committed generation, then clear the intent and old files."""
@@ -145,24 +140,18 @@ class StateStore:
         gen = self.gen_dir(state.pass_no)
         if gen.exists():  # left by a pass killed before its commit
             shutil.rmtree(gen)
-        tmp = self.dir / f".gen-{uuid.uuid4().hex}.tmp"
+        tmp = temp_path(gen)  # .gen-<pass>.<hex>.tmp: removed with old generations below
         tmp.mkdir(parents=True)
         (tmp / "state.json").write_text(json.dumps(state.to_json(), sort_keys=True))
         if state.pending is not None and state.pending.num_rows:
             pq.write_table(state.pending, tmp / "pending.parquet")
-        for path in tmp.iterdir():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(tmp, gen)
+        publish(tmp, gen, Durability.DURABLE)
         previous = None
         try:
             previous = (self.dir / "CURRENT").read_text().strip()
         except FileNotFoundError:
             pass
-        _write_atomic(self.dir / "CURRENT", gen.name)  # the commit point
+        write_text(self.dir / "CURRENT", gen.name, Durability.DURABLE_DIR)  # the commit point
         self.clear_intent()
         if previous and previous != gen.name:
             shutil.rmtree(self.dir / previous, ignore_errors=True)

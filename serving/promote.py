@@ -35,6 +35,7 @@ from typing import Any
 
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, setting
+from flywheel.base.stop import stop_on_signals
 from flywheel.serving import evaluate, publisher
 from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
 from flywheel.serving.stats import Comparison, mean_ci, two_proportions, welch
@@ -385,8 +386,8 @@ def run(cfg: PromoteConfig) -> int:
     log.info("promote: registry %s at %s, lake %s, eval set %s", cfg.registered_model, cfg.mlflow_tracking_uri,
              cfg.lake_root, cfg.eval_tasks)
     stop = threading.Event()
-    if cfg.auto and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the current round, then exit 0
+    if cfg.auto:
+        stop_on_signals("finishing the current round, then exiting", stop, signals=(signal.SIGTERM,))
     rounds = 0
     while True:
         decisions = gate_once(cfg, registry)

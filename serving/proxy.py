@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base.versions import version_name
 from flywheel.ingest import schema
 from flywheel.ingest.sdk import MAIN_AGENT, SessionLogger
 
@@ -76,7 +77,7 @@ class ProxyConfig:
     kafka_bootstrap: str = setting(defaults.KAFKA_BOOTSTRAP, "Kafka the llm_call events go to")
     events_topic: str = setting(schema.EVENTS_TOPIC, "topic of the events")
     router: str = setting("static", "static (every session -> static_model) or serving (serving.router.Router)")
-    static_model: str = setting(defaults.policy_name(0), "served model name for the static router")
+    static_model: str = setting(version_name(0), "served model name for the static router")
     static_policy_version: int = setting(0, "policy version for the static router")
     idle_timeout_s: float = setting(300.0, "a session started through the proxy ends (idle_timeout) after this long without requests")
     log_completion_text: bool = setting(True, "log the completion text (redacted) next to the token ids")

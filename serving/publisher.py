@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import urllib.error
 import urllib.parse
@@ -39,15 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flywheel.base import defaults
 from flywheel.base.config import setting
+from flywheel.base.versions import parse_version, version_name
 from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
 
 LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
 FULL_FILES = ("config.json", "model.safetensors")
-_VERSION_NAME = re.compile(r"^policy-v(\d+)$")
 
 
 class PublishError(RuntimeError):
@@ -65,7 +63,7 @@ class PolicyVersion:
 
     @property
     def name(self) -> str:
-        return defaults.policy_name(self.version)
+        return version_name(self.version)
 
     @property
     def weight_bytes(self) -> int:
@@ -192,9 +190,9 @@ def load_version(version_dir: Path | str, tier: TierConfig | None = None) -> Pol
     version, kind = meta.get("policy_version"), meta.get("kind")
     if not isinstance(version, int) or isinstance(version, bool) or version <= 0:
         raise PublishError(f"{path}/policy.json: policy_version={version!r} must be a positive integer (0 is the base model)")
-    match = _VERSION_NAME.match(path.name)
-    if match and int(match.group(1)) != version:
-        raise PublishError(f"{path}: directory name says version {match.group(1)}, policy.json says {version}")
+    named = parse_version(path.name)
+    if named is not None and named != version:
+        raise PublishError(f"{path}: directory name says version {named}, policy.json says {version}")
     if kind not in ("lora", "full"):
         raise PublishError(f"{path}/policy.json: kind={kind!r} is not 'lora' or 'full'")
     (_check_lora if kind == "lora" else _check_full)(path, tier)
@@ -205,7 +203,7 @@ def version_dir_of(version: int, tier: TierConfig) -> Path:
     """Where a version's weights live (version 0: the base model)."""
     if version == 0:
         return Path(tier.base_model).resolve()
-    return (Path(tier.policies_dir) / defaults.policy_name(version)).resolve()
+    return (Path(tier.policies_dir) / version_name(version)).resolve()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,17 +238,11 @@ def served_models(server: str, timeout: float = 10.0) -> list[str]:
 def weight_version(server: str, timeout: float = 10.0) -> int:
     """The full-weight version a server holds (0 while it still has the weights it started with)."""
     reported = http("GET", f"{server}/weight_info", timeout=timeout).get("weight_version")
-    match = _VERSION_NAME.match(str(reported))
-    return int(match.group(1)) if match else 0
+    return parse_version(str(reported)) or 0
 
 
 def lora_name(version: int) -> str:
-    return defaults.policy_name(version)
-
-
-def _version_of_name(name: str) -> int | None:
-    match = _VERSION_NAME.match(name)
-    return int(match.group(1)) if match else None
+    return version_name(version)
 
 
 def keep_set(routed: set[int], resident: list[int], new: int, keep_newest: int) -> set[int]:
@@ -266,7 +258,7 @@ def push_lora(server: str, pv: PolicyVersion, tier: TierConfig, routed: set[int]
     adapters that another registry (another team, another test) still routes to.
     """
     names = served_models(server, tier.http_timeout_s)
-    resident = [v for v in (_version_of_name(n) for n in names if n_is_lora(n, tier)) if v is not None and v in managed]
+    resident = [v for v in (parse_version(n) for n in names if n_is_lora(n, tier)) if v is not None and v in managed]
     keep = keep_set(routed, resident, pv.version, tier.keep_loras)
     unloaded: list[str] = []
     for version in sorted(set(resident) - keep):
@@ -313,7 +305,7 @@ def reload_full(server: str, path: Path | str, version: int, timeout: float = 60
     http("POST", f"{server}/collective_rpc",
          {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, timeout)
     reset_prefix_cache(server, timeout)
-    http("POST", f"{server}/update_weight_version", {"new_version": defaults.policy_name(version)}, timeout)
+    http("POST", f"{server}/update_weight_version", {"new_version": version_name(version)}, timeout)
 
 
 def _resume(server: str, tier: TierConfig) -> None:
@@ -372,7 +364,10 @@ def push_full_nccl(server: str, pv: PolicyVersion, tier: TierConfig, master_port
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
 
     if not torch.cuda.is_available():
         raise ServerError("transport nccl needs a CUDA device in the publishing process")

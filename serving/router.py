@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from flywheel.base.versions import version_name
 from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class Router:
         servers = list(self.tier.servers)
         if slot.kind == "lora" and slot.version != 0:
             server = servers[int(bucket("server:" + session_id) * len(servers))]
-            return Route(f"policy-v{slot.version}", slot.version, "lora", arm, server)
+            return Route(version_name(slot.version), slot.version, "lora", arm, server)
         holding = [s for s in servers if self._loaded.get(s, 0) == slot.version] or servers
         server = holding[int(bucket("server:" + session_id) * len(holding))]
         actual = self._loaded.get(server, 0)

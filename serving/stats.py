@@ -1,4 +1,5 @@
-"""The promotion gate's statistics: one-sided tests for "is B worse than A", and confidence intervals.
+"""The project's statistics (the gate and the report): one-sided tests for "is B worse/better than A", and
+confidence intervals.
 
 Pure functions over plain lists, unit-tested without any service. Rewards are per session (one
 number per production session), so sessions, not llm_calls, are the independent samples.
@@ -67,8 +68,6 @@ def welch(a: list[float], b: list[float]) -> Comparison:
 
 def two_proportions(success_a: int, n_a: int, success_b: int, n_b: int) -> Comparison:
     """Two-proportion z-test (pooled) of B's success rate against A's, both one-sided p-values."""
-    from scipy import stats
-
     assert n_a > 0 and n_b > 0, f"two_proportions needs samples on both sides, got {n_a} and {n_b}"
     p_a, p_b = success_a / n_a, success_b / n_b
     pooled = (success_a + success_b) / (n_a + n_b)
@@ -77,5 +76,25 @@ def two_proportions(success_a: int, n_a: int, success_b: int, n_b: int) -> Compa
     if se == 0.0:  # both all-success or all-failure: no evidence either way
         return Comparison(n_a, n_b, p_a, p_b, diff, 0.0, 0.5, 0.5, "two-proportion-z")
     z = diff / se
-    return Comparison(n_a, n_b, p_a, p_b, diff, z, float(stats.norm.cdf(z)), float(stats.norm.sf(z)),
+    # the normal cdf and survival function through erfc: exact, and no scipy on this path
+    return Comparison(n_a, n_b, p_a, p_b, diff, z, 0.5 * math.erfc(-z / math.sqrt(2)), 0.5 * math.erfc(z / math.sqrt(2)),
                       "two-proportion-z")
+
+
+def p_better(success_a: int, n_a: int, success_b: int, n_b: int) -> float:
+    """One-sided p-value of "B's success rate is higher than A's" (two_proportions); 1.0 if a side is empty."""
+    if n_a == 0 or n_b == 0:
+        return 1.0
+    return two_proportions(success_a, n_a, success_b, n_b).p_better
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson interval of a binomial proportion (sensible at small n and near 0 or 1)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # at p = 0 or 1 rounding can put the bound a hair past p; an interval must contain its estimate
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, setting
+from flywheel.base.versions import version_name
 
 
 @dataclass
@@ -18,7 +19,7 @@ class TierConfig:
     """The vLLM servers of the tier and the MLflow registry that records their versions."""
 
     servers: list[str] = setting([defaults.VLLM_URL], "base URLs of every vLLM server in the tier (comma separated)")
-    base_served_name: str = setting(defaults.policy_name(0), "name each server serves its full weights under")
+    base_served_name: str = setting(version_name(0), "name each server serves its full weights under")
     base_model: str = setting(defaults.BASE_MODEL_DIR, "base model directory: version 0, restored on a failed full reload")
     policies_dir: str = setting(defaults.POLICIES_DIR, "where policy-v<N> directories live")
     keep_loras: int = setting(2, "newest LoRA versions kept resident besides champion and challenger")

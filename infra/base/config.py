@@ -26,6 +26,8 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+from flywheel.base.atomic import Durability, write_text
+
 T = TypeVar("T")
 ENV_PREFIX = "FLYWHEEL_"
 
@@ -182,12 +184,7 @@ def to_toml(cfg: Any) -> str:
 
 def write_resolved(cfg: Any, path: Path) -> Path:
     """Write the resolved config atomically next to a run's output and return its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(to_toml(cfg))
-    os.replace(tmp, path)
-    return path
+    return write_text(path, to_toml(cfg), Durability.ADVISORY)  # a record of the run, not state
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -23,6 +23,3 @@ MLFLOW_ARTIFACTS_DIR = "var/mlflow/artifacts"
 REGISTERED_MODEL = "flywheel-policy"
 
 
-def policy_name(version: int) -> str:
-    """The served model name of a policy version."""
-    return f"policy-v{version}"

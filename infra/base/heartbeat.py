@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.base import defaults
+from flywheel.base.atomic import Durability, write_json
 
 STALE_AFTER_S = 30.0
 
@@ -24,13 +25,9 @@ def status_dir(var_dir: str | Path = defaults.VAR_DIR) -> Path:
 
 def write_status(name: str, fields: dict[str, Any], var_dir: str | Path = defaults.VAR_DIR) -> None:
     """Publish a daemon's current state (atomic replace; never raises into the daemon's loop)."""
-    directory = status_dir(var_dir)
+    payload = {"name": name, "pid": os.getpid(), "updated": time.time(), **fields}
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        payload = {"name": name, "pid": os.getpid(), "updated": time.time(), **fields}
-        tmp = directory / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(payload, default=str, sort_keys=True))
-        os.replace(tmp, directory / f"{name}.json")
+        write_json(status_dir(var_dir) / f"{name}.json", payload, Durability.ADVISORY, default=str, sort_keys=True)
     except OSError:
         pass  # status is advisory: a full disk must not stop training or ingest
 

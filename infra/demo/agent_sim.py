@@ -29,10 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.base import defaults
-
-from flywheel.demo import tasks
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base.config import (
+    ConfigError,
+    load_config,
+    setting,
+    setup_logging,
+    write_resolved,
+)
 from flywheel.base.heartbeat import write_status
+from flywheel.base.stop import stop_on_signals
+from flywheel.demo import tasks
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +260,7 @@ def run(cfg: AgentSimConfig) -> int:
                     timeout=cfg.request_timeout_s)
     logger = SessionLogger(cfg.kafka_bootstrap, cfg.events_topic, name=cfg.spool_name)
     sim = AgentSim(cfg, logger, client)
-    signal.signal(signal.SIGTERM, lambda *_: sim.stop.set())
+    stop_on_signals("finishing the sessions in hand", sim.stop, signals=(signal.SIGTERM,))
     try:
         fields = sim.run()
     except KeyboardInterrupt:

@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.base import defaults
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base.config import (
+    ConfigError,
+    load_config,
+    setting,
+    setup_logging,
+    write_resolved,
+)
+from flywheel.base.versions import version_name
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +180,6 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
 
 def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
     from flywheel import stack
-
     from flywheel.serving.publisher import reload_full
 
     scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(cfg))
@@ -213,7 +219,7 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
     from rich.console import Group
     from rich.table import Table
 
-    from flywheel.demo.report import wilson
+    from flywheel.serving.stats import wilson
 
     agent = statuses.get("agent-sim", {})
     top = Table(title=f"flywheel demo: {elapsed / 60:.1f} / {total / 60:.0f} min of traffic{': ' + phase if phase else ''}",
@@ -234,7 +240,7 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
     total_sessions = sum(n for n, _ in success.values()) or 1
     for v, (n, s) in sorted(success.items()):
         lo, hi = wilson(s, n)
-        versions.add_row(f"policy-v{v}", str(n), f"{n / total_sessions:.0%}", f"{s / max(1, n):.1%}", f"{lo:.0%}-{hi:.0%}")
+        versions.add_row(version_name(v), str(n), f"{n / total_sessions:.0%}", f"{s / max(1, n):.1%}", f"{lo:.0%}-{hi:.0%}")
     procs = Table(title="processes (heartbeats)", expand=True)
     procs.add_column("process")
     procs.add_column("state")
@@ -251,8 +257,8 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
 def run(cfg: DemoConfig) -> int:
     from rich.console import Console
 
-    from flywheel.demo import report
     from flywheel.base.heartbeat import read_statuses
+    from flywheel.demo import report
 
     console = Console()
     t_setup = time.time()

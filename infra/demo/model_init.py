@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flywheel.base import defaults
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
+from flywheel.base.atomic import Durability, publish
+from flywheel.base.config import (
+    ConfigError,
+    load_config,
+    setting,
+    setup_logging,
+    write_resolved,
+)
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +193,7 @@ def init_model(cfg: ModelInitConfig) -> Path:
     build_model(cfg, tokenizer, tmp)
     write_resolved(cfg, tmp / "flywheel-model-init.toml")
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish(tmp, out, Durability.ADVISORY)  # rebuilt from its seed if lost
     log.info("model init: base model ready at %s", out)
     return out
 

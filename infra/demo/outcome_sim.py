@@ -23,21 +23,26 @@ from __future__ import annotations
 import heapq
 import json
 import logging
-import os
 import random
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flywheel.base import defaults
-
+from flywheel.base.atomic import Durability, write_json
+from flywheel.base.config import (
+    ConfigError,
+    load_config,
+    setting,
+    setup_logging,
+    write_resolved,
+)
+from flywheel.base.heartbeat import write_status
+from flywheel.base.stop import stop_on_signals
 from flywheel.demo import tasks
 from flywheel.demo.agent_sim import DEFAULT_HANDOFF
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging, write_resolved
-from flywheel.base.heartbeat import write_status
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +142,7 @@ def load_offset(path: Path) -> int:
 
 
 def save_offset(path: Path, offset: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"offset": offset}))
-    os.replace(tmp, path)
+    write_json(path, {"offset": offset}, Durability.DURABLE)  # a cursor a restart resumes from
 
 
 def run(cfg: OutcomeSimConfig) -> int:
@@ -153,8 +155,7 @@ def run(cfg: OutcomeSimConfig) -> int:
     reader = HandoffReader(cfg.handoff, load_offset(cfg.cursor))
     log.info("outcome-sim: following %s from byte %d; outcomes to %s (%s)", cfg.handoff, reader.offset,
              cfg.kafka_bootstrap, cfg.outcomes_topic)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = stop_on_signals("sending the outcomes due, then exiting", signals=(signal.SIGTERM,))
     queue: list[Due] = []
     counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "accepted": 0, "successes": 0}
     last_status = 0.0

@@ -26,34 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flywheel.base.versions import version_name
+from flywheel.serving.stats import p_better, wilson
+
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# statistics (pure)
-# ---------------------------------------------------------------------------------------------
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson interval of a binomial proportion (sensible at small n and near 0 or 1)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    # at p = 0 or 1 rounding can put the bound a hair past p; an interval must contain its estimate
-    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
-
-
-def one_sided_p(s1: int, n1: int, s0: int, n0: int) -> float:
-    """p-value of H1: rate1 > rate0 (pooled two-proportion z-test)."""
-    if n1 == 0 or n0 == 0:
-        return 1.0
-    pooled = (s1 + s0) / (n1 + n0)
-    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n0))
-    if se == 0:
-        return 1.0 if s1 / n1 <= s0 / n0 else 0.0
-    z = (s1 / n1 - s0 / n0) / se
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def p95(values: list[float]) -> float | None:
@@ -221,7 +197,7 @@ def registry_facts(facts: Facts, tracking_uri: str, registered_model: str, polic
         if created < since or version < 0:
             continue
         facts.versions_published.append(version)
-        policy_json = Path(policies_dir) / f"policy-v{version}" / "policy.json"
+        policy_json = Path(policies_dir) / version_name(version) / "policy.json"
         try:
             written = dt.datetime.fromisoformat(str(json.loads(policy_json.read_text())["created_ts"]).replace("Z", "+00:00")).timestamp()
             # registration happens after every server took the weights: written -> registered is trained -> served
@@ -248,7 +224,7 @@ def summarize(facts: Facts, min_sessions: int = 300) -> dict[str, Any]:
     if champion_version is None and facts.promotions:
         champion_version = facts.promotions[-1]
     champ = facts.by_version.get(champion_version, VersionStats(champion_version or -1)) if champion_version else VersionStats(-1)
-    p_value = one_sided_p(champ.successes, champ.sessions, base.successes, base.sessions)
+    p_value = p_better(base.successes, base.sessions, champ.successes, champ.sessions)
     ratio = champ.rate / base.rate if base.rate > 0 else None
     return {
         "base_success": round(base.rate, 4), "n_base": base.sessions,

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from flywheel.base.atomic import Durability, publish
 from flywheel.demo import tasks
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,6 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     tok.save_pretrained(str(tmp))
     (tmp / "warm_start.json").write_text(json.dumps(record, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    publish(tmp, out_dir, Durability.ADVISORY)  # rebuilt deterministically if lost
     log.info("warm start: %s written after %d steps (held-out success %.1f%%)", out_dir, step, 100 * rate)
     return record

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.daemon import run
-from flywheel.learner.model import load_policy, pack, token_logprobs
 from flywheel.learner.data import parse_row
-from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
+from flywheel.learner.model import load_policy, pack, token_logprobs
 
 
 @pytest.mark.gpu

@@ -15,9 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from flywheel.serving import publisher
-
 from bench.fixtures import models as synthetic
+from flywheel.serving import publisher
 from flywheel.serving.tier import TierConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.demo import closed_loop as demo
-
 from flywheel import stack as stack_mod
+from flywheel.demo import closed_loop as demo
 from flywheel.demo.report import lake_facts
 
 pytestmark = pytest.mark.slow
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
         stack: stack_mod.StackConfig, base_model_dir: Path, vllm_url: str, tmp_path: Path, vllm_weights_lock: None) -> None:
-    from flywheel.serving.publisher import reload_full, weight_version
+    from flywheel.serving.publisher import reload_full
 
     cfg = demo.DemoConfig(minutes=1.5, var_dir=tmp_path / "var", report_dir=tmp_path / "report", base_model=base_model_dir,
                           warm_start=False, concurrency=6, learner_batch=16, publish_every_steps=2, publish_every_s=30.0,

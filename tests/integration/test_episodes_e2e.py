@@ -20,9 +20,9 @@ from typing import Callable
 import pyarrow as pa
 import pytest
 
+from bench.fixtures import sessions as synthetic
 from flywheel.ingest import lake
 from flywheel.ingest.lake_writer import LakeWriterConfig, run
-from bench.fixtures import sessions as synthetic
 
 pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parents[2]

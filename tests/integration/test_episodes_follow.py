@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from flywheel.ingest import lake
 from bench.fixtures import sessions as synthetic
+from flywheel.ingest import lake
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,9 +13,9 @@ import shutil
 import time
 from pathlib import Path
 
-from flywheel.rewards import config, builder as episodes
-
 from bench.fixtures import sessions as synthetic
+from flywheel.rewards import builder as episodes
+from flywheel.rewards import config
 
 TOML = """
 [outcomes.task_success]

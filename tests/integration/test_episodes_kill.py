@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from flywheel.ingest import lake
 from bench.fixtures import sessions as synthetic
+from flywheel.ingest import lake
 
 TOML = """
 [outcomes.task_success]

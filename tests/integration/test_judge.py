@@ -15,9 +15,10 @@ from typing import Iterator
 import pyarrow as pa
 import pytest
 
-from flywheel.ingest import lake
-from flywheel.rewards import config, builder as episodes, judge
 from bench.fixtures import sessions as synthetic
+from flywheel.ingest import lake
+from flywheel.rewards import builder as episodes
+from flywheel.rewards import config, judge
 
 RUBRIC = config.Rubric("t", "1", "Rate how well the answer solves the task: 1 bad, 5 perfect.")
 TOML = """

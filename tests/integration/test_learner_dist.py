@@ -9,12 +9,10 @@ import sys
 import uuid
 from pathlib import Path
 
-import torch
-
+from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 from flywheel.base.config import write_resolved
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig
-from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,10 +17,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from bench.fixtures.episodes import sample_rows, write_episodes
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.daemon import run
-from bench.fixtures.episodes import sample_rows, write_episodes
 
 log = logging.getLogger(__name__)
 TARGET = frozenset(range(100, 132))

@@ -14,8 +14,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import pytest
-
+from bench.fixtures.episodes import sample_rows, write_episodes
 from flywheel.base import tracking
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig
@@ -23,7 +22,6 @@ from flywheel.learner.daemon import run
 from flywheel.learner.data import parse_row
 from flywheel.learner.model import load_policy
 from flywheel.learner.parity import behaviour_gap
-from bench.fixtures.episodes import sample_rows, write_episodes
 
 
 def _unload(vllm_url: str, name: str) -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 from flywheel.base.config import write_resolved
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig
-from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 
 REPO = Path(__file__).resolve().parents[2]
 FILES, ROWS = 10, 8

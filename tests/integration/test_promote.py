@@ -15,10 +15,10 @@ from typing import Iterator
 
 import pytest
 
-from flywheel.base import tracking
-from flywheel.serving import evaluate, promote, publisher
 from bench.fixtures import models as synthetic
 from bench.fixtures.gate_episodes import write_sessions
+from flywheel.base import tracking
+from flywheel.serving import evaluate, promote, publisher
 from flywheel.serving.publisher import http
 from flywheel.serving.registry import Registry
 from flywheel.serving.router import Router

@@ -11,13 +11,13 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from flywheel.serving import publisher
-
 from bench.fixtures import models as synthetic
+from flywheel.serving import publisher
 from flywheel.serving.publisher import http
 from flywheel.serving.registry import Registry
 from flywheel.serving.router import bucket
 from flywheel.serving.tier import TierConfig
+
 
 def _chat(url: str, session: str) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 3}

@@ -15,9 +15,8 @@ from typing import Iterator
 
 import pytest
 
-from flywheel.serving import publisher
-
 from bench.fixtures import models as synthetic
+from flywheel.serving import publisher
 from flywheel.serving.publisher import PublishError, http
 from flywheel.serving.registry import Registry
 from flywheel.serving.router import Router, logged_version

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
-import socket
 import threading
 import time
 import uuid

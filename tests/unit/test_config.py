@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from flywheel.base.config import ConfigError, resolve, setting, to_toml
-import tomllib
 
 
 @dataclass

@@ -15,9 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flywheel.ingest import lake
-from flywheel.rewards import config, builder as episodes
 from bench.fixtures import sessions as synthetic
+from flywheel.ingest import lake
+from flywheel.rewards import builder as episodes
+from flywheel.rewards import config
 
 T0 = dt.datetime(2026, 1, 1, 12, tzinfo=dt.timezone.utc)
 TOML = """

@@ -7,7 +7,12 @@ from pathlib import Path
 
 from bench.fixtures.gate_episodes import episode_row, write_sessions
 from flywheel.serving.evaluate import EvalScore, arithmetic_tasks
-from flywheel.serving.promote import PromoteConfig, decide, decide_rollback, online_rewards
+from flywheel.serving.promote import (
+    PromoteConfig,
+    decide,
+    decide_rollback,
+    online_rewards,
+)
 
 CFG = PromoteConfig(min_sessions=30, alpha=0.05)
 

@@ -10,8 +10,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from flywheel.ingest import lake, schema
-from flywheel.ingest.lake_writer import (CompactConfig, DeadLetters, LakeWriter, LakeWriterConfig, Rejected, compact,
-                                decode_record, plan_compaction)
+from flywheel.ingest.lake_writer import (
+    CompactConfig,
+    DeadLetters,
+    LakeWriter,
+    LakeWriterConfig,
+    Rejected,
+    compact,
+    decode_record,
+    plan_compaction,
+)
 
 TOPIC = "flywheel.events"
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 from flywheel.ingest import lake
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.daemon import run
-from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import logging
 import math
 from pathlib import Path
 
-from flywheel.learner.data import EpisodeStream, parse_row
 from bench.fixtures.episodes import episode_row, random_rows, write_episodes
+from flywheel.learner.data import EpisodeStream, parse_row
 
 
 def _stream(root: Path, **kw: object) -> EpisodeStream:

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.fixtures.episodes import tiny_model
 from flywheel.learner import checkpoint
 from flywheel.learner.checkpoint import TrainerState
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.data import Episode
 from flywheel.learner.model import load_policy, pack, token_logprobs
-from bench.fixtures.episodes import tiny_model
 
 
 @pytest.fixture(scope="module")

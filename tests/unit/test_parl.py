@@ -6,11 +6,10 @@ import datetime as dt
 
 import pytest
 
-from flywheel.rewards import config, parl
-
 from bench.fixtures import sessions as synthetic
-from flywheel.rewards.session import assemble
 from flywheel.ingest import schema
+from flywheel.rewards import config, parl
+from flywheel.rewards.session import assemble
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.serving import publisher
-
 from bench.fixtures import models as synthetic
+from flywheel.serving import publisher
 from flywheel.serving.publisher import PublishError, keep_set, load_version
 from flywheel.serving.tier import TierConfig
 

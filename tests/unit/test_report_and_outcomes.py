@@ -9,22 +9,23 @@ from pathlib import Path
 import pytest
 
 from flywheel.demo import outcome_sim, report, tasks
+from flywheel.serving import stats
 
 
 def test_wilson_interval_contains_the_rate_and_narrows_with_n() -> None:
-    lo, hi = report.wilson(30, 100)
+    lo, hi = stats.wilson(30, 100)
     assert lo < 0.3 < hi
-    lo2, hi2 = report.wilson(300, 1000)
+    lo2, hi2 = stats.wilson(300, 1000)
     assert hi2 - lo2 < hi - lo
-    assert report.wilson(0, 0) == (0.0, 1.0)
-    assert report.wilson(0, 50)[0] == 0.0
+    assert stats.wilson(0, 0) == (0.0, 1.0)
+    assert stats.wilson(0, 50)[0] == 0.0
 
 
 def test_one_sided_test_detects_a_real_gain_and_not_noise() -> None:
-    assert report.one_sided_p(150, 400, 100, 400) < 0.01  # 37.5% vs 25%
-    assert report.one_sided_p(100, 400, 100, 400) == pytest.approx(0.5)
-    assert report.one_sided_p(90, 400, 100, 400) > 0.5  # worse is never significant
-    assert report.one_sided_p(5, 0, 1, 10) == 1.0
+    assert stats.p_better(100, 400, 150, 400) < 0.01  # 37.5% vs 25%
+    assert stats.p_better(100, 400, 100, 400) == pytest.approx(0.5)
+    assert stats.p_better(100, 400, 90, 400) > 0.5  # worse is never significant
+    assert stats.p_better(1, 10, 5, 0) == 1.0
 
 
 def test_p95_is_a_value_of_the_sample() -> None:
@@ -93,7 +94,7 @@ def test_handoff_reader_returns_whole_lines_only_and_resumes_from_its_offset(tmp
 @pytest.mark.parametrize("successes, n", [(0, 658), (658, 658), (0, 3), (1, 1)])
 def test_wilson_interval_contains_its_estimate_at_the_edges(successes, n):
     # the demo report's error bars are rate - lo and hi - rate: they must never be negative
-    from flywheel.demo.report import wilson
+    from flywheel.serving.stats import wilson
 
     lo, hi = wilson(successes, n)
     rate = successes / n

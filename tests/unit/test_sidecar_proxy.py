@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from flywheel.ingest import schema
-from flywheel.serving.proxy import CaptureProxy, ProxyConfig, Routed, static_route
 from flywheel.ingest.sdk import SessionLogger
 from flywheel.ingest.spool import Spool
+from flywheel.serving.proxy import CaptureProxy, ProxyConfig, Routed, static_route
 
 
 class _Headers(dict):
