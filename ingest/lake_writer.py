@@ -31,7 +31,7 @@ Exactly-once, whatever instant the process dies:
 
 Files roll on record count, bytes, age (default at most 1 s after the first record of the
 file arrived, so a quiet topic is visible within seconds) and on a change of the record's
-UTC date. Lag and rates go to `flywheel status` through infra/status.py.
+UTC date. Lag and rates go to `flywheel status` through the heartbeat files (flywheel.base.heartbeat).
 
 Compaction (`flywheel compact`) merges runs of contiguous small files of closed date
 partitions per (topic, partition) into files named by the covering range: it publishes the
@@ -42,7 +42,9 @@ covering file, so no reader sees a row twice or misses one.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
+import functools
 import gc
 import json
 import logging
@@ -50,7 +52,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from flywheel.base import defaults
 from flywheel.base.config import (
@@ -586,13 +588,42 @@ def _dlq_producer(cfg: LakeWriterConfig) -> "KafkaProducer":
 
 def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None) -> int:
     """Consume, validate, publish; until SIGTERM/SIGINT (or `stop(writer)` returns True: tests, benchmarks)."""
-    from kafka import ConsumerRebalanceListener, TopicPartition
-    from kafka.structs import OffsetAndMetadata
+    from kafka import ConsumerRebalanceListener
 
     name = cfg.name
     log.info("setup: lake writer %s, group %s, topics %s -> lake %s", name, cfg.group_id, cfg.tables(), cfg.lake_root)
     write_resolved(cfg, os.path.join(cfg.var_dir, "run", f"lake-writer-{name}.toml"))
-    lake.filesystem(cfg.lake_root)[0].create_dir(lake.filesystem(cfg.lake_root)[1], recursive=True)
+    fs, base = lake.filesystem(cfg.lake_root)
+    fs.create_dir(base, recursive=True)
+    stopping = stop_on_signals("publishing open files and leaving the group")
+    clients = _connect(cfg)
+    if clients is None:
+        return 2
+    consumer, producer = clients
+    writer = LakeWriter(cfg, DeadLetters(producer, cfg.dlq_topic, cfg.lake_root))
+    writer.on_published = functools.partial(_commit_hint, consumer)
+    rebalance = _Rebalance(writer, consumer)
+    ConsumerRebalanceListener.register(_Rebalance)  # kafka-python checks isinstance; see _Rebalance
+    consumer.subscribe(topics=sorted(cfg.tables()), listener=rebalance)
+    status_name = f"lake-writer-{name}"
+
+    def stopped() -> bool:
+        return stopping.is_set() or (stop is not None and stop(writer))
+
+    try:
+        with _rare_gc():
+            log.info("setup: subscribed; entering the loop")
+            _loop(cfg, consumer, writer, rebalance, status_name, stopped)
+    finally:
+        consumer.close()
+        producer.close()
+    write_status(status_name, {"state": "stopped", **vars(writer.stats)}, var_dir=cfg.var_dir)
+    log.info("stop: %s", vars(writer.stats))
+    return 0
+
+
+def _connect(cfg: LakeWriterConfig) -> tuple["KafkaConsumer", "KafkaProducer"] | None:
+    """The consumer (not yet subscribed) and the DLQ producer, or None when the DLQ topic is missing."""
     producer = _dlq_producer(cfg)
     # fail fast: with auto-creation off, a missing DLQ topic would only surface at the first bad record
     try:
@@ -600,87 +631,112 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     except Exception as exc:
         producer.close()
         log.error("setup: dead-letter topic %s is not available (%s); create it or pass --dlq-topic", cfg.dlq_topic, exc)
-        return 2
+        return None
     log.info("setup: DLQ producer connected (%s)", cfg.dlq_topic)
     consumer = _consumer(cfg)
-    writer = LakeWriter(cfg, DeadLetters(producer, cfg.dlq_topic, cfg.lake_root))
-
-    def commit_hint(topic: str, partition: int, last: int) -> None:
-        try:
-            consumer.commit_async({TopicPartition(topic, partition): OffsetAndMetadata(last + 1, "", -1)})
-        except Exception as exc:  # a hint only: the lake is the source of truth
-            log.debug("commit hint failed: %s", exc)
-
-    writer.on_published = commit_hint
-
-    failures: list[BaseException] = []
-
-    class Listener(ConsumerRebalanceListener):
-        # kafka-python logs and swallows a listener's exception; an assignment that could not seek to the
-        # lake must stop the process instead (the next start recovers), so failures are carried to the loop
-        def on_partitions_revoked(self, revoked: set["TopicPartition"]) -> None:
-            if revoked:
-                log.info("rebalance: revoked %s; publishing their open files", sorted((t.topic, t.partition) for t in revoked))
-            writer.revoke([(t.topic, t.partition) for t in revoked])
-
-        def on_partitions_assigned(self, assigned: set["TopicPartition"]) -> None:
-            try:
-                self._assign(assigned)
-            except Exception as exc:
-                failures.append(exc)
-
-        def _assign(self, assigned: set["TopicPartition"]) -> None:
-            starts = writer.assign([(t.topic, t.partition) for t in assigned])
-            for (topic, partition), start in sorted(starts.items()):
-                tp = TopicPartition(topic, partition)
-                if start is None:
-                    consumer.seek_to_beginning(tp)
-                else:
-                    consumer.seek(tp, start)
-            if starts:
-                log.info("rebalance: assigned %s; resuming from the lake at %s", len(starts),
-                         {f"{t}/{p}": s for (t, p), s in sorted(starts.items())})
-
-    stopping = stop_on_signals("publishing open files and leaving the group")
     _wait_for_topics(consumer, sorted(cfg.tables()))
-    consumer.subscribe(topics=sorted(cfg.tables()), listener=Listener())
+    return consumer, producer
+
+
+def _commit_hint(consumer: "KafkaConsumer", topic: str, partition: int, last: int) -> None:
+    """LakeWriter.on_published: commit the offset after a published file, for monitoring tools only."""
+    from kafka import TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    try:
+        consumer.commit_async({TopicPartition(topic, partition): OffsetAndMetadata(last + 1, "", -1)})
+    except Exception as exc:  # a hint only: the lake is the source of truth
+        log.debug("commit hint failed: %s", exc)
+
+
+class _Rebalance:
+    """The consumer's rebalance listener: revoked partitions publish their open files, assigned ones
+    resume from the lake.
+
+    Registered as a kafka.ConsumerRebalanceListener by run() rather than subclassing it, so this
+    module imports kafka-python only when the writer runs. kafka-python logs and swallows a
+    listener's exception; an assignment that could not seek to the lake must stop the process
+    instead (the next start recovers), so failures are kept for the loop (`raise_failure`).
+    """
+
+    def __init__(self, writer: LakeWriter, consumer: "KafkaConsumer") -> None:
+        self.writer = writer
+        self.consumer = consumer
+        self.failures: list[BaseException] = []
+
+    def on_partitions_revoked(self, revoked: set["TopicPartition"]) -> None:
+        if revoked:
+            log.info("rebalance: revoked %s; publishing their open files", sorted((t.topic, t.partition) for t in revoked))
+        self.writer.revoke([(t.topic, t.partition) for t in revoked])
+
+    def on_partitions_lost(self, lost: set["TopicPartition"]) -> None:
+        # kafka-python >= 3 calls this after a forced eviction; its base class's default, kept here, is to
+        # revoke: a fenced writer may still publish, since claims make that at worst an identical file
+        self.on_partitions_revoked(lost)
+
+    def on_partitions_assigned(self, assigned: set["TopicPartition"]) -> None:
+        try:
+            self._assign(assigned)
+        except Exception as exc:
+            self.failures.append(exc)
+
+    def _assign(self, assigned: set["TopicPartition"]) -> None:
+        from kafka import TopicPartition
+
+        starts = self.writer.assign([(t.topic, t.partition) for t in assigned])
+        for (topic, partition), start in sorted(starts.items()):
+            tp = TopicPartition(topic, partition)
+            if start is None:
+                self.consumer.seek_to_beginning(tp)
+            else:
+                self.consumer.seek(tp, start)
+        if starts:
+            log.info("rebalance: assigned %s; resuming from the lake at %s", len(starts),
+                     {f"{t}/{p}": s for (t, p), s in sorted(starts.items())})
+
+    def raise_failure(self) -> None:
+        """Raise the first assignment that failed, if any."""
+        if self.failures:
+            raise RuntimeError(f"rebalance: could not resume assigned partitions from the lake: {self.failures[0]}") \
+                from self.failures[0]
+
+
+@contextlib.contextmanager
+def _rare_gc() -> Iterator[None]:
     # Decoded records are acyclic dicts and lists freed by reference counting as soon as they are in Arrow;
     # the default collector threshold (700) would still scan the heap every few hundred records.
     thresholds = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    log.info("setup: subscribed; entering the loop")
-
-    status_name = f"lake-writer-{name}"
-    last_status = time.monotonic()
-    last_stats = Stats()
     try:
-        while not stopping.is_set() and not (stop is not None and stop(writer)):
-            batches = consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
-            if failures:
-                raise RuntimeError(f"rebalance: could not resume assigned partitions from the lake: {failures[0]}") \
-                    from failures[0]
-            for tp, messages in batches.items():
-                if (tp.topic, tp.partition) not in writer.next_offset:
-                    continue  # revoked during this poll
-                for m in messages:
-                    writer.add(tp.topic, tp.partition, m.offset, m.value, m.key, m.timestamp)
-            writer.roll_due()
-            now = time.monotonic()
-            if now - last_status >= cfg.status_interval_s:
-                _heartbeat(cfg, status_name, consumer, writer, now - last_status, last_stats)
-                last_stats = Stats(**vars(writer.stats))
-                last_status = now
-        writer.flush_all()
-        writer.dlq.flush()
+        yield
     finally:
         gc.set_threshold(*thresholds)  # run() may be called inside a longer-lived process (tests, benchmarks)
         gc.unfreeze()
-        consumer.close()
-        producer.close()
-    write_status(status_name, {"state": "stopped", **vars(writer.stats)}, var_dir=cfg.var_dir)
-    log.info("stop: %s", vars(writer.stats))
-    return 0
+
+
+def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, rebalance: _Rebalance,
+          status_name: str, stopped: Callable[[], bool]) -> None:
+    """Poll -> writer (publishing, with its commit hints) -> heartbeat, until `stopped()`; then publish
+    every open file."""
+    last_status = time.monotonic()
+    last_stats = Stats()
+    while not stopped():
+        batches = consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
+        rebalance.raise_failure()
+        for tp, messages in batches.items():
+            if (tp.topic, tp.partition) not in writer.next_offset:
+                continue  # revoked during this poll
+            for m in messages:
+                writer.add(tp.topic, tp.partition, m.offset, m.value, m.key, m.timestamp)
+        writer.roll_due()
+        now = time.monotonic()
+        if now - last_status >= cfg.status_interval_s:
+            _heartbeat(cfg, status_name, consumer, writer, now - last_status, last_stats)
+            last_stats = Stats(**vars(writer.stats))
+            last_status = now
+    writer.flush_all()
+    writer.dlq.flush()
 
 
 def _wait_for_topics(consumer: "KafkaConsumer", topics: list[str], timeout_s: float = 10.0) -> None:

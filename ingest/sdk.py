@@ -1,4 +1,5 @@
-"""The SessionLogger SDK and the OutcomeReporter: what a production agent imports to log its sessions.
+"""The in-process SDK (SessionLogger, Session, OutcomeReporter): what a production agent imports to log
+its sessions and their outcomes to Kafka, from inside its own process.
 
     log = SessionLogger(bootstrap="127.0.0.1:9092")
     with log.session(task_type="code_edit") as s:
@@ -11,7 +12,7 @@
         child.finish(ok=True)
     OutcomeReporter(bootstrap="127.0.0.1:9092").report(s.session_id, kind="tests_passed", value=1.0)
 
-It runs on the agent's hot path, so it must never slow it down, block it, crash it, or lose
+It runs in the agent's process, on its hot path, so it must never slow it down, block it, crash it, or lose
 what it was given (style.md rule 5, modelled on the Langfuse SDK):
 
 * A call builds a dict and appends it to a bounded in-memory queue (no I/O, no JSON, no
@@ -743,6 +744,18 @@ class _Encoder:
             if value is not None and not isinstance(value, list):
                 record[name] = value.tolist() if hasattr(value, "tolist") else list(value)
         truncated: list[str] = list(record.get("truncated") or [])
+        self._cap_text(record, truncated)
+        for name in _JSON_FIELDS:
+            value = record.get(name)
+            if value is not None:
+                record[name] = self._json_value(pipe, what, name, value, truncated)
+        if truncated:
+            pipe.truncated += 1
+            record["truncated"] = sorted(set(truncated))
+        return self._payload(pipe, what, record)
+
+    def _cap_text(self, record: dict[str, Any], truncated: list[str]) -> None:
+        """Redact the free-text fields and cut every string at MAX_TEXT_CHARS, naming what was cut."""
         for name, value in list(record.items()):
             if isinstance(value, str):
                 if self._redact is not None and name in _TEXT_FIELDS:
@@ -751,30 +764,29 @@ class _Encoder:
                     value = value[: schema.MAX_TEXT_CHARS]
                     truncated.append(name)
                 record[name] = value
-        for name in _JSON_FIELDS:
-            value = record.get(name)
-            if value is None:
-                continue
-            try:
-                text = json.dumps(value, default=_json_default, allow_nan=False)
-            except (TypeError, ValueError) as exc:
-                pipe.coerced += 1
-                pipe.warn(f"json:{what}:{name}", "sdk: %s %s is not JSON serialisable (%s); such values are stored "
-                          "as their repr() text", what, name, exc)
-                try:  # keep the structure, replace only the values JSON cannot hold
-                    text = json.dumps(_finite(value), default=_json_default_or_repr, allow_nan=False)
-                except ValueError:  # circular reference: nothing structured to keep
-                    text = json.dumps(repr(value))
-            value = json.loads(text)
-            if self._redact is not None:
-                value = redact_json(value, self._redact)
-            if text is not None and len(text) > schema.MAX_TEXT_CHARS:
-                value = text[: schema.MAX_TEXT_CHARS]  # a prefix of its JSON text, flagged as cut
-                truncated.append(name)
-            record[name] = value
-        if truncated:
-            pipe.truncated += 1
-            record["truncated"] = sorted(set(truncated))
+
+    def _json_value(self, pipe: _Pipeline, what: str, name: str, value: Any, truncated: list[str]) -> Any:
+        """A JSON field as plain JSON (non-JSON values coerced to their repr()), redacted, capped by its text."""
+        try:
+            text = json.dumps(value, default=_json_default, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            pipe.coerced += 1
+            pipe.warn(f"json:{what}:{name}", "sdk: %s %s is not JSON serialisable (%s); such values are stored "
+                      "as their repr() text", what, name, exc)
+            try:  # keep the structure, replace only the values JSON cannot hold
+                text = json.dumps(_finite(value), default=_json_default_or_repr, allow_nan=False)
+            except ValueError:  # circular reference: nothing structured to keep
+                text = json.dumps(repr(value))
+        value = json.loads(text)
+        if self._redact is not None:
+            value = redact_json(value, self._redact)
+        if len(text) > schema.MAX_TEXT_CHARS:
+            value = text[: schema.MAX_TEXT_CHARS]  # a prefix of its JSON text, flagged as cut
+            truncated.append(name)
+        return value
+
+    def _payload(self, pipe: _Pipeline, what: str, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
+        """(key, value) for Kafka once the record passes the schema and the size bound; None (counted) if not."""
         try:
             self._validate(_without_numeric_lists(record, what))
             # allow_nan=False: NaN/Infinity are not JSON, and the lake writer's strict parser would reject the record.
@@ -918,7 +930,7 @@ class SessionLogger(_Client):
       outage_after_s  no acknowledgement for this long = broker down, spill to disk [2.0]
       retry_s         how often a down broker is retried [1.0]
       compression     producer compression [lz4; gzip when the lz4 package is missing]
-      redact          Callable[[str], str] applied to text fields [ingest.redact.redact_text]; None: off
+      redact          Callable[[str], str] applied to text fields [flywheel.ingest.redact.redact_text]; None: off
       sample_rate     share of sessions logged, by a hash of session_id [1.0]
       metrics_interval_s [60]   exit_timeout_s  how long the exit hook may deliver [5]
       producer_config extra KafkaProducer settings

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
+from kafka import TopicPartition
 
 from flywheel.ingest import lake, schema
 from flywheel.ingest.lake_writer import (
@@ -16,6 +19,9 @@ from flywheel.ingest.lake_writer import (
     LakeWriter,
     LakeWriterConfig,
     Rejected,
+    _commit_hint,
+    _loop,
+    _Rebalance,
     compact,
     decode_record,
     plan_compaction,
@@ -251,6 +257,77 @@ def test_revoke_publishes_open_files(tmp_path: Path) -> None:
     assert (TOPIC, 1) not in w.next_offset
     with pytest.raises(AssertionError):
         w.add(TOPIC, 1, 1, wire(event(2)))
+
+
+# ---- the process: rebalance listener and loop, with a fake consumer --------------------------------
+class FakeConsumer:
+    """What the rebalance listener and the loop call on a KafkaConsumer; polls return `batches` in turn."""
+
+    def __init__(self, batches: list[dict] | None = None) -> None:
+        self.batches = list(batches or [])
+        self.seeks: dict[tuple[str, int], int | None] = {}
+        self.commits: list[dict] = []
+
+    def seek(self, tp: object, offset: int) -> None:
+        self.seeks[(tp.topic, tp.partition)] = offset
+
+    def seek_to_beginning(self, tp: object) -> None:
+        self.seeks[(tp.topic, tp.partition)] = None
+
+    def commit_async(self, offsets: dict) -> None:
+        self.commits.append(offsets)
+
+    def poll(self, timeout_ms: int, max_records: int) -> dict:
+        return self.batches.pop(0) if self.batches else {}
+
+
+def tp(partition: int, topic: str = TOPIC) -> TopicPartition:
+    return TopicPartition(topic, partition)
+
+
+def messages(offsets: range) -> list[SimpleNamespace]:
+    return [SimpleNamespace(offset=i, value=wire(event(i)), key=None, timestamp=None) for i in offsets]
+
+
+def test_rebalance_resumes_assigned_partitions_from_the_lake(tmp_path: Path) -> None:
+    first = make_writer(tmp_path, roll_max_records=3)
+    first.assign([(TOPIC, 0)])
+    for i in range(3):
+        first.add(TOPIC, 0, i, wire(event(i)))
+    consumer = FakeConsumer()
+    w = make_writer(tmp_path)
+    rebalance = _Rebalance(w, consumer)
+    rebalance.on_partitions_assigned({tp(0), tp(1)})
+    rebalance.raise_failure()
+    assert consumer.seeks == {(TOPIC, 0): 3, (TOPIC, 1): None}, \
+        f"partition 0 must resume after the lake's 0..2 and partition 1 from the beginning, got {consumer.seeks}"
+    w.add(TOPIC, 0, 3, wire(event(3)))
+    rebalance.on_partitions_revoked({tp(0)})
+    assert [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 2), (3, 3)]
+    assert (TOPIC, 0) not in w.next_offset and (TOPIC, 1) in w.next_offset
+
+
+def test_a_failed_assignment_is_raised_by_the_loop(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    rebalance = _Rebalance(w, FakeConsumer())
+    rebalance.on_partitions_assigned({tp(0, topic="not.subscribed")})  # kafka-python would swallow a raise here
+    assert len(rebalance.failures) == 1
+    with pytest.raises(RuntimeError, match="could not resume assigned partitions"):
+        rebalance.raise_failure()
+
+
+def test_the_loop_writes_polled_records_and_publishes_open_files_on_stop(tmp_path: Path) -> None:
+    consumer = FakeConsumer([{tp(0): messages(range(0, 4)), tp(1): messages(range(0, 2))},
+                             {tp(0): messages(range(4, 6))}])
+    w = make_writer(tmp_path, roll_max_records=4, status_interval_s=3600.0)
+    w.on_published = functools.partial(_commit_hint, consumer)
+    rebalance = _Rebalance(w, consumer)
+    rebalance.on_partitions_assigned({tp(0)})  # partition 1 is not ours: its records are skipped
+    polls = iter(range(3))
+    _loop(w.cfg, consumer, w, rebalance, "lake-writer-test", lambda: next(polls, None) is None)
+    assert [(f.partition, f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 0, 3), (0, 4, 5)]
+    committed = [(t.partition, o.offset) for c in consumer.commits for t, o in c.items()]
+    assert committed == [(0, 4), (0, 6)], f"a commit hint after each publish names the next offset, got {committed}"
 
 
 # ---- compaction -----------------------------------------------------------------------------
