@@ -1,1 +1,2 @@
-"""agent-flywheel: episodes from the lake, outcome rewards, LLM judge, PARL shaping."""
+"""flywheel.rewards: the episode builder (sessions + matured outcomes -> rewarded episode rows), outcome reward
+rules, the LLM judge and PARL shaping."""

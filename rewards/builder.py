@@ -1,12 +1,24 @@
-"""`flywheel episodes [--follow]`: the episode builder (lake events + outcomes -> rewarded episodes).
+"""The episode builder: lake events + outcomes -> rewarded episodes in lake/episodes.
 
-Each pass reads only the lake files new since its cursor, assembles the sessions they touch
-(pending sessions live in the builder's state, not in a re-scan of the lake), joins outcomes
-that arrive asynchronously, scores rewards and appends one immutable file to lake/episodes:
+It joins what production agents did (lake/events) with what was learned about it afterwards
+(lake/outcomes, arriving asynchronously), scores each session's reward (verifiable outcomes,
+the LLM judge, PARL shaping, penalties) and appends the llm_call rows the learner trains on.
+Sessions still waiting live in the builder's state (rewards/state.py), not in a re-scan of the lake:
 
     flywheel episodes                       # catch up with the lake, then exit
     flywheel episodes --follow              # keep polling (SIGTERM finishes the pass and exits 0)
     flywheel episodes --rewards-toml my.toml --state-dir var/state/episodes
+
+One pass (`Builder.run_pass`):
+1. plan: the lake files new since the committed cursors (at most max_files_per_pass per table)
+   and the pass's clock, saved as the intent before any output; a pass that did not commit is
+   re-run from its intent instead.
+2. merge: the new event rows join the pending ones (de-duplicated by event_id), the new outcomes
+   join the held ones (de-duplicated by outcome_id).
+3. route (`route`, pure): which sessions get label 1 now, which stay pending, which emitted
+   sessions get a new label, which outcomes stay held, and what is dropped and why.
+4. label: rewards for the routed sessions -> episode rows and index rows.
+5. commit: judge answers, the episode file, the index segment, then the new state generation.
 
 Join rules (the numbers are in the rewards TOML; see rewards/rewards.toml):
 * A session ends at its session_end event, or `join.session_idle_timeout_s` after its last event.
@@ -221,9 +233,193 @@ def _outcome_py(o: dict[str, Any]) -> dict[str, Any]:
 _OUTCOME_KEEP = ("outcome_id", "session_id", "agent_id", "kind", "value", "ts", "source")
 
 
+def merge_outcomes(held: list[dict[str, Any]], new: list[dict[str, Any]], clock: dt.datetime
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """(held outcomes as records, new outcomes not seen before, how many new ones were duplicates).
+
+    New rows are taken in lake order (topic, partition, offset), so the first copy of a replayed
+    outcome wins; each is stamped `held_since` = the pass clock, which starts its unknown-session hold.
+    """
+    records = [_outcome_py(o) for o in held]
+    seen_ids = {o["outcome_id"] for o in records}
+    fresh: list[dict[str, Any]] = []
+    duplicates = 0
+    for o in sorted(new, key=lambda o: (o["_topic"], o["_partition"], o["_offset"])):
+        if o["outcome_id"] in seen_ids:
+            duplicates += 1
+            continue
+        seen_ids.add(o["outcome_id"])
+        fresh.append({k: o[k] for k in _OUTCOME_KEEP} | {"held_since": clock})
+    return records, fresh, duplicates
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing: what a pass decides, from its inputs and its clock only (pure)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Due:
+    """A session whose label 1 is due this pass."""
+
+    session: Session
+    outcomes: list[dict[str, Any]]  # every outcome of the session so far, agent-level ones included
+    end_ts: dt.datetime  # the session_end's ts, or the last event's + the idle timeout
+    end_how: str  # "session_end" or "idle_timeout"
+    window_closed: bool  # the waited-for kinds still absent count as their `missing` rule says
+    drop: str | None = None  # "missing_outcome" or "no_llm_calls": indexed as label 0, no rows
+
+
+@dataclass
+class Routing:
+    """Where everything a pass holds goes."""
+
+    due: list[Due]  # by session id
+    pending: set[str]  # sessions still open or waiting for outcomes: their events stay in the state
+    relabel: dict[str, list[dict[str, Any]]]  # emitted session -> its new outcomes (label N+1)
+    held: list[dict[str, Any]]  # outcomes kept for a later pass: of pending sessions, or of sessions not seen yet
+    drops: Counter[str]  # by reason
+    late_sessions: list[str]  # emitted sessions that got events again (their events: late_event)
+    expired: list[dict[str, Any]]  # outcomes of never-seen sessions past their hold (unknown_session)
+
+
+def session_end(s: Session, clock: dt.datetime, join: reward_config.JoinSettings) -> tuple[dt.datetime, str] | None:
+    """(when, how) a session ended, or None while it may still get events."""
+    if s.ended:
+        assert s.end_ts is not None, f"session {s.session_id} ended without an end ts"
+        if clock - s.last_ts < dt.timedelta(seconds=join.end_grace_s):
+            return None  # events from the other emitter (proxy vs SDK) may still be in flight
+        return s.end_ts, "session_end"
+    if clock - s.last_ts >= dt.timedelta(seconds=join.session_idle_timeout_s):
+        return s.last_ts + dt.timedelta(seconds=join.session_idle_timeout_s), "idle_timeout"
+    return None
+
+
+def label_1_due(s: Session, outcomes: list[dict[str, Any]], clock: dt.datetime,
+                rewards: reward_config.RewardConfig) -> Due | None:
+    """Label 1 of a session if it is due at `clock`; None while it is open or waiting for outcomes."""
+    end = session_end(s, clock, rewards.join)
+    if end is None:
+        return None
+    end_ts, end_how = end
+    task = rewards.task(s.task_type)
+    whole = outcome_rewards.session_level(outcomes)
+    due, closed = outcome_rewards.label_due(rewards, task, {o["kind"] for o in whole}, end_ts, clock)
+    if not due:
+        return None
+    drop = None
+    if outcome_rewards.score_outcomes(rewards, task, whole, closed).drop:
+        drop = "missing_outcome"
+    elif not s.llm_calls:
+        drop = "no_llm_calls"
+    return Due(s, outcomes, end_ts, end_how, closed, drop)
+
+
+def outcome_fate(o: dict[str, Any], live: dict[str, list[dict[str, Any]]], index: dict[str, dict[str, Any]],
+                 clock: dt.datetime, hold_s: float) -> str:
+    """Where one outcome goes: "session" (a session not emitted yet), "relabel", "hold", or why it is dropped."""
+    sid = o["session_id"]
+    if sid in live:
+        return "session"
+    if sid in index:
+        entry = index[sid]
+        if o["outcome_id"] in {a["outcome_id"] for a in json.loads(entry["outcomes"])}:
+            return "duplicate_outcome"
+        if entry["label_version"] == 0:
+            return "session_dropped"
+        if clock > entry["expires_ts"]:
+            return "too_late"
+        return "relabel"
+    if clock - o["held_since"] >= dt.timedelta(seconds=hold_s):
+        return "unknown_session"
+    return "hold"
+
+
+def route(by_session: dict[str, list[dict[str, Any]]], index: dict[str, dict[str, Any]], outcomes: list[dict[str, Any]],
+          clock: dt.datetime, rewards: reward_config.RewardConfig) -> Routing:
+    """Decide a pass: the sessions labelled now, those left pending, the relabels, the outcomes held, the drops.
+
+    `by_session`: the de-duplicated events (pending and new) of each session; `index`: the latest
+    index row of every session among them, or among the outcomes', that was emitted before;
+    `outcomes`: the held outcomes, then the new ones. Nothing here reads a clock or a file.
+    """
+    drops: Counter[str] = Counter()
+    late = [sid for sid in by_session if sid in index]
+    for sid in late:
+        drops["late_event"] += len(by_session[sid])
+    live = {sid: events for sid, events in by_session.items() if sid not in index}
+    outcomes_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    relabel: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    held: list[dict[str, Any]] = []
+    expired: list[dict[str, Any]] = []
+    for o in outcomes:
+        fate = outcome_fate(o, live, index, clock, rewards.join.unknown_session_hold_s)
+        if fate == "session":
+            outcomes_of[o["session_id"]].append(o)
+        elif fate == "relabel":
+            relabel[o["session_id"]].append(o)
+        elif fate == "hold":
+            held.append(o)
+        else:
+            drops[fate] += 1
+            if fate == "unknown_session":
+                expired.append(o)
+    due: list[Due] = []
+    pending: set[str] = set()
+    for sid in sorted(live):
+        d = label_1_due(assemble(sid, live[sid]), outcomes_of.get(sid, []), clock, rewards)
+        if d is None:
+            pending.add(sid)
+            held.extend(outcomes_of.get(sid, []))
+            continue
+        if d.drop is not None:
+            drops[f"session_{d.drop}"] += 1
+        due.append(d)
+    return Routing(due, pending, dict(relabel), held, drops, late, expired)
+
+
+def label_1_index_row(due: Due, task: reward_config.TaskType, relabel_horizon_s: float) -> dict[str, Any]:
+    """The index row of a session's label 1 (its episode_file is set when the file is written)."""
+    return {
+        "session_id": due.session.session_id,
+        "label_version": 1,
+        "reason": "window_closed" if due.window_closed else "outcomes_in",
+        "task_type": due.session.task_type or task.name,
+        "end_ts": due.end_ts,
+        "expires_ts": due.end_ts + dt.timedelta(seconds=relabel_horizon_s),
+        "outcomes": json.dumps([_outcome_json({k: o[k] for k in _OUTCOME_KEEP}) for o in due.outcomes], sort_keys=True),
+    }
+
+
+def lifetime_counters(previous: dict[str, int], drops: Counter[str], res: "PassResult") -> dict[str, int]:
+    """The state's lifetime totals after a pass."""
+    counters = Counter(previous)
+    counters.update({f"dropped_{k}": v for k, v in drops.items() if v})
+    counters.update({"sessions_emitted": res.sessions_emitted, "relabels": res.relabels, "rows_written": res.rows_written,
+                     "event_rows_read": res.new_event_rows, "outcome_rows_read": res.new_outcome_rows})
+    return dict(counters)
+
+
 # ---------------------------------------------------------------------------------------------
 # The builder
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """What one pass reads and the clock it decides by."""
+
+    intent: Intent
+    resumed: bool  # the intent of a pass that did not commit: same input, same clock, same rows
+    files: dict[str, list[lake.LakeFile] | None]  # per table, the files to read (None: list them again)
+
+
+@dataclass
+class Labelled:
+    """A pass's output before it is written."""
+
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # episode rows, in file order
+    index_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # one per session labelled or dropped
+    sessions: int = 0  # sessions emitted at label 1
+    relabels: int = 0
+
+
 class Builder:
     def __init__(self, cfg: EpisodesConfig, rewards: reward_config.RewardConfig) -> None:
         import duckdb
@@ -246,183 +442,6 @@ class Builder:
         self.outcome_schema = schema.outcome_arrow_schema()
         self.episode_schema = schema.episode_arrow_schema()
 
-    # -- one pass -------------------------------------------------------------------------------
-    def run_pass(self, now: dt.datetime | None = None) -> PassResult:
-        import pyarrow as pa
-
-        t0 = time.perf_counter()
-        st = self.state
-        intent = self.store.load_intent()
-        resumed = intent is not None and intent.base_pass == st.pass_no
-        planned: dict[str, list[lake.LakeFile] | None] = {"events": None, "outcomes": None}  # None: list again
-        if not resumed:
-            clock = now or dt.datetime.now(dt.timezone.utc)
-            events_until, planned["events"], events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, self.cfg.max_files_per_pass)
-            outcomes_until, planned["outcomes"], outcomes_left = plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor,
-                                                       self.cfg.max_files_per_pass)
-            self.backlog_files = events_left + outcomes_left
-            intent = Intent(
-                base_pass=st.pass_no,
-                now=clock.isoformat(),
-                events_until=events_until,
-                outcomes_until=outcomes_until,
-                first_seq=st.next_seq,
-            )
-        else:
-            log.info("pass %d: resuming the plan of a pass that did not commit (same input, same clock)", st.pass_no + 1)
-        assert intent is not None
-        clock = schema.parse_ts(intent.now)
-        res = PassResult(st.pass_no + 1)
-        drops: Counter[str] = Counter()
-
-        new_events = read_range(self.cfg.lake_root, "events", st.events_cursor, intent.events_until, self.event_schema,
-                                planned["events"])
-        new_outcomes = read_range(self.cfg.lake_root, "outcomes", st.outcomes_cursor, intent.outcomes_until,
-                                  self.outcome_schema, planned["outcomes"])
-        res.new_event_rows, res.new_outcome_rows = new_events.num_rows, new_outcomes.num_rows
-        has_pending = st.pending is not None and st.pending.num_rows > 0
-        if not resumed and not new_events.num_rows and not new_outcomes.num_rows and not has_pending and not st.held_outcomes:
-            res.idle = True
-            res.seconds = time.perf_counter() - t0
-            return res
-        if not resumed:
-            self.store.save_intent(intent)
-
-        # 1. events: pending + new, de-duplicated by event_id (the first copy wins)
-        events, dup_events = self._merge_events(new_events)
-        drops["duplicate_event"] += dup_events
-        pending_ids = set(st.pending.column("session_id").to_pylist()) if has_pending else set()
-        new_event_sids = set(new_events.column("session_id").to_pylist())
-
-        # 2. outcomes: new ones de-duplicated among themselves and against those held
-        held = [_outcome_py(o) for o in st.held_outcomes]
-        seen_ids = {o["outcome_id"] for o in held}
-        fresh: list[dict[str, Any]] = []
-        for o in sorted(new_outcomes.to_pylist(), key=lambda o: (o["_topic"], o["_partition"], o["_offset"])):
-            if o["outcome_id"] in seen_ids:
-                drops["duplicate_outcome"] += 1
-                continue
-            seen_ids.add(o["outcome_id"])
-            fresh.append({k: o[k] for k in _OUTCOME_KEEP} | {"held_since": clock})
-
-        # 3. which sessions were emitted before (index lookup only for sessions not pending)
-        by_session = self._group(events)
-        unknown = (new_event_sids - pending_ids) | {o["session_id"] for o in fresh if o["session_id"] not in by_session}
-        # only sessions the in-memory filter knows are looked up, so a pass never scans the whole index
-        index = lookup_index(self.con, self.store, st.segments, {sid for sid in unknown if hash(sid) in self.emitted})
-        for sid in [s for s in by_session if s in index]:
-            drops["late_event"] += len(by_session.pop(sid))
-            log.warning("episodes: events arrived for session %s after it was labelled; dropped (late_event)", sid)
-
-        # 4. route outcomes: to a pending session, a relabel, held, or dropped
-        outcomes_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        relabel: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        still_held: list[dict[str, Any]] = []
-        for o in held + fresh:
-            sid = o["session_id"]
-            if sid in by_session:
-                outcomes_of[sid].append(o)
-            elif sid in index:
-                entry = index[sid]
-                applied = {a["outcome_id"] for a in json.loads(entry["outcomes"])}
-                if o["outcome_id"] in applied:
-                    drops["duplicate_outcome"] += 1
-                elif entry["label_version"] == 0:
-                    drops["session_dropped"] += 1
-                elif clock > entry["expires_ts"]:
-                    drops["too_late"] += 1
-                else:
-                    relabel[sid].append(o)
-            elif clock - o["held_since"] >= dt.timedelta(seconds=self.rewards.join.unknown_session_hold_s):
-                drops["unknown_session"] += 1
-                log.warning("episodes: outcome %s for unknown session %s held %.0fs; dropped (unknown_session)",
-                            o["outcome_id"], sid, self.rewards.join.unknown_session_hold_s)
-            else:
-                still_held.append(o)
-
-        # 5. label 1 for sessions that are due; relabels for emitted sessions with new outcomes
-        rows: list[dict[str, Any]] = []
-        index_rows: list[dict[str, Any]] = []
-        keep_sids: set[str] = set()
-        judge_deadline = time.monotonic() + self.rewards.judge.budget_s
-        # a re-run of this intent reuses the judge answers (failures included) its killed attempt
-        # recorded, so it writes the same rows as the attempt a reader may already have seen
-        self.judge_memo = self.store.load_judge_memo() if resumed else {}
-        for sid in sorted(by_session):
-            session = assemble(sid, by_session[sid])
-            out = self._label_one(session, outcomes_of.get(sid, []), clock, judge_deadline, drops)
-            if out is None:
-                keep_sids.add(sid)
-                still_held.extend(outcomes_of.get(sid, []))
-                continue
-            new_rows, index_row = out
-            rows.extend(new_rows)
-            index_rows.append(index_row)
-            res.sessions_emitted += bool(new_rows)
-        for sid in sorted(relabel):
-            new_rows, index_row = self._relabel(index[sid], relabel[sid], clock)
-            rows.extend(new_rows)
-            index_rows.append(index_row)
-            res.relabels += 1
-
-        if not resumed and not (res.new_event_rows or res.new_outcome_rows or rows or index_rows or any(drops.values())) \
-                and len(still_held) == len(held):
-            # waiting sessions, nothing changed: no new generation for a pass that decided nothing
-            self.store.clear_intent()
-            res.idle = True
-            res.pending_sessions, res.held_outcomes = len(keep_sids), len(still_held)
-            res.seconds = time.perf_counter() - t0
-            return res
-
-        # 6. write the episode file, then the index segment, then commit the state
-        if self.judge_memo:
-            self.store.save_judge_memo(self.judge_memo)
-        date = clock.date().isoformat()
-        episode_rel = ""
-        if rows:
-            first, last = intent.first_seq, intent.first_seq + len(rows) - 1
-            table = pa.Table.from_pylist([r | {"emitted_ts": clock} for r in rows], schema=self.episode_schema)
-            written = lake.write_file(self.cfg.lake_root, "episodes", date, SOURCE, 0, first, last, table)
-            episode_rel = f"episodes/date={written.date}/{Path(written.path).name}"
-            res.rows_written = len(rows)
-        segments = list(st.segments)
-        retired: list[str] = []
-        if index_rows:
-            for r in index_rows:
-                r["episode_file"] = episode_rel if r["label_version"] > 0 else ""
-            seg_table = pa.Table.from_pylist(index_rows, schema=segment_schema())
-            name = f"seg-{res.pass_no:012d}.parquet"
-            if len(segments) + 1 > SEGMENT_COMPACT_AT:
-                seg_table, retired = self._compact_segments(segments, seg_table, clock), segments
-                segments = []
-            self.store.write_segment(name, seg_table)
-            segments.append(name)
-
-        counters = Counter(st.counters)
-        counters.update({f"dropped_{k}": v for k, v in drops.items() if v})
-        counters.update({"sessions_emitted": res.sessions_emitted, "relabels": res.relabels, "rows_written": res.rows_written,
-                         "event_rows_read": res.new_event_rows, "outcome_rows_read": res.new_outcome_rows})
-        pending = self._pending_table(events, keep_sids)
-        new_state = BuilderState(
-            pass_no=res.pass_no,
-            next_seq=intent.first_seq + len(rows),
-            events_cursor=intent.events_until,
-            outcomes_cursor=intent.outcomes_until,
-            held_outcomes=[_outcome_json(o) for o in sorted(still_held, key=lambda o: o["outcome_id"])],
-            segments=segments,
-            counters=dict(counters),
-            pending=pending,
-        )
-        self.store.commit(new_state, retired)
-        self.state = new_state
-        self.emitted.update(hash(r["session_id"]) for r in index_rows)
-        res.pending_sessions = len(keep_sids)
-        res.held_outcomes = len(still_held)
-        res.drops = {k: v for k, v in drops.items() if v}
-        res.seconds = time.perf_counter() - t0
-        return res
-
-    # -- pieces of a pass ---------------------------------------------------------------------
     def _load_emitted(self) -> set[int]:
         """Hashes of every session in the live index: read once per process, then kept up to date.
 
@@ -435,6 +454,87 @@ class Builder:
         ids = self.con.sql(f"SELECT DISTINCT session_id FROM read_parquet({paths!r})").to_arrow_table()
         return {hash(sid) for sid in ids.column(0).to_pylist()}
 
+    # -- one pass ---------------------------------------------------------------------------------
+    def run_pass(self, now: dt.datetime | None = None) -> PassResult:
+        """One pass: plan, merge, route, label, commit (see the module docstring); idle when nothing changed."""
+        t0 = time.perf_counter()
+        st = self.state
+        plan = self._plan(now)
+        intent = plan.intent
+        clock = schema.parse_ts(intent.now)
+        res = PassResult(st.pass_no + 1)
+        new_events, new_outcomes = self._read(plan)
+        res.new_event_rows, res.new_outcome_rows = new_events.num_rows, new_outcomes.num_rows
+        has_pending = st.pending is not None and st.pending.num_rows > 0
+        if not plan.resumed and not new_events.num_rows and not new_outcomes.num_rows and not has_pending \
+                and not st.held_outcomes:
+            return self._idle(res, t0)
+        if not plan.resumed:
+            self.store.save_intent(intent)
+
+        drops: Counter[str] = Counter()
+        events, dup_events = self._merge_events(new_events)
+        drops["duplicate_event"] += dup_events
+        held, fresh, dup_outcomes = merge_outcomes(st.held_outcomes, new_outcomes.to_pylist(), clock)
+        drops["duplicate_outcome"] += dup_outcomes
+        by_session = self._group(events)
+        index = self._emitted_before(by_session, new_events, fresh)
+        routing = route(by_session, index, held + fresh, clock, self.rewards)
+        drops.update(routing.drops)
+        self._log_route_drops(routing)
+        labelled = self._label(routing, index, clock, plan.resumed)
+        res.sessions_emitted, res.relabels = labelled.sessions, labelled.relabels
+        res.pending_sessions, res.held_outcomes = len(routing.pending), len(routing.held)
+
+        if not plan.resumed and not (res.new_event_rows or res.new_outcome_rows or labelled.rows or labelled.index_rows
+                                     or any(drops.values())) and len(routing.held) == len(held):
+            # waiting sessions, nothing changed: no new generation for a pass that decided nothing
+            self.store.clear_intent()
+            return self._idle(res, t0)
+        self._commit(intent, clock, labelled, drops, self._pending_table(events, routing.pending), routing.held, res)
+        res.drops = {k: v for k, v in drops.items() if v}
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    @staticmethod
+    def _idle(res: PassResult, t0: float) -> PassResult:
+        res.idle = True
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    # -- plan -------------------------------------------------------------------------------------
+    def _plan(self, now: dt.datetime | None) -> Plan:
+        """The next files past each cursor and the clock (`now` or the wall clock), or the plan of a pass that did not commit."""
+        st = self.state
+        intent = self.store.load_intent()
+        if intent is not None and intent.base_pass == st.pass_no:
+            log.info("pass %d: resuming the plan of a pass that did not commit (same input, same clock)", st.pass_no + 1)
+            return Plan(intent, resumed=True, files={"events": None, "outcomes": None})
+        clock = now or dt.datetime.now(dt.timezone.utc)
+        max_files = self.cfg.max_files_per_pass
+        events_until, event_files, events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, max_files)
+        outcomes_until, outcome_files, outcomes_left = plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor,
+                                                                  max_files)
+        self.backlog_files = events_left + outcomes_left
+        intent = Intent(
+            base_pass=st.pass_no,
+            now=clock.isoformat(),
+            events_until=events_until,
+            outcomes_until=outcomes_until,
+            first_seq=st.next_seq,
+        )
+        return Plan(intent, resumed=False, files={"events": event_files, "outcomes": outcome_files})
+
+    def _read(self, plan: Plan) -> tuple["pa.Table", "pa.Table"]:
+        """The event and outcome rows between the committed cursors and the plan's."""
+        st, root = self.state, self.cfg.lake_root
+        events = read_range(root, "events", st.events_cursor, plan.intent.events_until, self.event_schema,
+                            plan.files["events"])
+        outcomes = read_range(root, "outcomes", st.outcomes_cursor, plan.intent.outcomes_until, self.outcome_schema,
+                              plan.files["outcomes"])
+        return events, outcomes
+
+    # -- merge ------------------------------------------------------------------------------------
     def _merge_events(self, new_events: "pa.Table") -> tuple["pa.Table", int]:
         import pyarrow as pa
 
@@ -465,72 +565,77 @@ class Builder:
             out[e["session_id"]].append(e)
         return out
 
-    def _pending_table(self, events: "pa.Table", keep: set[str]) -> "pa.Table":
-        import pyarrow as pa
-        import pyarrow.compute as pc
+    # -- route (its input from the index) ---------------------------------------------------------
+    def _emitted_before(self, by_session: dict[str, list[dict[str, Any]]], new_events: "pa.Table",
+                        fresh: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Index rows of the sessions this pass touches that were emitted before (pending ones were not: not looked up)."""
+        st = self.state
+        pending_ids = set(st.pending.column("session_id").to_pylist()) if st.pending is not None else set()
+        new_event_sids = set(new_events.column("session_id").to_pylist())
+        unknown = (new_event_sids - pending_ids) | {o["session_id"] for o in fresh if o["session_id"] not in by_session}
+        # only sessions the in-memory filter knows are looked up, so a pass never scans the whole index
+        return lookup_index(self.con, self.store, st.segments, {sid for sid in unknown if hash(sid) in self.emitted})
 
-        if not keep or not events.num_rows:
-            return self.event_schema.empty_table()
-        return events.filter(pc.is_in(events["session_id"], value_set=pa.array(sorted(keep), pa.string())))
+    def _log_route_drops(self, routing: Routing) -> None:
+        for sid in routing.late_sessions:
+            log.warning("episodes: events arrived for session %s after it was labelled; dropped (late_event)", sid)
+        for o in routing.expired:
+            log.warning("episodes: outcome %s for unknown session %s held %.0fs; dropped (unknown_session)",
+                        o["outcome_id"], o["session_id"], self.rewards.join.unknown_session_hold_s)
 
-    def _label_one(self, s: Session, outcomes: list[dict[str, Any]], clock: dt.datetime, judge_deadline: float,
-                   drops: Counter[str]) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
-        """Label 1 of a session, or None while it is still open or waiting for outcomes."""
-        join = self.rewards.join
-        if s.ended:
-            end_ts, end_how = s.end_ts, "session_end"
-            if clock - s.last_ts < dt.timedelta(seconds=join.end_grace_s):
-                return None  # events from the other emitter (proxy vs SDK) may still be in flight
-        elif clock - s.last_ts >= dt.timedelta(seconds=join.session_idle_timeout_s):
-            end_ts, end_how = s.last_ts + dt.timedelta(seconds=join.session_idle_timeout_s), "idle_timeout"
-        else:
-            return None
-        assert end_ts is not None
+    # -- label ------------------------------------------------------------------------------------
+    def _label(self, routing: Routing, index: dict[str, dict[str, Any]], clock: dt.datetime, resumed: bool) -> Labelled:
+        """Rewards for the routed sessions: label 1 of the due ones, label N+1 of the relabelled ones."""
+        out = Labelled()
+        judge_deadline = time.monotonic() + self.rewards.judge.budget_s
+        # a re-run of this intent reuses the judge answers (failures included) its killed attempt
+        # recorded, so it writes the same rows as the attempt a reader may already have seen
+        self.judge_memo = self.store.load_judge_memo() if resumed else {}
+        for due in routing.due:
+            rows, index_row = self._label_one(due, judge_deadline)
+            out.rows.extend(rows)
+            out.index_rows.append(index_row)
+            out.sessions += bool(rows)
+        for sid in sorted(routing.relabel):
+            rows, index_row = self._relabel(index[sid], routing.relabel[sid], clock)
+            out.rows.extend(rows)
+            out.index_rows.append(index_row)
+            out.relabels += 1
+        return out
+
+    def _label_one(self, due: Due, judge_deadline: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Label 1 of a due session: its rows and its index row (label 0 and no rows when it is dropped)."""
+        s = due.session
         task = self.rewards.task(s.task_type)
-        whole = outcome_rewards.session_level(outcomes)
-        due, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in whole}, end_ts, clock)
-        if not due:
-            return None
-        score = outcome_rewards.score_outcomes(self.rewards, task, whole, closed)
-        index_row = {
-            "session_id": s.session_id,
-            "label_version": 1,
-            "reason": "window_closed" if closed else "outcomes_in",
-            "task_type": s.task_type or task.name,
-            "end_ts": end_ts,
-            "expires_ts": end_ts + dt.timedelta(seconds=join.relabel_horizon_s),
-            "outcomes": json.dumps([_outcome_json({k: o[k] for k in _OUTCOME_KEEP}) for o in outcomes], sort_keys=True),
-        }
-        if score.drop or not s.llm_calls:
-            reason = "missing_outcome" if score.drop else "no_llm_calls"
-            drops[f"session_{reason}"] += 1
-            return [], index_row | {"label_version": 0, "reason": reason}
+        index_row = label_1_index_row(due, task, self.rewards.join.relabel_horizon_s)
+        if due.drop is not None:
+            return [], index_row | {"label_version": 0, "reason": due.drop}
         stats = parl.parl_stats(s, self.rewards.parl)
         penalties, n_malformed = parl.malformed_penalties(s, self.rewards.penalties.malformed_tool_call)
         judged = self._judge(s, task, judge_deadline)
         r_judge = judged.r_judge(self.rewards.judge.weight) if judged is not None else None
         detail_base = {
-            "outcomes": score.detail,
             "judge": None if judged is None else {"status": judged.status, "score": judged.score,
                                                    "rubric": task.rubric, "rubric_version": self.rewards.rubrics[task.rubric].version},
             "parl": parl.detail(stats),
             "malformed_tool_calls": n_malformed,
             "context_edits": s.context_edits,
             "context_tokens_removed": s.context_tokens_removed,
-            "end": end_how,
-            "end_ts": end_ts.isoformat(),
+            "end": due.end_how,
+            "end_ts": due.end_ts.isoformat(),
             "status": s.status,
             "label_reason": index_row["reason"],
             "rewards_config": self.rewards.digest,
         }
-        scores = {a: outcome_rewards.score_for_agent(self.rewards, task, outcomes, a, closed) for a in s.agents}
+        scores = {a: outcome_rewards.score_for_agent(self.rewards, task, due.outcomes, a, due.window_closed)
+                  for a in s.agents}
         rows = []
         for e in s.llm_calls:
             r_penalty = penalties.get(e["event_id"], 0.0)
             mine = scores[e["agent_id"]]
             rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
                                   detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty},
-                                  outcomes=outcomes))
+                                  outcomes=due.outcomes))
         return rows, index_row
 
     def _judge(self, s: Session, task: reward_config.TaskType, deadline: float) -> judge_mod.JudgeResult | None:
@@ -628,6 +733,63 @@ class Builder:
                 return fs, f.path
         raise LakeReadError(f"episodes: the rows of {rel} are in no episodes file (deleted outside compaction?)")
 
+    # -- commit -----------------------------------------------------------------------------------
+    def _commit(self, intent: Intent, clock: dt.datetime, labelled: Labelled, drops: Counter[str], pending: "pa.Table",
+                held: list[dict[str, Any]], res: PassResult) -> None:
+        """Write the pass's output, then commit: judge answers, episode file, index segment, new generation.
+
+        The order is the crash safety (rewards/state.py): whatever the new generation names is on
+        disk before CURRENT names it, and each file's name comes from the intent, so a re-run of a
+        pass killed anywhere in here rewrites the same files with the same rows.
+        """
+        if self.judge_memo:
+            self.store.save_judge_memo(self.judge_memo)
+        episode_rel = self._write_episodes(intent.first_seq, clock, labelled.rows)
+        res.rows_written = len(labelled.rows)
+        segments, retired = self._write_segment(res.pass_no, labelled.index_rows, episode_rel, clock)
+        new_state = BuilderState(
+            pass_no=res.pass_no,
+            next_seq=intent.first_seq + len(labelled.rows),
+            events_cursor=intent.events_until,
+            outcomes_cursor=intent.outcomes_until,
+            held_outcomes=[_outcome_json(o) for o in sorted(held, key=lambda o: o["outcome_id"])],
+            segments=segments,
+            counters=lifetime_counters(self.state.counters, drops, res),
+            pending=pending,
+        )
+        self.store.commit(new_state, retired)
+        self.state = new_state
+        self.emitted.update(hash(r["session_id"]) for r in labelled.index_rows)
+
+    def _write_episodes(self, first_seq: int, clock: dt.datetime, rows: list[dict[str, Any]]) -> str:
+        """The pass's episode file, named by its rows' sequence numbers; its lake path ("" when there are no rows)."""
+        import pyarrow as pa
+
+        if not rows:
+            return ""
+        first, last = first_seq, first_seq + len(rows) - 1
+        table = pa.Table.from_pylist([r | {"emitted_ts": clock} for r in rows], schema=self.episode_schema)
+        written = lake.write_file(self.cfg.lake_root, "episodes", clock.date().isoformat(), SOURCE, 0, first, last, table)
+        return f"episodes/date={written.date}/{Path(written.path).name}"
+
+    def _write_segment(self, pass_no: int, index_rows: list[dict[str, Any]], episode_rel: str,
+                       clock: dt.datetime) -> tuple[list[str], list[str]]:
+        """The pass's index segment (merged with the live ones once there are SEGMENT_COMPACT_AT): (live segments, retired)."""
+        import pyarrow as pa
+
+        segments = list(self.state.segments)
+        if not index_rows:
+            return segments, []
+        rows = [r | {"episode_file": episode_rel if r["label_version"] > 0 else ""} for r in index_rows]
+        seg_table = pa.Table.from_pylist(rows, schema=segment_schema())
+        retired: list[str] = []
+        if len(segments) + 1 > SEGMENT_COMPACT_AT:
+            seg_table, retired = self._compact_segments(segments, seg_table, clock), segments
+            segments = []
+        name = f"seg-{pass_no:012d}.parquet"
+        self.store.write_segment(name, seg_table)
+        return segments + [name], retired
+
     def _compact_segments(self, segments: list[str], current: "pa.Table", clock: dt.datetime) -> "pa.Table":
         """Merge the live segments (latest row per session, unexpired) with this pass's rows."""
         import pyarrow as pa
@@ -642,6 +804,15 @@ class Builder:
         self.con.unregister("cur")
         return conform(merged, segment_schema()) if merged.num_rows else pa.Table.from_pylist([], schema=segment_schema())
 
+    def _pending_table(self, events: "pa.Table", keep: set[str]) -> "pa.Table":
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if not keep or not events.num_rows:
+            return self.event_schema.empty_table()
+        return events.filter(pc.is_in(events["session_id"], value_set=pa.array(sorted(keep), pa.string())))
+
+    # -- status heartbeat -------------------------------------------------------------------------
     def status(self, res: PassResult | None) -> dict[str, Any]:
         st = self.state
         return {
