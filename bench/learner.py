@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.fixtures.episodes import random_rows, write_episodes
     from flywheel import stack
     from flywheel.learner.config import LearnerConfig
-    from flywheel.learner.daemon import Learner, Tracker
+    from flywheel.learner.daemon import Learner
+    from flywheel.learner.metrics import Tracker
     from flywheel.learner.model import load_policy, pack
 
     console = Console(stderr=True)
@@ -177,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             result = learner.train_step(learner.plan(got[0]))
             learner.finish_step(got[0], got[1], result, tracker)
             t0 = time.perf_counter()  # step finished (checkpointed)
-            learner.write_version()
+            learner.versions.write()
             learner.save_checkpoint()
-            out = learner.push_version()
+            out = learner.versions.push(learner.last_batch)
             if "publish_s" not in out:
                 raise RuntimeError("publish failed; see the log above")
             name = version_name(learner.state.policy_version)

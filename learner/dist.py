@@ -1,6 +1,6 @@
 """Data parallelism on torch's own engine: the daemon under `torchrun --nproc-per-node N`.
 
-    torchrun --nproc-per-node 2 -m learner.daemon --batch-size 64 ...
+    torchrun --nproc-per-node 2 -m flywheel.learner.daemon --batch-size 64 ...
 
 torchrun sets RANK / WORLD_SIZE / MASTER_ADDR; without them the learner is a single process
 and every function here is a no-op. Rank 0 reads the lake, forms the batch plan (episodes
@@ -80,6 +80,19 @@ def wrap(module: torch.nn.Module, world: World) -> torch.nn.Module:
 
     device_ids = [torch.cuda.current_device()] if next(module.parameters()).is_cuda else None
     return DistributedDataParallel(module, device_ids=device_ids)
+
+
+def all_reduce_figures(sums: list[float], maxes: list[float], world: World) -> tuple[list[float], list[float]]:
+    """Per-rank figures reduced over all ranks: `sums` added up, `maxes` their maximum (float64)."""
+    if not world.distributed:
+        return sums, maxes
+    import torch.distributed as dist
+
+    t_sum = torch.tensor(sums, dtype=torch.float64)
+    t_max = torch.tensor(maxes, dtype=torch.float64)
+    dist.all_reduce(t_sum)
+    dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+    return t_sum.tolist(), t_max.tolist()
 
 
 def barrier(world: World) -> None:

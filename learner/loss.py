@@ -123,6 +123,45 @@ class Baseline:
     def state(self) -> dict[str, float]:
         return dict(self.means)
 
+    def update(self, batch_means: dict[str, float]) -> None:
+        """Move each task_type's mean toward this batch's (the batch mean the first time a task_type is seen)."""
+        for t, batch_mean in batch_means.items():
+            prev = self.means.get(t)
+            self.means[t] = batch_mean if prev is None else self.momentum * prev + (1 - self.momentum) * batch_mean
+
+
+def task_means(rewards: Sequence[float], task_types: Sequence[str]) -> dict[str, float]:
+    """Mean reward of each task_type in the batch."""
+    by_task: dict[str, list[float]] = {}
+    for r, t in zip(rewards, task_types):
+        by_task.setdefault(t, []).append(r)
+    return {t: sum(rs) / len(rs) for t, rs in by_task.items()}
+
+
+def group_means(rewards: Sequence[float], group_ids: Sequence[str | None]) -> dict[int, float]:
+    """Row index -> its group's mean reward, for the rows whose group_id is shared by >= 2 rows."""
+    groups: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        if g is not None:
+            groups.setdefault(g, []).append(i)
+    means: dict[int, float] = {}
+    for members in groups.values():
+        if len(members) >= 2:
+            mean = sum(rewards[i] for i in members) / len(members)
+            means.update(dict.fromkeys(members, mean))
+    return means
+
+
+def scaled_by_std(adv: list[float]) -> list[float]:
+    """Advantages divided by their sample std (>= 2 rows), unchanged when that std is (nearly) 0."""
+    n = len(adv)
+    mean = sum(adv) / n
+    std = math.sqrt(sum((a - mean) ** 2 for a in adv) / (n - 1))
+    # scale only: the baseline already centres the advantages, and re-centring would undo it.
+    # Equal rewards (std 0) are not scaled: dividing by 1e-6 turned a batch of all-failed rows
+    # (a collapsing run) into advantages of -2e5, a full-size step of "push everything down".
+    return [a / std for a in adv] if std > 1e-3 else adv
+
 
 def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: Sequence[str | None],
                baseline: Baseline | None, *, group_relative: bool, normalize: bool,
@@ -147,41 +186,21 @@ def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: S
     """
     n = len(rewards)
     assert n == len(task_types) == len(group_ids), "rewards, task_types and group_ids differ in length"
-    groups: dict[str, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        if g is not None and group_relative:
-            groups.setdefault(g, []).append(i)
-    by_task: dict[str, list[float]] = {}
-    for r, t in zip(rewards, task_types):
-        by_task.setdefault(t, []).append(r)
-    batch_means = {t: sum(rs) / len(rs) for t, rs in by_task.items()}
+    batch_means = task_means(rewards, task_types)
+    in_group = group_means(rewards, group_ids) if group_relative else {}
     base = [0.0] * n
-    in_group = [False] * n
-    for members in groups.values():
-        if len(members) >= 2:
-            mean = sum(rewards[i] for i in members) / len(members)
-            for i in members:
-                base[i], in_group[i] = mean, True
     for i, t in enumerate(task_types):
-        if in_group[i]:
-            continue
-        if batch_baseline:
+        if i in in_group:
+            base[i] = in_group[i]
+        elif batch_baseline:
             base[i] = batch_means[t]
         elif baseline is not None:
             base[i] = baseline.means.get(t, batch_means[t])
     adv = [r - b for r, b in zip(rewards, base)]
     if baseline is not None:
-        for t, batch_mean in batch_means.items():
-            prev = baseline.means.get(t)
-            baseline.means[t] = batch_mean if prev is None else baseline.momentum * prev + (1 - baseline.momentum) * batch_mean
+        baseline.update(batch_means)  # after the rows read it: their running baseline is that of earlier batches
     if normalize and n > 1:
-        mean = sum(adv) / n
-        std = math.sqrt(sum((a - mean) ** 2 for a in adv) / (n - 1))
-        # scale only: the baseline already centres the advantages, and re-centring would undo it.
-        # Equal rewards (std 0) are not scaled: dividing by 1e-6 turned a batch of all-failed rows
-        # (a collapsing run) into advantages of -2e5, a full-size step of "push everything down".
-        if std > 1e-3:
-            adv = [a / std for a in adv]
+        adv = scaled_by_std(adv)
     if positive_only:
         adv = [max(a, 0.0) for a in adv]
     return adv

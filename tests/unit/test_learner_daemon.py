@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
+from bench.fixtures.episodes import random_rows, write_episodes
+from bench.fixtures.models import tiny_model
 from flywheel.ingest import lake
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig
@@ -130,7 +131,7 @@ def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Pa
     factors = []
     for step in range(6):
         learner.state.step = step
-        factors.append(learner.warmup_factor())
+        factors.append(learner.trainer.warmup_factor())
     assert factors == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
     learner.state.step = 0
     rows = random_rows(8, seed=3, vocab_size=512)
@@ -139,7 +140,7 @@ def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Pa
     batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
     learner.train_step(learner.plan(batch))
     assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4), "the first step runs at lr / warmup_steps"
-    assert Learner(_cfg(tmp_path / "b", model_dir, warmup_steps=0)).warmup_factor() == 1.0
+    assert Learner(_cfg(tmp_path / "b", model_dir, warmup_steps=0)).trainer.warmup_factor() == 1.0
 
 
 def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_path: Path, model_dir: Path) -> None:
@@ -154,8 +155,8 @@ def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_pa
         batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
         plan = [(e, a if i % 3 else 0.0) for i, (e, a) in enumerate(zip(batch, [0.5, -1.0, 2.0, 1.5] * 2))]
         if not skip:
-            learner.rows_to_run = lambda p: p  # type: ignore[method-assign]
-        run_rows = learner.rows_to_run(plan)
+            learner.trainer.rows_to_run = lambda p: p  # type: ignore[method-assign]
+        run_rows = learner.trainer.rows_to_run(plan)
         assert len(run_rows) == (5 if skip else 8), "rows 0, 3 and 6 have advantage 0"
         learner.train_step(plan)
         grads.append([p.grad.clone() for p in learner.policy.trainable_parameters()])
@@ -163,11 +164,11 @@ def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_pa
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6), "skipping advantage-0 rows changed the gradient"
     with_kl = Learner(_cfg(tmp_path / "kl", model_dir, lake_root=str(tmp_path / "lake"), kl_coef=0.1))
-    assert with_kl.rows_to_run(plan) == plan, "with a KL term every row has a gradient"
+    assert with_kl.trainer.rows_to_run(plan) == plan, "with a KL term every row has a gradient"
 
 
 def test_the_learner_follows_the_gate_only_when_its_newest_version_was_abandoned() -> None:
-    from flywheel.learner.daemon import rebase_target
+    from flywheel.learner.gate import rebase_target
 
     assert rebase_target([], 0, {}) is None, "nothing published: nothing to abandon"
     assert rebase_target([1, 2], 2, {"challenger": 2}) is None, "v2 still waits for the gate"
@@ -188,9 +189,9 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
     batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
     learner.train_step(learner.plan(batch))
     champion = {k: v.clone() for k, v in learner.policy.weights_state().items()}
-    learner.write_version()  # policy-v1: the champion-to-be
+    learner.versions.write()  # policy-v1: the champion-to-be
     learner.train_step(learner.plan(batch))
-    learner.write_version()  # policy-v2, which the gate will refuse
+    learner.versions.write()  # policy-v2, which the gate will refuse
     learner.train_step(learner.plan(batch))
     assert any(not torch.equal(champion[k], v) for k, v in learner.policy.weights_state().items())
 
@@ -203,7 +204,7 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
     assert all(float(s["exp_avg"].abs().sum()) == 0.0 for s in learner.optimizer.state.values()), \
         "Adam's first moment still points along the abandoned line"
     assert all(float(s["exp_avg_sq"].abs().sum()) > 0.0 for s in learner.optimizer.state.values())
-    assert learner.next_version() == 3, "a version number is never reused"
+    assert learner.versions.next_version() == 3, "a version number is never reused"
 
     learner.rebase(0, None)  # the champion may be policy-v0 itself
     if mode == "full":
@@ -226,28 +227,28 @@ def test_with_wait_for_gate_a_version_is_published_only_after_the_gate_ruled_on_
                            publish_every_steps=2, publish_every_s=3600.0, publish_wait_for_gate=True))
     registry = Registry(uri, "m")
     for version in (1, 2):
-        registry.register(version, str(learner.write_version()), {"kind": "lora"})
+        registry.register(version, str(learner.versions.write()), {"kind": "lora"})
     registry.set_alias("challenger", 1)
     learner.state.published, learner.state.policy_version = [1], 1
     learner.state.step, learner.state.last_published_step = 5, 2
-    assert not learner.publish_due(learner.read_aliases()), "policy-v1 is still the challenger: the gate has not ruled"
+    assert not learner.publish_due(learner.gate.read_aliases()), "policy-v1 is still the challenger: the gate has not ruled"
     registry.make_champion(1)
-    assert learner.publish_due(learner.read_aliases()), "promoted"
+    assert learner.publish_due(learner.gate.read_aliases()), "promoted"
     registry.set_alias("challenger", 2)
     learner.state.published, learner.state.policy_version = [1, 2], 2
-    assert not learner.publish_due(learner.read_aliases())
-    learner.last_publish_time -= 3601.0
-    assert learner.publish_due(learner.read_aliases()), "publish_every_s publishes even without a verdict (a stopped gate must not stop the loop)"
-    learner.last_publish_time += 3601.0
+    assert not learner.publish_due(learner.gate.read_aliases())
+    learner.versions.last_publish_time -= 3601.0
+    assert learner.publish_due(learner.gate.read_aliases()), "publish_every_s publishes even without a verdict (a stopped gate must not stop the loop)"
+    learner.versions.last_publish_time += 3601.0
     learner.cfg.publish_wait_for_gate = False
-    assert learner.publish_due(learner.read_aliases()), "without wait_for_gate the step count alone decides"
+    assert learner.publish_due(learner.gate.read_aliases()), "without wait_for_gate the step count alone decides"
     learner.cfg.publish_wait_for_gate = True
 
     registry.clear_alias("challenger")  # policy-v2 rejected
-    assert learner.publish_due(learner.read_aliases()), "a rejection is a ruling too"
-    learner.follow_gate(learner.read_aliases())  # what finish_step does before asking publish_due
+    assert learner.publish_due(learner.gate.read_aliases()), "a rejection is a ruling too"
+    learner.follow_gate(learner.gate.read_aliases())  # what finish_step does before asking publish_due
     assert learner.state.policy_version == 1 and learner.state.abandoned == [2], "back on the champion"
-    assert not learner.publish_due(learner.read_aliases()), "the champion's weights get their own steps before the next version"
+    assert not learner.publish_due(learner.gate.read_aliases()), "the champion's weights get their own steps before the next version"
 
 
 def test_epochs_reuse_each_batch_under_the_clipped_ratio_only(tmp_path: Path, model_dir: Path) -> None:

@@ -1,0 +1,162 @@
+"""Policy versions of the learner: when one is due, writing policy-v<N>/, handing it to serving.
+
+A version is due every publish_every_steps steps or publish_every_s seconds (with
+publish_wait_for_gate, the step count waits for the gate's verdict on the previous one). It is
+written as var/policies/policy-v<N>/ (weights + policy.json) into a temp directory renamed in
+place (flywheel.base.atomic), becomes the learner's current version, and is handed to
+`flywheel.serving.publisher.publish`, which pushes it to every vLLM server and registers it in
+MLflow. After a push, vLLM scores a sample of the last batch to measure the served artifact's
+logprob gap to the learner (learner/parity.py). Rank 0 alone versions and pushes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flywheel.base import defaults
+from flywheel.base.atomic import Durability, publish, temp_path
+from flywheel.base.versions import parse_version, version_name
+from flywheel.learner.config import LearnerConfig
+
+if TYPE_CHECKING:  # torch-backed types: the daemon imports this module before it loads torch
+    from flywheel.learner.checkpoint import TrainerState
+    from flywheel.learner.data import Episode, EpisodeStream
+    from flywheel.learner.model import Policy
+    from flywheel.serving.tier import TierConfig
+
+log = logging.getLogger(__name__)
+
+
+def serving_tier(cfg: LearnerConfig) -> TierConfig:
+    """The serving tier to publish to: the tier's own FLYWHEEL_* settings (FLYWHEEL_SERVERS lists every
+    server of a multi-server tier), with this learner's model, directories and registry winning."""
+    from flywheel.base.config import resolve
+    from flywheel.serving.tier import TierConfig
+
+    mine: dict[str, Any] = {"base_model": cfg.base_model, "policies_dir": cfg.policies_dir,
+                            "registered_model": cfg.registered_model,
+                            "mlflow_tracking_uri": cfg.mlflow_tracking_uri or defaults.MLFLOW_TRACKING_URI}
+    if "FLYWHEEL_SERVERS" not in os.environ:
+        mine["servers"] = [cfg.vllm_url]
+    return resolve(TierConfig, {}, os.environ, mine)
+
+
+def next_version(policies_dir: str | Path, current: int) -> int:
+    """One past both `current` and any directory already there (a crash may have left one unrecorded)."""
+    existing = [v for p in Path(policies_dir).glob("policy-v*") if (v := parse_version(p.name)) is not None]
+    return max([current, *existing]) + 1
+
+
+def version_meta(version: int, kind: str, base_model: str, state: TrainerState,
+                 data_window: dict[str, Any]) -> dict[str, Any]:
+    """policy.json of a new version; `state` is the learner's before the version becomes current."""
+    return {
+        "policy_version": version, "kind": kind, "base_model": str(Path(base_model).resolve()),
+        "created_ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "learner_step": state.step,
+        "data_window": data_window, "parent_version": state.policy_version,
+    }
+
+
+class Versions:
+    """The learner's line of versions: the publish clock, writing the next one, pushing it to serving."""
+
+    def __init__(self, cfg: LearnerConfig, state: TrainerState, policy: Policy,
+                 stream: EpisodeStream | None) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.policy = policy
+        self.stream = stream
+        self.last_publish_time = time.monotonic()
+        self.version_dir: Path | None = None  # the newest directory written (or found at start-up)
+
+    def due(self, gate_ruled: bool) -> bool:
+        """A version is due by step count or by time; gate_ruled: the gate has judged the newest one
+        (only consulted with publish_wait_for_gate)."""
+        cfg = self.cfg
+        by_steps = cfg.publish_every_steps > 0 and self.state.step - self.state.last_published_step >= cfg.publish_every_steps
+        by_time = cfg.publish_every_s > 0 and time.monotonic() - self.last_publish_time >= cfg.publish_every_s
+        if by_steps and not by_time and cfg.publish_wait_for_gate and not gate_ruled:
+            return False  # the steps go on; the version waits until the gate has judged the one before
+        return by_steps or by_time
+
+    def next_version(self) -> int:
+        return next_version(self.cfg.policies_dir, self.state.policy_version)
+
+    def adopt(self, version: int) -> None:
+        """Make `version` current: the next version is due publish_every_steps / _s from now."""
+        self.state.policy_version = version
+        self.state.last_published_step = self.state.step
+        self.last_publish_time = time.monotonic()
+
+    def write(self) -> Path:
+        """Write policy-v<N>/ atomically (temp dir + rename) and make N the current version."""
+        assert self.stream is not None
+        version = self.next_version()
+        root = Path(self.cfg.policies_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / version_name(version)
+        tmp = temp_path(final)
+        tmp.mkdir()
+        kind = self.policy.save_weights(tmp)
+        meta = version_meta(version, kind, self.cfg.base_model, self.state, self.stream.data_window())
+        (tmp / "policy.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        publish(tmp, final, Durability.DURABLE)  # serving may read it from another host right away
+        log.info("publish: wrote %s (%s, step %d, parent policy-v%d)", final, kind, self.state.step,
+                 self.state.policy_version)
+        self.state.published.append(version)
+        self.adopt(version)
+        self.version_dir = final
+        return final
+
+    def republish_latest(self) -> None:
+        """At start-up, hand the newest version to serving again: a kill between writing a version and
+        pushing it would otherwise leave it unserved (publish is idempotent, so this is cheap when it was)."""
+        if not (self.cfg.publish and self.state.published):
+            return
+        path = Path(self.cfg.policies_dir) / version_name(self.state.published[-1])
+        if path.is_dir():
+            self.version_dir = path
+            log.info("setup: making sure serving has %s", path.name)
+            self.push([])
+
+    def push(self, batch: list[Episode]) -> dict[str, float]:
+        """Hand the newest directory to serving and measure the served artifact's parity on a sample of `batch`."""
+        from flywheel.serving import publisher
+
+        out: dict[str, float] = {"published_version": float(self.state.policy_version)}
+        if not self.cfg.publish:
+            return out
+        start = time.perf_counter()
+        try:
+            # the one hand-off owned by serving: push to every vLLM server and register in MLflow
+            served = publisher.publish(self.version_dir, serving_tier(self.cfg)).served_name
+            out["publish_s"] = time.perf_counter() - start
+            log.info("publish: policy-v%d handed to serving in %.2f s (served as %s)", self.state.policy_version,
+                     out["publish_s"], served)
+        except Exception as exc:  # serving keeps the old version; the directory stays for `flywheel publish`
+            log.error("publish: policy-v%d NOT pushed (%s: %s); retry with `flywheel publish %s`",
+                      self.state.policy_version, type(exc).__name__, exc, self.version_dir)
+            return out
+        if served is not None and self.cfg.parity_samples > 0 and batch:
+            out.update(self.served_parity(batch, served))
+        return out
+
+    def served_parity(self, batch: list[Episode], served: str) -> dict[str, float]:
+        """Learner vs vLLM logprobs of the served version on a sample of `batch` ({} when vLLM cannot score)."""
+        from flywheel.learner.parity import served_gap
+
+        sample = random.Random(self.state.step).sample(batch, min(self.cfg.parity_samples, len(batch)))
+        try:
+            g = served_gap(self.policy, sample, self.cfg.vllm_url, served)
+        except Exception as exc:
+            log.warning("parity: vLLM scoring of %s failed (%s); mismatch not measured", served, exc)
+            return {}
+        log.info("parity: policy-v%d learner vs vLLM logprobs on %d tokens: mean |diff| %.2e, max %.2e",
+                 self.state.policy_version, g.tokens, g.mean_abs, g.max_abs)
+        return {"parity_served_mean": g.mean_abs, "parity_served_max": g.max_abs}

@@ -1,0 +1,97 @@
+"""The learner's parts as pure functions: trainer row selection and warm-up, the gate's rulings,
+version numbers and the publish clock, a step's metrics, the advantage helpers (no model)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flywheel.learner.checkpoint import TrainerState
+from flywheel.learner.config import LearnerConfig
+from flywheel.learner.gate import abandoned_above, gate_ruled
+from flywheel.learner.loss import Baseline, group_means, scaled_by_std, task_means
+from flywheel.learner.metrics import step_metrics
+from flywheel.learner.trainer import StepResult, rows_worth_running, warmup_factor_at
+from flywheel.learner.versions import Versions, next_version, version_meta
+
+
+def test_warmup_is_linear_then_flat_and_off_at_zero_steps() -> None:
+    assert [warmup_factor_at(s, 4) for s in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert warmup_factor_at(0, 0) == 1.0
+
+
+def test_rows_of_advantage_zero_are_left_out_but_every_rank_gets_one() -> None:
+    plan = [("a", 0.0), ("b", 1.0), ("c", 0.0), ("d", -0.5)]
+    assert rows_worth_running(plan, kl_coef=0.0, world_size=1) == [("b", 1.0), ("d", -0.5)]
+    assert rows_worth_running(plan, kl_coef=0.0, world_size=3) == [("b", 1.0), ("d", -0.5), ("a", 0.0)]
+    zeros = [("a", 0.0), ("c", 0.0)]
+    assert rows_worth_running(zeros, kl_coef=0.0, world_size=1) == [("a", 0.0)], "DDP needs a backward on every rank"
+    assert rows_worth_running(plan, kl_coef=0.1, world_size=1) == plan, "a KL term gives every row a gradient"
+
+
+def test_the_gate_has_ruled_unless_our_newest_version_is_the_challenger() -> None:
+    assert gate_ruled([1, 2], None), "registry unreadable: publishing must not stop"
+    assert gate_ruled([], {"challenger": 1}), "nothing published: nothing to wait for"
+    assert not gate_ruled([1, 2], {"champion": 1, "challenger": 2})
+    assert gate_ruled([1, 2], {"champion": 2}), "promoted"
+    assert gate_ruled([1, 2], {"champion": 1}), "rejected (challenger alias cleared)"
+
+
+def test_a_rebase_abandons_only_the_newer_versions_not_abandoned_before() -> None:
+    assert abandoned_above([1, 2, 3], [], 1) == [2, 3]
+    assert abandoned_above([1, 2, 3, 4], [2, 3], 1) == [4]
+    assert abandoned_above([1, 2], [], 2) == []
+
+
+def test_version_numbers_pass_both_the_state_and_the_directories(tmp_path: Path) -> None:
+    assert next_version(tmp_path / "none", 4) == 5
+    for name in ("policy-v2", "policy-v7", "notes"):
+        (tmp_path / name).mkdir()
+    assert next_version(tmp_path, 4) == 8, "a crash may have left policy-v7 unrecorded"
+    assert next_version(tmp_path, 9) == 10
+    meta = version_meta(8, "lora", str(tmp_path), TrainerState(step=12, policy_version=4), {"files": 3})
+    assert (meta["policy_version"], meta["parent_version"], meta["learner_step"]) == (8, 4, 12)
+    assert meta["base_model"] == str(tmp_path.resolve()) and meta["data_window"] == {"files": 3}
+
+
+def test_the_publish_clock_counts_steps_and_seconds_and_can_wait_for_the_gate() -> None:
+    cfg = LearnerConfig(publish_every_steps=3, publish_every_s=60.0, publish_wait_for_gate=True)
+    state = TrainerState(step=5, policy_version=1, last_published_step=3)
+    versions = Versions(cfg, state, policy=None, stream=None)  # type: ignore[arg-type]
+    assert not versions.due(gate_ruled=True), "2 steps of 3, 0 s of 60"
+    state.step = 6
+    assert versions.due(gate_ruled=True)
+    assert not versions.due(gate_ruled=False), "the step count waits for the gate's verdict"
+    versions.last_publish_time = time.monotonic() - 61.0
+    assert versions.due(gate_ruled=False), "the time trigger publishes without a verdict"
+    versions.adopt(4)
+    assert (state.policy_version, state.last_published_step) == (4, 6) and not versions.due(gate_ruled=True)
+
+
+def test_step_metrics_report_reward_lag_and_drops() -> None:
+    batch = [SimpleNamespace(reward=r) for r in (0.0, 1.0, 1.0, 0.0)]
+    result = StepResult(episodes=4, tokens=400, trained_tokens=100, loss=0.5, ratio_mean=1.0, ratio_max=1.2,
+                        clip_frac=0.1, kl=0.01, grad_norm=2.0, seconds=2.0, behaviour_gap_mean=1e-4,
+                        behaviour_gap_max=3e-4)
+    state = TrainerState(step=3, policy_version=2, abandoned=[5])
+    m = step_metrics(batch, Counter({0: 3, 2: 1}), result, state,  # type: ignore[arg-type]
+                     Counter(stale=7, corrupt=1), max_staleness=2)
+    assert m["reward_mean"] == 0.5 and m["reward_std"] == pytest.approx(0.57735, abs=1e-5)
+    assert m["policy_lag_mean"] == 0.5 and m["policy_lag_max"] == 2.0, m
+    assert (m["staleness_lag_0"], m["staleness_lag_1"], m["staleness_lag_2"]) == (3.0, 0.0, 1.0)
+    assert m["tokens_per_s"] == 200.0 and m["dropped_stale_total"] == 7 and m["relabel_after_train_total"] == 0
+    assert m["abandoned_versions_total"] == 1.0 and m["mismatch_behaviour_max"] == 3e-4
+
+
+def test_advantage_helpers() -> None:
+    assert task_means([1.0, 0.0, 0.5], ["a", "a", "b"]) == {"a": 0.5, "b": 0.5}
+    assert group_means([1.0, 0.0, 0.7, 0.2], ["g", "g", "h", None]) == {0: 0.5, 1: 0.5}, "a lone row is no group"
+    assert scaled_by_std([1.0, -1.0]) == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    assert scaled_by_std([0.0, 0.0]) == [0.0, 0.0], "equal advantages are not blown up"
+    baseline = Baseline(0.9, {"a": 1.0})
+    baseline.update({"a": 0.0, "b": 0.4})
+    assert baseline.means == pytest.approx({"a": 0.9, "b": 0.4})
