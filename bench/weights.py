@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.fixtures import models as synthetic
     from flywheel import stack
-    from flywheel.serving import publisher
+    from flywheel.serving import publisher, vllm_client
     from flywheel.serving.tier import TierConfig
 
     console = Console(stderr=True)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             publisher.publish(lora_dir, tier, register=False)
             lora_s.append(time.perf_counter() - t0)
-            publisher.http("POST", f"{url}/v1/unload_lora_adapter", {"lora_name": f"policy-v{v}"})
+            vllm_client.unload_lora_adapter(url, f"policy-v{v}")
 
         full_s: list[float] = []
         reload_s: list[float] = []

@@ -1,1 +1,2 @@
-"""agent-flywheel: the vLLM tier, weight publishing, routing, MLflow registry promotion and rollback."""
+"""flywheel.serving: the vLLM tier (publishing weights, the admin client), the router and the capture proxy in
+front of it, the MLflow registry, and the promotion gate."""

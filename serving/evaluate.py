@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from flywheel.serving.publisher import ServerError, http
+from flywheel.serving.vllm_client import ServerError, http
 
 log = logging.getLogger(__name__)
 

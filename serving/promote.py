@@ -36,7 +36,7 @@ from typing import Any
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, setting
 from flywheel.base.stop import stop_on_signals
-from flywheel.serving import evaluate, publisher
+from flywheel.serving import evaluate, publisher, vllm_client
 from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
 from flywheel.serving.stats import Comparison, mean_ci, two_proportions, welch
 from flywheel.serving.tier import TierConfig
@@ -156,11 +156,11 @@ def where_served(version: int, kind: str, tier: TierConfig) -> tuple[str, str] |
         server = server.rstrip("/")
         try:
             if kind == "lora" and version != 0:
-                if publisher.lora_name(version) in publisher.served_models(server, tier.http_timeout_s):
+                if publisher.lora_name(version) in vllm_client.served_models(server, tier.http_timeout_s):
                     return server, publisher.lora_name(version)
-            elif publisher.weight_version(server, tier.http_timeout_s) == version:
+            elif vllm_client.weight_version(server, tier.http_timeout_s) == version:
                 return server, tier.base_served_name
-        except publisher.ServerError:
+        except vllm_client.ServerError:
             continue
     return None
 
@@ -267,18 +267,17 @@ def ensure_serving(version: int, registry: Registry, tier: TierConfig) -> None:
         server = server.rstrip("/")
         try:
             if kind == "lora":
-                if publisher.lora_name(version) not in publisher.served_models(server, tier.http_timeout_s):
-                    publisher.http("POST", f"{server}/v1/load_lora_adapter",
-                                   {"lora_name": publisher.lora_name(version), "lora_path": source}, tier.http_timeout_s)
+                if publisher.lora_name(version) not in vllm_client.served_models(server, tier.http_timeout_s):
+                    vllm_client.load_lora_adapter(server, publisher.lora_name(version), source, tier.http_timeout_s)
             else:
-                held = publisher.weight_version(server, tier.http_timeout_s)
+                held = vllm_client.weight_version(server, tier.http_timeout_s)
                 if held == version:
                     continue
                 held_found = registry.find(held) if held != 0 else None  # where to go back to if the reload fails
                 pv = publisher.PolicyVersion(Path(source), version, "full", {})
                 publisher.push_full_http(server, pv, tier, restore_dir=Path(held_found.source) if held_found else None)
             log.info("promote: %s serves policy-v%d (%s) again", server, version, kind)
-        except publisher.ServerError as exc:
+        except vllm_client.ServerError as exc:
             log.error("promote: could not restore policy-v%d on %s: %s", version, server, exc)
 
 

@@ -2,6 +2,16 @@
 
     flywheel proxy --port 8100 --upstream http://127.0.0.1:8000
 
+Where it sits: between the agents and the vLLM tier, at the start of the data flow.
+
+    agent -> proxy -> the vLLM server flywheel.serving.router picks (champion or challenger)
+               `-> one llm_call per choice -> flywheel.ingest.sdk.SessionLogger -> Kafka -> lake writer
+
+It lives in serving/ because it routes (with --router serving the router decides which version
+answers; the default static router sends every session to one model). It captures through the
+same SDK an agent would embed, so it has no Kafka code of its own. It forwards only the OpenAI
+routes below, never vLLM's admin endpoints (see flywheel.serving.vllm_client).
+
 An agent changes only its base URL (to http://127.0.0.1:8100/v1) and sends a session id header;
 the proxy forwards each request to vLLM with `return_token_ids` and `logprobs` switched on,
 removes from the reply what the agent did not ask for, and logs one `llm_call` event per
@@ -22,7 +32,7 @@ Headers (all optional; without a session id the request is forwarded but not log
                                status idle_timeout
 The agent does not choose the policy: the model name it sends is replaced by the routed one
 (`route(session_id) -> Routed(served name, policy version, server)`; `--router serving` uses
-serving.router's sticky champion/challenger split), and the reply shows its own name back.
+flywheel.serving.router's sticky champion/challenger split), and the reply shows its own name back.
 For a full-weight route the proxy reads the server's loaded version before and after the call
 and logs the call only when both agree (a reload in between makes the version unknowable).
 Authorization is forwarded to vLLM and never logged.

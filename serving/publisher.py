@@ -23,7 +23,7 @@ The learner hands over a finished directory (docs/CONTRIBUTING.md, "Policy versi
    data_window) and points the `challenger` alias at it.
 
 A server that fails keeps its old version; the others are still updated, and PublishError lists
-each failure. Run by hand: `flywheel publish var/policies/policy-v3`.
+each failure. The requests themselves are flywheel.serving.vllm_client's. Run by hand: `flywheel publish var/policies/policy-v3`.
 """
 
 from __future__ import annotations
@@ -31,15 +31,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flywheel.base.config import setting
 from flywheel.base.versions import parse_version, version_name
+from flywheel.serving import vllm_client
 from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
@@ -207,40 +205,8 @@ def version_dir_of(version: int, tier: TierConfig) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# HTTP to one vLLM server
+# Pushing to one vLLM server
 # ---------------------------------------------------------------------------------------------
-class ServerError(RuntimeError):
-    pass
-
-
-def http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
-    """One JSON request; raises ServerError with the server's own error text."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            text = response.read().decode()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:500]
-        raise ServerError(f"{method} {url} -> HTTP {exc.code}: {detail}") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise ServerError(f"{method} {url} -> {exc}") from exc
-    try:
-        return json.loads(text) if text.strip() else None
-    except json.JSONDecodeError:
-        return text
-
-
-def served_models(server: str, timeout: float = 10.0) -> list[str]:
-    return [m["id"] for m in http("GET", f"{server}/v1/models", timeout=timeout)["data"]]
-
-
-def weight_version(server: str, timeout: float = 10.0) -> int:
-    """The full-weight version a server holds (0 while it still has the weights it started with)."""
-    reported = http("GET", f"{server}/weight_info", timeout=timeout).get("weight_version")
-    return parse_version(str(reported)) or 0
-
-
 def lora_name(version: int) -> str:
     return version_name(version)
 
@@ -257,19 +223,18 @@ def push_lora(server: str, pv: PolicyVersion, tier: TierConfig, routed: set[int]
     Only versions of this tier's own registry (`managed`) are ever unloaded: a shared server may hold
     adapters that another registry (another team, another test) still routes to.
     """
-    names = served_models(server, tier.http_timeout_s)
+    names = vllm_client.served_models(server, tier.http_timeout_s)
     resident = [v for v in (parse_version(n) for n in names if n_is_lora(n, tier)) if v is not None and v in managed]
     keep = keep_set(routed, resident, pv.version, tier.keep_loras)
     unloaded: list[str] = []
     for version in sorted(set(resident) - keep):
         name = lora_name(version)
-        http("POST", f"{server}/v1/unload_lora_adapter", {"lora_name": name}, tier.http_timeout_s)
+        vllm_client.unload_lora_adapter(server, name, tier.http_timeout_s)
         unloaded.append(name)
     if pv.name not in names:
-        http("POST", f"{server}/v1/load_lora_adapter", {"lora_name": pv.name, "lora_path": str(pv.path)},
-             tier.http_timeout_s)
-    if pv.name not in served_models(server, tier.http_timeout_s):
-        raise ServerError(f"{server}: {pv.name} accepted but not listed in /v1/models")
+        vllm_client.load_lora_adapter(server, pv.name, pv.path, tier.http_timeout_s)
+    if pv.name not in vllm_client.served_models(server, tier.http_timeout_s):
+        raise vllm_client.ServerError(f"{server}: {pv.name} accepted but not listed in /v1/models")
     return unloaded
 
 
@@ -278,49 +243,32 @@ def n_is_lora(name: str, tier: TierConfig) -> bool:
     return name != tier.base_served_name
 
 
-def reset_prefix_cache(server: str, timeout: float = 60.0) -> None:
-    """Drop the server's cached prefix KV; call it after new weights are in and before requests run.
-
-    vLLM keeps prefix-cache blocks across reload_weights (by design: vllm#46125 leaves the reset to
-    the caller), so the new weights would decode on KV the old ones computed for every cached
-    prefix: the agent's system prompt and each earlier turn of a session. /pause clears the cache
-    by default in this vLLM (its clear_cache flag is marked deprecated), but a reload without a
-    pause kept it: in tests/integration/test_publish.py a 300-token cached prompt decoded 1.29 nats
-    away from the restored base weights; the demo's start reloads policy-v0 that way, the NCCL
-    path never pauses. It only succeeds when no request holds blocks: call it paused or idle.
-    """
-    out = http("POST", f"{server}/reset_prefix_cache", None, timeout)
-    if isinstance(out, dict) and out.get("success") is False:
-        raise ServerError(f"{server}: /reset_prefix_cache refused (requests still hold cache blocks)")
-
-
 def reload_full(server: str, path: Path | str, version: int, timeout: float = 60.0) -> None:
     """Load full weights from a directory the server can read and record them as policy-v<version>.
 
     The one sequence every full-weight load goes through (publish, restore, the demo's start, the
     tests' restores): reload_weights, then reset_prefix_cache (else cached prefixes decode on the old
-    weights' KV), then update_weight_version (what the router and the gate read). It does not pause:
+    weights' KV; vllm_client.reset_prefix_cache says why), then update_weight_version (what the router and the gate read). It does not pause:
     a caller with traffic in flight pauses around it (push_full_http), an idle caller need not.
     """
-    http("POST", f"{server}/collective_rpc",
-         {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, timeout)
-    reset_prefix_cache(server, timeout)
-    http("POST", f"{server}/update_weight_version", {"new_version": version_name(version)}, timeout)
+    vllm_client.reload_weights(server, path, timeout)
+    vllm_client.reset_prefix_cache(server, timeout)
+    vllm_client.update_weight_version(server, version, timeout)
 
 
 def _resume(server: str, tier: TierConfig) -> None:
     """Resume, and make sure: a pause that outlived our request timeout may land after a first resume."""
     for attempt in range(5):
         try:
-            http("POST", f"{server}/resume", None, tier.http_timeout_s)
-            paused = http("GET", f"{server}/is_paused", None, tier.http_timeout_s).get("is_paused")
-        except ServerError as exc:
+            vllm_client.resume(server, tier.http_timeout_s)
+            paused = vllm_client.is_paused(server, tier.http_timeout_s)
+        except vllm_client.ServerError as exc:
             log.error("publish: resume of %s failed (%s), attempt %d", server, exc, attempt + 1)
             paused = True
         if not paused:
             return
         time.sleep(0.5 * (attempt + 1))
-    raise ServerError(f"{server}: still paused after 5 resume attempts; POST {server}/resume by hand")
+    raise vllm_client.ServerError(f"{server}: still paused after 5 resume attempts; POST {server}/resume by hand")
 
 
 def push_full_http(server: str, pv: PolicyVersion, tier: TierConfig, restore_dir: Path | None = None) -> None:
@@ -329,25 +277,25 @@ def push_full_http(server: str, pv: PolicyVersion, tier: TierConfig, restore_dir
     `restore_dir` holds the weights the server had before (default: the tier's policy directory of the
     version /weight_info reports, or the base model for version 0).
     """
-    before = weight_version(server, tier.http_timeout_s)
+    before = vllm_client.weight_version(server, tier.http_timeout_s)
     try:
         # mode=wait: in-flight requests complete on the old weights; new ones wait and run on the new.
         # Waiting for in-flight requests is legitimate, so this call gets the long timeout.
-        http("POST", f"{server}/pause?mode=wait", None, tier.pause_timeout_s)
+        vllm_client.pause(server, tier.pause_timeout_s)
         try:
             reload_full(server, pv.path, pv.version, tier.http_timeout_s)
-        except ServerError as exc:
+        except vllm_client.ServerError as exc:
             log.error("publish: reload of %s on %s failed (%s); restoring policy-v%d", pv.name, server, exc, before)
             try:
                 reload_full(server, restore_dir or version_dir_of(before, tier), before, tier.http_timeout_s)
-            except ServerError as restore_exc:
-                raise ServerError(f"{exc}; restoring policy-v{before} ALSO failed: {restore_exc}") from exc
+            except vllm_client.ServerError as restore_exc:
+                raise vllm_client.ServerError(f"{exc}; restoring policy-v{before} ALSO failed: {restore_exc}") from exc
             raise
     finally:
         _resume(server, tier)  # also after a failed or timed-out pause: a paused server serves nobody
-    now = weight_version(server, tier.http_timeout_s)
+    now = vllm_client.weight_version(server, tier.http_timeout_s)
     if now != pv.version:
-        raise ServerError(f"{server}: /weight_info reports policy-v{now} after loading {pv.name}")
+        raise vllm_client.ServerError(f"{server}: /weight_info reports policy-v{now} after loading {pv.name}")
 
 
 def push_full_nccl(server: str, pv: PolicyVersion, tier: TierConfig, master_port: int = 29555) -> None:
@@ -370,17 +318,17 @@ def push_full_nccl(server: str, pv: PolicyVersion, tier: TierConfig, master_port
     )
 
     if not torch.cuda.is_available():
-        raise ServerError("transport nccl needs a CUDA device in the publishing process")
-    world = http("GET", f"{server}/get_world_size?include_dp=false", timeout=tier.http_timeout_s)["world_size"]
+        raise vllm_client.ServerError("transport nccl needs a CUDA device in the publishing process")
+    world = vllm_client.world_size(server, tier.http_timeout_s)
     model = AutoModelForCausalLM.from_pretrained(str(pv.path), torch_dtype="auto").cuda()
     client = HTTPVLLMWeightSyncClient(server, timeout=tier.http_timeout_s)
     init = NCCLTrainerInitInfo(master_address=socket.gethostbyname(socket.gethostname()), master_port=master_port,
-                               world_size=1 + int(world), rank=0)
+                               world_size=1 + world, rank=0)
     engine = NCCLTrainerWeightTransferEngine.trainer_init(init, client=client, source=ModuleSource(model))
     try:
         engine.send_weights()
-        reset_prefix_cache(server, tier.http_timeout_s)
-        http("POST", f"{server}/update_weight_version", {"new_version": pv.name}, tier.http_timeout_s)
+        vllm_client.reset_prefix_cache(server, tier.http_timeout_s)
+        vllm_client.update_weight_version(server, pv.version, tier.http_timeout_s)
     finally:
         engine.shutdown()
         client.shutdown_weight_transfer_engine()
@@ -405,6 +353,74 @@ def served_name(version: int, kind: str, tier: TierConfig) -> str:
     return tier.base_served_name if kind == "full" or version == 0 else lora_name(version)
 
 
+@dataclass
+class RegistryView:
+    """What publish read from the registry before pushing: which versions it may unload, and from where."""
+
+    registry: Any | None  # None: publishing without registering
+    routed: set[int] = field(default_factory=set)  # champion and challenger: never unloaded
+    managed: set[int] = field(default_factory=set)  # versions of this registry: the only ones ever unloaded
+    error: Exception | None = None  # the registry was unreadable: nothing unloaded, nothing registered
+
+
+def read_registry(pv: PolicyVersion, tier: TierConfig, registry: Any | None, register: bool) -> RegistryView:
+    """The routed and managed versions; an unreadable registry is logged and returned as the view's error."""
+    from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
+
+    view = RegistryView(registry)
+    try:
+        if view.registry is None and register:
+            view.registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
+        if view.registry is not None:
+            view.routed = {v for a, v in view.registry.aliases().items() if a in (CHAMPION, CHALLENGER)}
+            view.managed = {v.policy_version for v in view.registry.versions()}
+    except Exception as exc:  # MLflow down: still push (unloading nothing, since routing is unknown), report below
+        view.error = exc
+        log.warning("publish: registry %s unreadable (%s); pushing %s without unloading any adapter",
+                    tier.registered_model, exc, pv.name)
+    return view
+
+
+def push_to(server: str, pv: PolicyVersion, tier: TierConfig, view: RegistryView, result: PublishResult) -> None:
+    """Push to one server and record the outcome in `result`; a failed server keeps its old version."""
+    start = time.perf_counter()
+    try:
+        if pv.kind == "lora":
+            result.unloaded[server] = push_lora(server, pv, tier, view.routed, view.managed)
+        elif tier.transport == "nccl":
+            push_full_nccl(server, pv, tier)
+        else:
+            push_full_http(server, pv, tier)
+    except (vllm_client.ServerError, OSError) as exc:
+        result.failed[server] = str(exc)
+        log.error("publish: %s NOT pushed to %s, which keeps its old version: %s", pv.name, server, exc)
+        return
+    result.push_s[server] = time.perf_counter() - start
+    result.pushed.append(server)
+    log.info("publish: %s (%s, %.1f MB) live on %s in %.3f s", pv.name, pv.kind, pv.weight_bytes / 1e6, server,
+             result.push_s[server])
+
+
+def register_version(pv: PolicyVersion, tier: TierConfig, view: RegistryView, result: PublishResult,
+                     challenger: bool) -> None:
+    """Record the pushed version in MLflow; the challenger alias moves only when every server took it."""
+    from flywheel.serving.registry import CHALLENGER
+
+    try:
+        if view.error is not None or view.registry is None:
+            raise view.error or RuntimeError("no registry")
+        reg = view.registry
+        registered = reg.register(pv.version, str(pv.path), _registry_tags(pv),
+                                  description=f"{pv.kind} policy version {pv.version} from {pv.path}")
+        result.model_version = registered.model_version
+        if challenger and not result.failed:
+            reg.set_alias(CHALLENGER, pv.version)
+            log.info("publish: %s is the challenger of %s", pv.name, reg.name)
+    except Exception as exc:  # MLflow down: the servers have it, the registry does not; a rerun finishes the job
+        raise PublishError(f"{pv.name} is live on {result.pushed} but NOT registered in {tier.registered_model} "
+                           f"({type(exc).__name__}: {exc}); rerun `flywheel publish {pv.path}`") from exc
+
+
 def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register: bool = True,
             challenger: bool = True, registry: Any | None = None) -> PublishResult:
     """Make every server of the tier serve `version_dir`, register it in MLflow and mark it challenger.
@@ -412,57 +428,15 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
     Raises PublishError when the directory is refused (nothing changed) or when any server failed
     (those servers keep their old version; the message lists them). Safe to call again.
     """
-    from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
-
     tier = tier or TierConfig()
     tier.check()  # a tier built in code skips load_config's check; a bad slot policy would evict routed adapters
     pv = load_version(version_dir, tier)
-    routed: set[int] = set()
-    managed: set[int] = set()
-    reg = registry
-    registry_error: Exception | None = None
-    try:
-        if reg is None and register:
-            reg = Registry(tier.mlflow_tracking_uri, tier.registered_model)
-        if reg is not None:
-            routed = {v for a, v in reg.aliases().items() if a in (CHAMPION, CHALLENGER)}
-            managed = {v.policy_version for v in reg.versions()}
-    except Exception as exc:  # MLflow down: still push (unloading nothing, since routing is unknown), report below
-        registry_error = exc
-        log.warning("publish: registry %s unreadable (%s); pushing %s without unloading any adapter",
-                    tier.registered_model, exc, pv.name)
+    view = read_registry(pv, tier, registry, register)
     result = PublishResult(pv.version, pv.kind, served_name(pv.version, pv.kind, tier))
     for server in tier.servers:
-        server = server.rstrip("/")
-        start = time.perf_counter()
-        try:
-            if pv.kind == "lora":
-                result.unloaded[server] = push_lora(server, pv, tier, routed, managed)
-            elif tier.transport == "nccl":
-                push_full_nccl(server, pv, tier)
-            else:
-                push_full_http(server, pv, tier)
-        except (ServerError, OSError) as exc:
-            result.failed[server] = str(exc)
-            log.error("publish: %s NOT pushed to %s, which keeps its old version: %s", pv.name, server, exc)
-            continue
-        result.push_s[server] = time.perf_counter() - start
-        result.pushed.append(server)
-        log.info("publish: %s (%s, %.1f MB) live on %s in %.3f s", pv.name, pv.kind, pv.weight_bytes / 1e6, server,
-                 result.push_s[server])
+        push_to(server.rstrip("/"), pv, tier, view, result)
     if register and result.pushed:
-        try:
-            if registry_error is not None or reg is None:
-                raise registry_error or RuntimeError("no registry")
-            registered = reg.register(pv.version, str(pv.path), _registry_tags(pv),
-                                      description=f"{pv.kind} policy version {pv.version} from {pv.path}")
-            result.model_version = registered.model_version
-            if challenger and not result.failed:
-                reg.set_alias(CHALLENGER, pv.version)
-                log.info("publish: %s is the challenger of %s", pv.name, reg.name)
-        except Exception as exc:  # MLflow down: the servers have it, the registry does not; a rerun finishes the job
-            raise PublishError(f"{pv.name} is live on {result.pushed} but NOT registered in {tier.registered_model} "
-                               f"({type(exc).__name__}: {exc}); rerun `flywheel publish {pv.path}`") from exc
+        register_version(pv, tier, view, result, challenger)
     if result.failed:
         failures = "; ".join(f"{s}: {why}" for s, why in result.failed.items())
         raise PublishError(f"{pv.name} failed on {len(result.failed)} of {len(tier.servers)} server(s), which keep "

@@ -138,7 +138,7 @@ class Router:
                 self._refreshing = False
 
     def _probe(self, server: str) -> int:
-        from flywheel.serving.publisher import ServerError, weight_version
+        from flywheel.serving.vllm_client import ServerError, weight_version
 
         if self._probe_fn is not None:
             return self._probe_fn(server)
@@ -149,7 +149,7 @@ class Router:
 
     def loaded_version(self, server: str) -> int:
         """The full-weight version a server holds right now (uncached; see `logged_version`)."""
-        from flywheel.serving.publisher import weight_version
+        from flywheel.serving.vllm_client import weight_version
 
         return weight_version(server.rstrip("/"), timeout=2.0)
 

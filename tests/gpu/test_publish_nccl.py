@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.fixtures import models as synthetic
-from flywheel.serving import publisher
+from flywheel.serving import publisher, vllm_client
 from flywheel.serving.tier import TierConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +51,9 @@ def test_nccl_full_weight_publish_matches_the_published_weights(tmp_path: Path) 
         vdir = synthetic.make_full_version(BASE, tmp_path / "policy-v1", 1, seed=5)
         tier = TierConfig(servers=[url], transport="nccl", base_model=str(BASE))
         publisher.publish(vdir, tier, register=False)
-        assert publisher.weight_version(url) == 1
-        out = publisher.http("POST", f"{url}/v1/completions", {"model": "policy-v0", "prompt": PROMPT, "max_tokens": 8,
-                                                                "temperature": 0, "logprobs": 1, "return_token_ids": True})
+        assert vllm_client.weight_version(url) == 1
+        out = vllm_client.http("POST", f"{url}/v1/completions", {"model": "policy-v0", "prompt": PROMPT, "max_tokens": 8,
+                                                                  "temperature": 0, "logprobs": 1, "return_token_ids": True})
         choice = out["choices"][0]
         ref = synthetic.reference_logprobs(synthetic.load_reference(BASE, vdir), PROMPT, choice["token_ids"])
         gap = max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref))

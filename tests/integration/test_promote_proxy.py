@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 from bench.fixtures import models as synthetic
 from flywheel.serving import publisher
-from flywheel.serving.publisher import http
 from flywheel.serving.registry import Registry
 from flywheel.serving.router import bucket
 from flywheel.serving.tier import TierConfig
+from flywheel.serving.vllm_client import http
 
 
 def _chat(url: str, session: str) -> None:

@@ -174,7 +174,7 @@ def test_bad_requests_get_clear_errors_and_the_proxy_keeps_working(proxy: dict) 
 def test_serving_router_logs_the_version_the_server_holds(kafka_bootstrap: str, vllm_url: str, new_topic: Any,
                                                           tmp_path: Path, vllm_weights_lock: None, start_proxy: Any) -> None:
     """--router serving: an empty registry means the base model; the logged version is what vLLM reports."""
-    from flywheel.serving.publisher import weight_version
+    from flywheel.serving.vllm_client import weight_version
 
     topic = new_topic("proxy-router")
     env = {"FLYWHEEL_REGISTERED_MODEL": f"test-proxy-{uuid.uuid4().hex[:8]}", "FLYWHEEL_SERVERS": vllm_url}

@@ -16,11 +16,12 @@ from typing import Iterator
 import pytest
 
 from bench.fixtures import models as synthetic
-from flywheel.serving import publisher
-from flywheel.serving.publisher import PublishError, http
+from flywheel.serving import publisher, vllm_client
+from flywheel.serving.publisher import PublishError
 from flywheel.serving.registry import Registry
 from flywheel.serving.router import Router, logged_version
 from flywheel.serving.tier import TierConfig
+from flywheel.serving.vllm_client import http
 
 PROMPT = [5, 17, 33, 60, 61, 62, 100, 7]
 TOLERANCE = 1e-4
@@ -36,7 +37,7 @@ def tier(vllm_url: str, mlflow_uri: str, base_model_dir: Path, tmp_path: Path) -
                      policies_dir=str(tmp_path), registered_model=f"test-publish-{uuid.uuid4().hex[:10]}")
     yield cfg
     registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
-    resident = set(publisher.served_models(vllm_url))
+    resident = set(vllm_client.served_models(vllm_url))
     for rv in registry.versions():  # free this test's adapter slots on the shared server
         if rv.kind == "lora" and f"policy-v{rv.policy_version}" in resident:
             http("POST", f"{vllm_url}/v1/unload_lora_adapter", {"lora_name": f"policy-v{rv.policy_version}"})
@@ -86,7 +87,7 @@ def test_corrupt_adapter_is_refused_and_previous_version_keeps_serving(tier: Tie
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a half-written file
     with pytest.raises(PublishError, match="not a valid safetensors"):
         publisher.publish(bad_dir, tier)
-    assert f"policy-v{bad}" not in publisher.served_models(vllm_url)
+    assert f"policy-v{bad}" not in vllm_client.served_models(vllm_url)
     assert Registry(tier.mlflow_tracking_uri, tier.registered_model).aliases() == {"challenger": good}
     assert _complete(vllm_url, f"policy-v{good}") == before, "the previous version changed after a refused publish"
     (bad_dir / "adapter_config.json").write_text("{not json")
@@ -102,7 +103,7 @@ def test_unreachable_server_is_reported_and_the_others_still_get_the_version(tie
     with pytest.raises(PublishError, match="127.0.0.1:9") as info:
         publisher.publish(vdir, two)
     assert "1 of 2 server(s)" in str(info.value)
-    assert f"policy-v{v}" in publisher.served_models(vllm_url)
+    assert f"policy-v{v}" in vllm_client.served_models(vllm_url)
     assert "challenger" not in Registry(tier.mlflow_tracking_uri, tier.registered_model).aliases(), \
         "a version that is not on every server must not become the challenger"
 
@@ -115,7 +116,7 @@ def test_full_weight_version_serves_its_weights_and_base_is_restored(tier: TierC
     try:
         result = publisher.publish(vdir, tier)
         assert result.served_name == tier.base_served_name
-        assert publisher.weight_version(vllm_url) == v
+        assert vllm_client.weight_version(vllm_url) == v
         gap = _max_gap(vllm_url, result.served_name, base_model_dir, vdir)
         assert gap < TOLERANCE, f"vLLM logprobs differ from the published full weights by {gap:.2e}"
         route = Router(tier).route("any-session")
@@ -158,9 +159,9 @@ def test_tied_or_misshapen_full_weights_are_refused(tier: TierConfig, base_model
 def _stream_requests(url: str, model: str, stop: threading.Event, results: list, errors: list) -> None:
     while not stop.is_set():
         try:
-            before = publisher.weight_version(url)
+            before = vllm_client.weight_version(url)
             ids, _ = _complete(url, model, max_tokens=24)
-            after = publisher.weight_version(url)
+            after = vllm_client.weight_version(url)
             results.append((tuple(ids), before, after))
         except Exception as exc:  # collected: the assertion below reports them
             errors.append(repr(exc))
@@ -212,7 +213,7 @@ def test_registry_outage_still_pushes_and_says_the_version_is_not_registered(tie
     try:
         with pytest.raises(PublishError, match="NOT registered"):
             publisher.publish(vdir, broken)
-        assert f"policy-v{v}" in publisher.served_models(vllm_url), "the servers should still have been updated"
+        assert f"policy-v{v}" in vllm_client.served_models(vllm_url), "the servers should still have been updated"
         assert publisher.publish(vdir, tier).model_version is not None, "a rerun with the registry back registers it"
     finally:
         http("POST", f"{vllm_url}/v1/unload_lora_adapter", {"lora_name": f"policy-v{v}"})

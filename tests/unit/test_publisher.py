@@ -1,4 +1,5 @@
-"""Publisher validation and LoRA slot bookkeeping: refused directories never reach a server."""
+"""Publisher validation, LoRA slot bookkeeping and the push sequence against a fake vLLM: refused directories
+never reach a server, a failed server keeps its old version, a failed reload is undone."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ from pathlib import Path
 import pytest
 
 from bench.fixtures import models as synthetic
-from flywheel.serving import publisher
-from flywheel.serving.publisher import PublishError, keep_set, load_version
+from flywheel.serving import publisher, vllm_client
+from flywheel.serving.publisher import (
+    PolicyVersion,
+    PublishError,
+    keep_set,
+    load_version,
+)
+from flywheel.serving.registry import RegisteredVersion
 from flywheel.serving.tier import TierConfig
+from flywheel.serving.vllm_client import ServerError
 
 BASE = Path(__file__).resolve().parents[2] / "var" / "models" / "tiny-base"
 
@@ -85,3 +93,132 @@ def test_served_name_of_full_weights_is_the_base_name() -> None:
     tier = TierConfig()
     assert publisher.served_name(4, "full", tier) == "policy-v0"
     assert publisher.served_name(4, "lora", tier) == "policy-v4"
+
+
+# ---------------------------------------------------------------------------------------------
+# The push sequence, against an in-memory vLLM (vllm_client.http replaced; no network)
+# ---------------------------------------------------------------------------------------------
+class FakeVllm:
+    """Servers by base URL: their served names, full-weight version and paused flag; `calls` records every request."""
+
+    def __init__(self, servers: dict[str, list[str]], down: tuple[str, ...] = (), bad_weights: str = "") -> None:
+        self.models = {s: list(names) for s, names in servers.items()}
+        self.version = {s: 0 for s in servers}
+        self.paused = {s: False for s in servers}
+        self.down, self.bad_weights = down, bad_weights
+        self.calls: list[str] = []
+
+    def http(self, method: str, url: str, body: dict | None = None, timeout: float = 60.0) -> object:
+        scheme, _, host, path = url.split("/", 3)  # "http://a/v1/models" -> "http://a", "v1/models"
+        server = f"{scheme}//{host}"
+        self.calls.append(f"{method} {path}")
+        if server in self.down:
+            raise ServerError(f"{method} {url} -> connection refused")
+        body = body or {}
+        if path == "v1/models":
+            return {"data": [{"id": name} for name in self.models[server]]}
+        if path == "v1/load_lora_adapter":
+            self.models[server].append(body["lora_name"])
+        elif path == "v1/unload_lora_adapter":
+            self.models[server].remove(body["lora_name"])
+        elif path == "weight_info":
+            return {"weight_version": f"policy-v{self.version[server]}"}
+        elif path.startswith("pause"):
+            self.paused[server] = True
+        elif path == "resume":
+            self.paused[server] = False
+        elif path == "is_paused":
+            return {"is_paused": self.paused[server]}
+        elif path == "collective_rpc":
+            if body["kwargs"]["weights_path"] == self.bad_weights:
+                raise ServerError(f"POST {url} -> HTTP 500: shape mismatch")
+        elif path == "update_weight_version":
+            self.version[server] = int(body["new_version"].removeprefix("policy-v"))
+        return None
+
+
+class FakeRegistry:
+    name = "flywheel-test"
+
+    def __init__(self, aliases: dict[str, int], managed: set[int], broken: bool = False) -> None:
+        self._aliases, self.managed, self.broken = dict(aliases), managed, broken
+        self.registered: list[int] = []
+
+    def aliases(self) -> dict[str, int]:
+        if self.broken:
+            raise ConnectionError("mlflow down")
+        return dict(self._aliases)
+
+    def versions(self) -> list[RegisteredVersion]:
+        return [RegisteredVersion(v, str(v), "lora", "", {}) for v in sorted(self.managed)]
+
+    def register(self, policy_version: int, source: str, tags: dict[str, str], description: str = "") -> RegisteredVersion:
+        self.registered.append(policy_version)
+        return RegisteredVersion(policy_version, "7", tags["kind"], source, tags)
+
+    def set_alias(self, alias: str, policy_version: int) -> None:
+        self._aliases[alias] = policy_version
+
+
+def _lora_tier(*servers: str) -> TierConfig:
+    return TierConfig(servers=list(servers), base_model=str(BASE), keep_loras=1, max_loras=4)
+
+
+def test_publish_lora_unloads_only_unrouted_managed_adapters(lora_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeVllm({"http://a": ["policy-v0", "policy-v1", "policy-v2", "policy-v4", "policy-v5", "policy-v9"]})
+    monkeypatch.setattr(vllm_client, "http", fake.http)
+    reg = FakeRegistry({"champion": 1, "challenger": 2}, managed={1, 2, 4, 5})
+    result = publisher.publish(lora_dir, _lora_tier("http://a/"), registry=reg)
+    assert result.pushed == ["http://a"], f"pushed to {result.pushed}, failed {result.failed}"
+    # kept: routed 1 and 2, the new 3, the newest 5; policy-v9 belongs to another registry
+    assert result.unloaded == {"http://a": ["policy-v4"]}
+    assert sorted(fake.models["http://a"]) == ["policy-v0", "policy-v1", "policy-v2", "policy-v3", "policy-v5",
+                                               "policy-v9"]
+    assert (result.model_version, reg.registered, reg.aliases()["challenger"]) == ("7", [3], 3)
+
+
+def test_publish_failed_server_keeps_old_version_and_challenger_stays(lora_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeVllm({"http://a": ["policy-v0"], "http://b": ["policy-v0"]}, down=("http://b",))
+    monkeypatch.setattr(vllm_client, "http", fake.http)
+    reg = FakeRegistry({"champion": 1}, managed={1})
+    with pytest.raises(PublishError, match="failed on 1 of 2 server.*http://b"):
+        publisher.publish(lora_dir, _lora_tier("http://a", "http://b"), registry=reg)
+    assert "policy-v3" in fake.models["http://a"], "the healthy server should still have been updated"
+    assert reg.registered == [3], "a version live somewhere is registered"
+    assert "challenger" not in reg.aliases(), "a partly pushed version must not become challenger"
+
+
+def test_publish_with_unreadable_registry_pushes_without_unloading(lora_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeVllm({"http://a": ["policy-v0", "policy-v1", "policy-v2"]})
+    monkeypatch.setattr(vllm_client, "http", fake.http)
+    view = publisher.read_registry(load_version(lora_dir, _lora_tier("http://a")), _lora_tier("http://a"),
+                                   FakeRegistry({}, set(), broken=True), register=True)
+    assert (view.routed, view.managed, type(view.error)) == (set(), set(), ConnectionError)
+    with pytest.raises(PublishError, match="NOT registered"):
+        publisher.publish(lora_dir, _lora_tier("http://a"), registry=FakeRegistry({}, {1, 2}, broken=True))
+    assert sorted(fake.models["http://a"]) == ["policy-v0", "policy-v1", "policy-v2", "policy-v3"]
+
+
+def test_failed_full_reload_restores_the_old_weights_and_resumes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeVllm({"http://a": ["policy-v0"]}, bad_weights=str(tmp_path / "policy-v3"))
+    fake.version["http://a"] = 2
+    monkeypatch.setattr(vllm_client, "http", fake.http)
+    pv = PolicyVersion(tmp_path / "policy-v3", 3, "full", {})
+    with pytest.raises(ServerError, match="shape mismatch"):
+        publisher.push_full_http("http://a", pv, TierConfig(policies_dir=str(tmp_path)), restore_dir=tmp_path / "v2")
+    assert fake.calls == ["GET weight_info", "POST pause?mode=wait", "POST collective_rpc", "POST collective_rpc",
+                          "POST reset_prefix_cache", "POST update_weight_version", "POST resume", "GET is_paused"]
+    assert (fake.version["http://a"], fake.paused["http://a"]) == (2, False), "the old version, serving again"
+
+
+def test_weight_version_and_prefix_cache_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    answers = {"weight_info": {"weight_version": "policy-v7"}, "reset_prefix_cache": {"success": False}}
+    monkeypatch.setattr(vllm_client, "http", lambda method, url, body=None, timeout=60.0: answers[url.rsplit("/", 1)[1]])
+    assert vllm_client.weight_version("http://a") == 7
+    answers["weight_info"] = {"weight_version": None}
+    assert vllm_client.weight_version("http://a") == 0, "a server still on its start-up weights holds version 0"
+    with pytest.raises(ServerError, match="refused"):
+        vllm_client.reset_prefix_cache("http://a")
