@@ -42,7 +42,7 @@ from flywheel.demo import tasks
 
 log = logging.getLogger(__name__)
 
-H_SESSION = "X-Flywheel-Session-Id"  # the capture proxy's headers (ingest/proxy.py)
+H_SESSION = "X-Flywheel-Session-Id"  # the capture proxy's headers (flywheel.serving.proxy)
 H_AGENT = "X-Flywheel-Agent-Id"
 H_PARENT = "X-Flywheel-Parent-Agent-Id"
 H_TASK = "X-Flywheel-Task-Type"

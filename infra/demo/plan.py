@@ -1,0 +1,212 @@
+"""What a `flywheel demo` run is, decided before anything starts: its config, its paths and names, and
+the command line of every process it starts.
+
+Everything here is pure (no process, no network, no file written), so a unit test can check that
+each command is one the sub-command accepts and that it carries the demo's settings
+(tests/unit/test_demo_plan.py). infra/demo/closed_loop.py runs the plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flywheel.base import defaults
+from flywheel.base.config import ConfigError, setting
+
+# The heartbeat names of the demo's processes: an earlier run's heartbeats under these names are
+# cleared, or they would show in this run's view.
+HEARTBEATS = ("agent-sim", "outcome-sim", "learner", "promote", "episodes", "lake-writer", "proxy")
+
+
+@dataclass
+class DemoConfig:
+    """The closed-loop demo: how long to run traffic, and the knobs of its processes."""
+
+    minutes: float = setting(20.0, "minutes of agent traffic (set-up and the report come on top)")
+    var_dir: Path = setting(Path(defaults.VAR_DIR), "state directory; the run lives under <var_dir>/demo/<run id>")
+    report_dir: Path = setting(Path(defaults.VAR_DIR) / "report", "where report.md, the PNGs and summary.json go")
+    base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "the tiny base model (built when missing)")
+    warm_model: Path = setting(Path("var/models/tiny-warm"), "the warm-started model vLLM serves as policy-v0 (built when missing)")
+    warm_start: bool = setting(True, "serve the warm-started model (False: serve base_model as it is; for quick loop tests)")
+    concurrency: int = setting(3, "agent sessions in flight (about what the learner keeps up with on 2 cores; more only starves it of CPU)")
+    multi_share: float = setting(0.1, "share of tasks split across two sub-agents (their rows share the session's reward, "
+                                      "which a sibling's failure zeroes: at 0.2 a third of the learner's rows were such)")
+    learner_batch: int = setting(64, "episodes per learner step (64 with positive-only advantages: about 4 s a step on 2 cores, "
+                                     "since rows at or below their baseline are not run)")
+    learner_lr: float = setting(4e-4, "learner Adam learning rate (with sequence aggregation and warm-up: 4e-4 climbed, "
+                                      "8e-4 and 1e-3 fell back within 10 steps)")
+    learner_kl: float = setting(0.0, "learner KL coefficient to policy-v0 (0.1 kept signed advantages from drifting into broken "
+                                     "JSON but halved the climb; positive-only advantages and the gate keep the policy sane without it)")
+    learner_baseline: str = setting("batch", "learner reward baseline: batch (the batch mean per task type, tool_use.add ...), "
+                                             "running or none")
+    learner_positive_only: bool = setting(True, "reinforce only rows above their task type's batch mean; pushing failed rows "
+                                                "down drove the tiny policy into broken calls (README runs b, g, l)")
+    learner_epochs: int = setting(1, "learner passes over each batch (> 1 switches its loss to PPO's clipped ratio); the "
+                                     "learner trains every episode as it arrives, so traffic, not compute, sets its pace")
+    learner_max_staleness: int = setting(2, "versions an episode may lag before the learner drops it (it takes the newest first)")
+    learner_threads: int = setting(1, "the learner's torch CPU threads (1: its cores are shared with vLLM; 2 threads ran 5-20x slower)")
+    publish_every_steps: int = setting(3, "learner steps between published versions")
+    publish_wait_for_gate: bool = setting(True, "a new version waits until the gate has ruled on the last (the server holds one "
+                                                "version: with a fast learner the gate judged only 4 of 41 versions before the next replaced them)")
+    publish_every_s: float = setting(120.0, "also publish after this many seconds")
+    challenger_share: float = setting(0.5, "share of sessions the challenger gets (for LoRA tiers; full weights serve one version)")
+    gate_interval_s: float = setting(10.0, "seconds between promotion-gate rounds (each version waits for a verdict)")
+    gate_min_sessions: int = setting(100, "sessions the gate wants on each side (with 40 it promoted versions 6 points worse, "
+                                          "p_worse 0.23)")
+    gate_max_drop: float = setting(0.0, "the gate rejects a challenger whose mean online reward is below the champion's by more "
+                                        "than this, significant or not (inf: only significant drops; then the champion line "
+                                        "drifted from 34% to 28% success through promotions 6-9 points down, p_worse 0.055-0.17)")
+    base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
+    measure_s: float = setting(150.0, "the last seconds of traffic: the learner is stopped, the gate decides on its last "
+                                      "version, and the champion serves a few hundred sessions to be measured on")
+    drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
+    keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop everything it started)")
+    live: bool = setting(True, "show the rich live view (off: a log line every 30 s)")
+    run_id: str = setting("", "name of this run (default: demo-<utc time>)")
+
+    def check(self) -> None:
+        if self.minutes <= 0:
+            raise ConfigError(f"minutes: must be > 0, got {self.minutes}")
+        if self.concurrency < 1:
+            raise ConfigError("concurrency: must be >= 1")
+        if not 0 <= self.measure_s < self.minutes * 60:
+            raise ConfigError(f"measure_s: must be >= 0 and shorter than the traffic ({self.minutes * 60:.0f} s), got {self.measure_s}")
+
+
+def policy_v0(cfg: DemoConfig) -> Path:
+    """The model vLLM serves as policy-v0 and the learner starts from."""
+    return Path(cfg.warm_model if cfg.warm_start else cfg.base_model)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run's own state and names: a folder, topics, a consumer group, a registered model, all named
+    by the run id, so a demo never reads another run's data."""
+
+    run_id: str
+    var_dir: Path  # heartbeats go to the shared var dir, so `flywheel status` shows the demo too
+    traffic_s: float
+
+    @property
+    def run_dir(self) -> Path:
+        return self.var_dir / "demo" / self.run_id
+
+    @property
+    def lake_root(self) -> Path:
+        return self.run_dir / "lake"
+
+    @property
+    def policies_dir(self) -> Path:
+        return self.run_dir / "policies"
+
+    @property
+    def learner_dir(self) -> Path:
+        return self.run_dir / "learner"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def handoff(self) -> Path:
+        """The agent's finished sessions, which the verifier (outcome-sim) judges."""
+        return self.run_dir / "sessions.jsonl"
+
+    @property
+    def topics(self) -> dict[str, str]:
+        return {"events": f"{self.run_id}.events", "outcomes": f"{self.run_id}.outcomes", "dlq": f"{self.run_id}.dlq"}
+
+    @property
+    def registered_model(self) -> str:
+        return f"flywheel-{self.run_id}"
+
+
+def plan_run(cfg: DemoConfig, now: float) -> RunPlan:
+    """The run's plan; `now` (epoch seconds) names the run when the config does not."""
+    run_id = cfg.run_id or time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime(now))
+    return RunPlan(run_id=run_id, var_dir=Path(cfg.var_dir), traffic_s=cfg.minutes * 60.0)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the stack and the capture proxy listen, known once the stack is up."""
+
+    kafka_bootstrap: str
+    vllm_url: str
+    tracking_uri: str
+    proxy_port: int
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the commands: each a `flywheel` sub-command's argv (without the leading `flywheel`)
+# ---------------------------------------------------------------------------------------------
+def tier_env(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> dict[str, str]:
+    """The serving tier's config for the router inside the proxy, which reads it from the environment
+    (serving/proxy.py); the learner gets it too."""
+    return {"FLYWHEEL_SERVERS": ends.vllm_url, "FLYWHEEL_REGISTERED_MODEL": run.registered_model,
+            "FLYWHEEL_MLFLOW_TRACKING_URI": ends.tracking_uri, "FLYWHEEL_BASE_MODEL": str(policy_v0(cfg).resolve()),
+            "FLYWHEEL_POLICIES_DIR": str(run.policies_dir), "FLYWHEEL_CHALLENGER_SHARE": str(cfg.challenger_share)}
+
+
+def lake_writer_command(run: RunPlan, ends: Endpoints) -> list[str]:
+    return ["lake-writer", "--kafka-bootstrap", ends.kafka_bootstrap, "--events-topic", run.topics["events"],
+            "--outcomes-topic", run.topics["outcomes"], "--dlq-topic", run.topics["dlq"],
+            "--group-id", f"{run.run_id}-lake", "--lake-root", str(run.lake_root),
+            "--roll-max-age-s", "2", "--var-dir", str(run.var_dir)]
+
+
+def episodes_command(run: RunPlan) -> list[str]:
+    return ["episodes", "--lake-root", str(run.lake_root), "--state-dir", str(run.run_dir / "episodes-state"),
+            "--follow", "--poll-interval-s", "2", "--var-dir", str(run.var_dir)]
+
+
+def proxy_command(run: RunPlan, ends: Endpoints) -> list[str]:
+    return ["proxy", "--port", str(ends.proxy_port), "--upstream", ends.vllm_url, "--kafka-bootstrap", ends.kafka_bootstrap,
+            "--events-topic", run.topics["events"], "--router", "serving", "--spool-name", f"{run.run_id}-proxy"]
+
+
+def outcome_sim_command(run: RunPlan, ends: Endpoints) -> list[str]:
+    return ["outcome-sim", "--kafka-bootstrap", ends.kafka_bootstrap, "--outcomes-topic", run.topics["outcomes"],
+            "--handoff", str(run.handoff), "--cursor", str(run.run_dir / "outcome-cursor.json"),
+            "--spool-name", f"{run.run_id}-outcomes", "--var-dir", str(run.var_dir)]
+
+
+def agent_sim_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]:
+    return ["agent-sim", "--proxy-url", ends.proxy_url, "--kafka-bootstrap", ends.kafka_bootstrap,
+            "--events-topic", run.topics["events"], "--concurrency", str(cfg.concurrency),
+            "--duration-s", str(run.traffic_s), "--multi-share", str(cfg.multi_share),
+            "--handoff", str(run.handoff), "--tokenizer", str(policy_v0(cfg).resolve()),
+            "--spool-name", f"{run.run_id}-agent", "--var-dir", str(run.var_dir)]
+
+
+def learner_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]:
+    return ["learner", "--lake-root", str(run.lake_root), "--base-model", str(policy_v0(cfg).resolve()),
+            "--mode", "full", "--lr", str(cfg.learner_lr), "--batch-size", str(cfg.learner_batch),
+            "--min-batch", str(cfg.learner_batch), "--micro-batch", str(min(32, cfg.learner_batch)),
+            "--cpu-threads", str(cfg.learner_threads), "--newest-first", "--loss-agg", "sequence",
+            "--kl-coef", str(cfg.learner_kl), "--baseline", cfg.learner_baseline,
+            *(["--positive-only"] if cfg.learner_positive_only else ["--no-positive-only"]),
+            "--max-staleness", str(cfg.learner_max_staleness),
+            "--epochs", str(cfg.learner_epochs), "--loss", "ppo" if cfg.learner_epochs > 1 else "tis",
+            "--run-dir", str(run.learner_dir), "--policies-dir", str(run.policies_dir),
+            "--publish-every-steps", str(cfg.publish_every_steps),
+            "--publish-wait-for-gate" if cfg.publish_wait_for_gate else "--no-publish-wait-for-gate",
+            "--publish-every-s", str(cfg.publish_every_s), "--vllm-url", ends.vllm_url,
+            "--registered-model", run.registered_model, "--mlflow-tracking-uri", ends.tracking_uri,
+            "--experiment", f"{run.run_id}-learner", "--var-dir", str(run.var_dir)]
+
+
+def promote_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]:
+    return ["promote", "--auto", "--interval-s", str(cfg.gate_interval_s),
+            "--servers", ends.vllm_url, "--base-model", str(policy_v0(cfg).resolve()),
+            "--policies-dir", str(run.policies_dir), "--registered-model", run.registered_model,
+            "--mlflow-tracking-uri", ends.tracking_uri, "--lake-root", str(run.lake_root),
+            "--min-sessions", str(cfg.gate_min_sessions), "--max-drop", str(cfg.gate_max_drop),
+            "--eval-tasks", "flywheel.demo.tasks:eval_tasks",
+            "--experiment", f"{run.run_id}-promotion", "--var-dir", str(run.var_dir)]

@@ -1,0 +1,118 @@
+"""The demo's plan: each process's command is one its sub-command accepts, and carries the demo's settings."""
+
+from __future__ import annotations
+
+import calendar
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flywheel.base.config import build_parser, resolve
+from flywheel.cli import COMMANDS
+from flywheel.demo import plan as demo_plan
+from flywheel.demo.agent_sim import AgentSimConfig
+from flywheel.demo.outcome_sim import OutcomeSimConfig
+from flywheel.demo.plan import DemoConfig, Endpoints, RunPlan
+from flywheel.ingest.lake_writer import LakeWriterConfig
+from flywheel.learner.config import LearnerConfig
+from flywheel.rewards.builder import EpisodesConfig
+from flywheel.serving.promote import PromoteConfig
+from flywheel.serving.proxy import ProxyConfig
+from flywheel.serving.router import RouterConfig
+
+ENDS = Endpoints(kafka_bootstrap="127.0.0.1:19092", vllm_url="http://127.0.0.1:8000",
+                 tracking_uri="http://127.0.0.1:5000", proxy_port=8123)
+
+
+def _parse(cls: type, argv: list[str]) -> Any:
+    """argv as the sub-command's own config reads it (an unknown flag exits, as the process would)."""
+    args = build_parser(cls, "test", "test").parse_args(argv)
+    return resolve(cls, {}, {}, {k: v for k, v in vars(args).items() if k != "config"})
+
+
+def _plan(tmp_path: Path, **changes: Any) -> tuple[DemoConfig, RunPlan]:
+    cfg = DemoConfig(var_dir=tmp_path / "var", base_model=tmp_path / "base", warm_model=tmp_path / "warm",
+                     run_id="demo-t", **changes)
+    return cfg, demo_plan.plan_run(cfg, time.time())
+
+
+def test_a_run_keeps_its_state_and_names_under_its_run_id(tmp_path: Path) -> None:
+    cfg, run = _plan(tmp_path, minutes=2.5)
+    assert run.run_dir == tmp_path / "var" / "demo" / "demo-t"
+    for path in (run.lake_root, run.policies_dir, run.learner_dir, run.log_dir, run.handoff):
+        assert path.parent == run.run_dir, f"{path} is outside the run's folder {run.run_dir}"
+    assert run.topics == {"events": "demo-t.events", "outcomes": "demo-t.outcomes", "dlq": "demo-t.dlq"}
+    assert run.registered_model == "flywheel-demo-t"
+    assert run.traffic_s == 150.0
+    unnamed = demo_plan.plan_run(DemoConfig(var_dir=tmp_path), calendar.timegm((2024, 5, 6, 7, 8, 9, 0, 0, 0)))
+    assert unnamed.run_id == "demo-20240506-070809", unnamed.run_id
+
+
+def test_policy_v0_is_the_warm_model_unless_warm_start_is_off(tmp_path: Path) -> None:
+    assert demo_plan.policy_v0(DemoConfig(warm_model=tmp_path / "w", base_model=tmp_path / "b")) == tmp_path / "w"
+    assert demo_plan.policy_v0(DemoConfig(warm_model=tmp_path / "w", base_model=tmp_path / "b", warm_start=False)) == tmp_path / "b"
+
+
+def test_every_command_is_a_flywheel_sub_command_its_config_accepts(tmp_path: Path) -> None:
+    cfg, run = _plan(tmp_path)
+    commands = [(LakeWriterConfig, demo_plan.lake_writer_command(run, ENDS)),
+                (EpisodesConfig, demo_plan.episodes_command(run)),
+                (ProxyConfig, demo_plan.proxy_command(run, ENDS)),
+                (OutcomeSimConfig, demo_plan.outcome_sim_command(run, ENDS)),
+                (AgentSimConfig, demo_plan.agent_sim_command(cfg, run, ENDS)),
+                (LearnerConfig, demo_plan.learner_command(cfg, run, ENDS)),
+                (PromoteConfig, demo_plan.promote_command(cfg, run, ENDS))]
+    for cls, argv in commands:
+        assert argv[0] in COMMANDS, f"{argv[0]!r} is not a flywheel sub-command"
+        assert all(isinstance(a, str) for a in argv), f"{argv[0]}: non-string arguments in {argv}"
+        _parse(cls, argv[1:])
+    router = resolve(RouterConfig, {}, demo_plan.tier_env(cfg, run, ENDS), {})
+    assert (router.servers, router.registered_model, router.policies_dir, router.challenger_share) == \
+        ([ENDS.vllm_url], run.registered_model, str(run.policies_dir), 0.5), router
+
+
+def test_the_pipeline_processes_share_this_runs_topics_lake_and_heartbeats(tmp_path: Path) -> None:
+    cfg, run = _plan(tmp_path)
+    writer = _parse(LakeWriterConfig, demo_plan.lake_writer_command(run, ENDS)[1:])
+    assert (writer.kafka_bootstrap, writer.events_topic, writer.outcomes_topic, writer.dlq_topic, writer.group_id) == \
+        (ENDS.kafka_bootstrap, "demo-t.events", "demo-t.outcomes", "demo-t.dlq", "demo-t-lake"), writer
+    assert (writer.lake_root, writer.roll_max_age_s, writer.var_dir) == (str(run.lake_root), 2.0, str(run.var_dir)), writer
+    episodes = _parse(EpisodesConfig, demo_plan.episodes_command(run)[1:])
+    assert (episodes.lake_root, episodes.follow, episodes.poll_interval_s) == (str(run.lake_root), True, 2.0), episodes
+    proxy = _parse(ProxyConfig, demo_plan.proxy_command(run, ENDS)[1:])
+    assert (proxy.port, proxy.upstream, proxy.events_topic, proxy.router) == (8123, ENDS.vllm_url, "demo-t.events", "serving")
+    agent = _parse(AgentSimConfig, demo_plan.agent_sim_command(cfg, run, ENDS)[1:])
+    assert (agent.proxy_url, agent.events_topic, agent.concurrency, agent.duration_s, agent.multi_share, agent.handoff) == \
+        ("http://127.0.0.1:8123", "demo-t.events", 3, 1200.0, 0.1, run.handoff), agent
+    assert agent.tokenizer == str((tmp_path / "warm").resolve()), agent.tokenizer
+    outcomes = _parse(OutcomeSimConfig, demo_plan.outcome_sim_command(run, ENDS)[1:])
+    assert (outcomes.outcomes_topic, outcomes.handoff, outcomes.var_dir) == ("demo-t.outcomes", run.handoff, run.var_dir)
+
+
+def test_the_learner_and_gate_carry_the_demos_measured_defaults(tmp_path: Path) -> None:
+    cfg, run = _plan(tmp_path)
+    learner = _parse(LearnerConfig, demo_plan.learner_command(cfg, run, ENDS)[1:])
+    assert (learner.mode, learner.lr, learner.batch_size, learner.min_batch, learner.micro_batch) == \
+        ("full", 4e-4, 64, 64, 32), learner
+    assert (learner.cpu_threads, learner.newest_first, learner.loss_agg, learner.kl_coef, learner.baseline) == \
+        (1, True, "sequence", 0.0, "batch"), learner
+    assert (learner.positive_only, learner.max_staleness, learner.epochs, learner.loss) == (True, 2, 1, "tis"), learner
+    assert (learner.publish_every_steps, learner.publish_wait_for_gate, learner.publish_every_s) == (3, True, 120.0), learner
+    assert (learner.base_model, learner.lake_root, learner.policies_dir, learner.registered_model) == \
+        (str((tmp_path / "warm").resolve()), str(run.lake_root), str(run.policies_dir), "flywheel-demo-t"), learner
+    gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
+    assert (gate.auto, gate.interval_s, gate.min_sessions, gate.max_drop, gate.eval_tasks) == \
+        (True, 10.0, 100, 0.0, "flywheel.demo.tasks:eval_tasks"), gate
+    assert (gate.servers, gate.policies_dir, gate.registered_model, gate.lake_root) == \
+        ([ENDS.vllm_url], str(run.policies_dir), "flywheel-demo-t", str(run.lake_root)), gate
+
+
+@pytest.mark.parametrize("epochs, loss", [(1, "tis"), (2, "ppo")])
+def test_learner_switches_toggles_and_loss_with_the_config(tmp_path: Path, epochs: int, loss: str) -> None:
+    cfg, run = _plan(tmp_path, learner_epochs=epochs, learner_positive_only=False, publish_wait_for_gate=False,
+                     learner_batch=16, warm_start=False)
+    learner = _parse(LearnerConfig, demo_plan.learner_command(cfg, run, ENDS)[1:])
+    assert (learner.epochs, learner.loss, learner.positive_only, learner.publish_wait_for_gate) == (epochs, loss, False, False)
+    assert (learner.batch_size, learner.micro_batch, learner.base_model) == (16, 16, str((tmp_path / "base").resolve()))
