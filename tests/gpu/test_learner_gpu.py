@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
+from bench.fixtures.episodes import random_rows, write_episodes
+from bench.fixtures.models import tiny_model
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.daemon import run

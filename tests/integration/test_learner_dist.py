@@ -9,7 +9,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
+from bench.fixtures.episodes import random_rows, write_episodes
+from bench.fixtures.models import tiny_model
 from flywheel.base.config import write_resolved
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig

@@ -1,6 +1,6 @@
 """Crash safety of the learner process: SIGKILL mid-training then restart, and graceful SIGTERM.
 
-The daemon runs as a real process (`python -m learner.daemon`) on a tmp lake, a tiny random model
+The daemon runs as a real process (`python -m flywheel.learner.daemon`) on a tmp lake, a tiny random model
 and the real MLflow store. The killed-and-restarted run must train exactly the episodes a clean
 run trains, in the same steps; only the step interrupted by the kill may appear twice.
 """
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.fixtures.episodes import random_rows, tiny_model, write_episodes
+from bench.fixtures.episodes import random_rows, write_episodes
+from bench.fixtures.models import tiny_model
 from flywheel.base.config import write_resolved
 from flywheel.learner import checkpoint
 from flywheel.learner.config import LearnerConfig

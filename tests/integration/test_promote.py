@@ -16,12 +16,12 @@ from typing import Iterator
 import pytest
 
 from bench.fixtures import models as synthetic
-from bench.fixtures.gate_episodes import write_sessions
+from bench.fixtures.episodes import write_sessions
 from flywheel.base import tracking
-from flywheel.serving import evaluate, promote, publisher
-from flywheel.serving.publisher import http
+from flywheel.serving import evaluate, promote, publisher, vllm_client
 from flywheel.serving.registry import Registry
 from flywheel.serving.router import Router
+from flywheel.serving.vllm_client import http
 
 TASKS = evaluate.arithmetic_tasks(n=8)
 
@@ -34,7 +34,7 @@ def cfg(vllm_url: str, mlflow_uri: str, base_model_dir: Path, tmp_path: Path) ->
                                    experiment=f"test-gate-{tag}", lake_root=str(tmp_path / "lake"), min_sessions=30,
                                    alias_refresh_s=1.0)
     yield config
-    resident = set(publisher.served_models(vllm_url))
+    resident = set(vllm_client.served_models(vllm_url))
     for rv in Registry(mlflow_uri, config.registered_model).versions():
         if f"policy-v{rv.policy_version}" in resident:
             http("POST", f"{vllm_url}/v1/unload_lora_adapter", {"lora_name": f"policy-v{rv.policy_version}"})
@@ -161,7 +161,7 @@ def test_full_weight_versions_gate_on_cached_champion_score_and_reject_restores_
         write_sessions(cfg.lake_root, c, _rates(0.1, 40, 43))
         decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
         assert decision.action == "reject", decision.reason
-        assert publisher.weight_version(vllm_url) == b, "after a reject the server must hold the champion's weights"
+        assert vllm_client.weight_version(vllm_url) == b, "after a reject the server must hold the champion's weights"
         assert Router(cfg).route("s").policy_version == b
     finally:
         publisher.reload_full(vllm_url, base_model_dir.resolve(), 0, cfg.http_timeout_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from bench.fixtures.gate_episodes import episode_row, write_sessions
+from bench.fixtures.episodes import episode_row, write_sessions
 from flywheel.serving.evaluate import EvalScore, arithmetic_tasks
 from flywheel.serving.promote import (
     PromoteConfig,
@@ -90,8 +90,10 @@ def test_online_rewards_per_session_use_the_latest_label(tmp_path: Path) -> None
     assert online_rewards(root) == {}
     write_sessions(root, 4, [1.0, 0.0, 0.5], calls_per_session=3)
     # a relabel: the same episode with label 2 replaces label 1's reward
-    rows = [episode_row("s-relabel", 5, 0.0, 1, "ep-1"), episode_row("s-relabel", 5, 1.0, 2, "ep-1"),
-            episode_row("s-relabel", 5, 0.5, 1, "ep-2")]
+    relabel = {"session_id": "s-relabel", "policy_version": 5}
+    rows = [episode_row(**relabel, reward=0.0, label_version=1, episode_id="ep-1"),
+            episode_row(**relabel, reward=1.0, label_version=2, episode_id="ep-1"),
+            episode_row(**relabel, reward=0.5, label_version=1, episode_id="ep-2")]
     lake.write_file(root, "episodes", dt.date.today().isoformat(), "other", 0, 0, 2,
                     pa.Table.from_pylist(rows, schema=episode_arrow_schema()))
     got = online_rewards(root)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.fixtures.episodes import tiny_model
+from bench.fixtures.models import tiny_model
 from flywheel.learner import checkpoint
 from flywheel.learner.checkpoint import TrainerState
 from flywheel.learner.config import LearnerConfig
