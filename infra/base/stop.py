@@ -24,7 +24,7 @@ def stop_on_signals(what: str, stop: threading.Event | None = None,
         return stop
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("stop: %s; %s", signal.Signals(signum).name, what)
+        log.info("stop: signal %s; %s", signal.Signals(signum).name, what)
         stop.set()
 
     for sig in signals:
