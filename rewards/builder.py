@@ -34,8 +34,11 @@ Join rules (the numbers are in the rewards TOML; see rewards/rewards.toml):
 * An outcome for a session the builder has not seen is held for `join.unknown_session_hold_s`
   (its session's events may still be on their way through the other topic), then dropped
   ("unknown_session"). Outcomes for a session dropped at label 1 are dropped ("session_dropped").
-* Events are de-duplicated by event_id; events for a session already emitted are dropped
-  ("late_event"). Every drop is counted by reason in the status heartbeat and logged.
+* Events are de-duplicated by event_id ("duplicate_event"), also against the sessions already
+  emitted: the index keeps each emitted session's event ids, so a copy the SDK re-sends after an
+  outage is a duplicate whenever it comes. An event the session was labelled without is dropped
+  ("late_event": the session was trained without it). Every drop is counted by reason in the
+  status heartbeat; late events are logged.
 
 Output rows: one per llm_call (every agent's, sub-agents included), in the schema of
 ingest.schema.EPISODE_COLUMNS; the file is lake/episodes/date=<pass day>/episodes-0000-F-L.parquet
@@ -66,7 +69,13 @@ from flywheel.rewards import config as reward_config
 from flywheel.rewards import judge as judge_mod
 from flywheel.rewards import outcome_rewards, parl
 from flywheel.rewards.session import Session, assemble
-from flywheel.rewards.state import BuilderState, Intent, StateStore
+from flywheel.rewards.state import (
+    BuilderState,
+    Intent,
+    StateLock,
+    StateLockedError,
+    StateStore,
+)
 
 if TYPE_CHECKING:
     import duckdb
@@ -196,6 +205,9 @@ def segment_schema() -> "pa.Schema":
         ("expires_ts", pa.timestamp("us", tz="UTC")),
         ("episode_file", pa.string()),  # lake path relative to the root: episodes/date=.../name
         ("outcomes", pa.string()),  # JSON list of every outcome applied so far
+        # every event id the session was labelled with, so a re-sent copy counts as a duplicate, not as
+        # a late event; null in segments written before the builder kept them
+        ("event_ids", pa.list_(pa.string())),
     ])
 
 
@@ -208,7 +220,7 @@ def lookup_index(con: "duckdb.DuckDBPyConnection", store: StateStore, segments: 
     paths = [str(store.segment_path(s)) for s in segments]
     con.register("wanted", pa.table({"sid": sorted(session_ids)}))
     rows = con.sql(
-        f"SELECT s.* FROM read_parquet({paths!r}) s JOIN wanted w ON s.session_id = w.sid "
+        f"SELECT s.* FROM read_parquet({paths!r}, union_by_name = true) s JOIN wanted w ON s.session_id = w.sid "
         "QUALIFY row_number() OVER (PARTITION BY s.session_id ORDER BY s.label_version DESC) = 1"
     ).to_arrow_table().to_pylist()
     con.unregister("wanted")
@@ -277,7 +289,7 @@ class Routing:
     relabel: dict[str, list[dict[str, Any]]]  # emitted session -> its new outcomes (label N+1)
     held: list[dict[str, Any]]  # outcomes kept for a later pass: of pending sessions, or of sessions not seen yet
     drops: Counter[str]  # by reason
-    late_sessions: list[str]  # emitted sessions that got events again (their events: late_event)
+    late_sessions: list[str]  # emitted sessions that got events they were not labelled with (late_event)
     expired: list[dict[str, Any]]  # outcomes of never-seen sessions past their hold (unknown_session)
 
 
@@ -333,6 +345,16 @@ def outcome_fate(o: dict[str, Any], live: dict[str, list[dict[str, Any]]], index
     return "hold"
 
 
+def labelled_copies(events: list[dict[str, Any]], entry: dict[str, Any]) -> int:
+    """How many of these events of an emitted session are copies of events it was labelled with.
+
+    An index row written before the builder kept event ids (`event_ids` null) knows none: its
+    session's events all count as late, as they did then.
+    """
+    known = set(entry.get("event_ids") or ())
+    return sum(e["event_id"] in known for e in events)
+
+
 def route(by_session: dict[str, list[dict[str, Any]]], index: dict[str, dict[str, Any]], outcomes: list[dict[str, Any]],
           clock: dt.datetime, rewards: reward_config.RewardConfig) -> Routing:
     """Decide a pass: the sessions labelled now, those left pending, the relabels, the outcomes held, the drops.
@@ -342,9 +364,14 @@ def route(by_session: dict[str, list[dict[str, Any]]], index: dict[str, dict[str
     `outcomes`: the held outcomes, then the new ones. Nothing here reads a clock or a file.
     """
     drops: Counter[str] = Counter()
-    late = [sid for sid in by_session if sid in index]
-    for sid in late:
-        drops["late_event"] += len(by_session[sid])
+    late: list[str] = []
+    for sid in [sid for sid in by_session if sid in index]:
+        copies = labelled_copies(by_session[sid], index[sid])
+        if copies:
+            drops["duplicate_event"] += copies
+        if len(by_session[sid]) > copies:
+            late.append(sid)
+            drops["late_event"] += len(by_session[sid]) - copies
     live = {sid: events for sid, events in by_session.items() if sid not in index}
     outcomes_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
     relabel: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -386,6 +413,7 @@ def label_1_index_row(due: Due, task: reward_config.TaskType, relabel_horizon_s:
         "end_ts": due.end_ts,
         "expires_ts": due.end_ts + dt.timedelta(seconds=relabel_horizon_s),
         "outcomes": json.dumps([_outcome_json({k: o[k] for k in _OUTCOME_KEEP}) for o in due.outcomes], sort_keys=True),
+        "event_ids": sorted(e["event_id"] for events in due.session.agents.values() for e in events),
     }
 
 
@@ -427,20 +455,37 @@ class Builder:
 
         self.cfg = cfg
         self.rewards = rewards
-        self.store = StateStore(cfg.state_dir)
-        self.con = duckdb.connect()
-        self.con.execute("SET TimeZone='UTC'")
-        self.judge = judge_mod.Judge(cfg.judge_url, cfg.judge_model or rewards.judge.model, rewards.judge.timeout_s,
-                                     Path(cfg.state_dir) / "judge_cache")
-        self.state = self.store.load()
-        self.store.cleanup(self.state)
-        self.emitted = self._load_emitted()
+        # first, before the state is read or cleaned up: a second builder on this state is refused here
+        self.lock = StateLock(cfg.state_dir).acquire()
+        try:
+            self.store = StateStore(cfg.state_dir)
+            self.con = duckdb.connect()
+            self.con.execute("SET TimeZone='UTC'")
+            self.judge = judge_mod.Judge(cfg.judge_url, cfg.judge_model or rewards.judge.model, rewards.judge.timeout_s,
+                                         Path(cfg.state_dir) / "judge_cache")
+            self.state = self.store.load()
+            self.store.cleanup(self.state)
+            self.emitted = self._load_emitted()
+        except BaseException:
+            self.lock.release()  # a builder that failed to start must not keep the state locked
+            raise
         self.judge_memo: dict[str, tuple[int | None, str]] = {}
         self.backlog_files = 0  # lake files past this pass's input (catch-up progress)
         full = schema.event_arrow_schema()
         self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED])
         self.outcome_schema = schema.outcome_arrow_schema()
         self.episode_schema = schema.episode_arrow_schema()
+
+    def close(self) -> None:
+        """Release the state (its lock) and the DuckDB connection; the builder is unusable after."""
+        self.con.close()
+        self.lock.release()
+
+    def __enter__(self) -> "Builder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _load_emitted(self) -> set[int]:
         """Hashes of every session in the live index: read once per process, then kept up to date.
@@ -577,8 +622,12 @@ class Builder:
         return lookup_index(self.con, self.store, st.segments, {sid for sid in unknown if hash(sid) in self.emitted})
 
     def _log_route_drops(self, routing: Routing) -> None:
+        if routing.drops.get("duplicate_event"):
+            log.info("episodes: %d re-sent copies of events of sessions already labelled; dropped (duplicate_event)",
+                     routing.drops["duplicate_event"])
         for sid in routing.late_sessions:
-            log.warning("episodes: events arrived for session %s after it was labelled; dropped (late_event)", sid)
+            log.warning("episodes: events arrived for session %s after it was labelled without them; dropped "
+                        "(late_event)", sid)
         for o in routing.expired:
             log.warning("episodes: outcome %s for unknown session %s held %.0fs; dropped (unknown_session)",
                         o["outcome_id"], o["session_id"], self.rewards.join.unknown_session_hold_s)
@@ -797,7 +846,7 @@ class Builder:
         paths = [str(self.store.segment_path(s)) for s in segments]
         self.con.register("cur", current)
         merged = self.con.sql(
-            f"SELECT * FROM (SELECT * FROM read_parquet({paths!r}) UNION ALL BY NAME SELECT * FROM cur) "
+            f"SELECT * FROM (SELECT * FROM read_parquet({paths!r}, union_by_name = true) UNION ALL BY NAME SELECT * FROM cur) "
             f"WHERE expires_ts > TIMESTAMPTZ '{clock.isoformat()}' "
             "QUALIFY row_number() OVER (PARTITION BY session_id ORDER BY label_version DESC) = 1 ORDER BY session_id"
         ).to_arrow_table()
@@ -837,14 +886,20 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
     rewards = rewards or reward_config.load(cfg.rewards_toml)
     log.info("episodes: rewards config %s (digest %s), %d outcome kinds, %d task types",
              rewards.source, rewards.digest, len(rewards.outcomes), len(rewards.task_types))
-    Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
-    write_resolved(cfg, Path(cfg.state_dir) / "episodes-config.toml")
-    builder = Builder(cfg, rewards)
-    log.info("episodes: state %s at pass %d (%d rows written so far), lake %s",
-             cfg.state_dir, builder.state.pass_no, builder.state.next_seq, cfg.lake_root)
-    if any(t.judge for t in rewards.task_types.values()):
-        log.info("episodes: LLM judge on for %s via %s model %s",
-                 [t.name for t in rewards.task_types.values() if t.judge], cfg.judge_url, builder.judge.model)
+    with Builder(cfg, rewards) as builder:  # takes the state dir's lock before anything is written there
+        write_resolved(cfg, Path(cfg.state_dir) / "episodes-config.toml")
+        log.info("episodes: state %s at pass %d (%d rows written so far), lake %s",
+                 cfg.state_dir, builder.state.pass_no, builder.state.next_seq, cfg.lake_root)
+        if any(t.judge for t in rewards.task_types.values()):
+            log.info("episodes: LLM judge on for %s via %s model %s",
+                     [t.name for t in rewards.task_types.values() if t.judge], cfg.judge_url, builder.judge.model)
+        passes = _pass_loop(builder, cfg, stop)
+        log.info("episodes: stopped after %d passes; %d rows in the episodes table", passes, builder.state.next_seq)
+    return 0
+
+
+def _pass_loop(builder: Builder, cfg: EpisodesConfig, stop: Callable[[], bool] | None) -> int:
+    """Passes until caught up (or, following, until SIGTERM or `stop()`); how many ran."""
     stop_flag = stop_on_signals("finishing the pass in hand, then exiting", signals=(signal.SIGTERM,))
     passes = 0
     last_status = 0.0
@@ -865,8 +920,7 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
             if not cfg.follow:
                 break
             time.sleep(cfg.poll_interval_s)
-    log.info("episodes: stopped after %d passes; %d rows in the episodes table", passes, builder.state.next_seq)
-    return 0
+    return passes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -879,6 +933,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run(cfg, rewards)
-    except LakeReadError as exc:
+    except (LakeReadError, StateLockedError) as exc:
         log.error("%s", exc)
         return 1

@@ -5,7 +5,8 @@
     <state_dir>/gen-<pass>/pending.parquet events of sessions not yet emitted (lake event schema)
     <state_dir>/intent.json              the plan of the pass in flight: its input range, clock and first row seq
     <state_dir>/intent-judge.json        the judge answers of the pass in flight, written before its episode file
-    <state_dir>/segments/seg-<pass>.parquet  index of emitted sessions (label, episode file, outcomes), immutable
+    <state_dir>/segments/seg-<pass>.parquet  index of emitted sessions (label, episode file, outcomes, event ids), immutable
+    <state_dir>/LOCK                     flock held by the one builder using this state; holds its pid
 
 Crash safety: a pass first writes its intent (input range = cursor after, `now`, first row
 sequence number), then its episode file (name fixed by the intent's sequence numbers) and its
@@ -15,11 +16,18 @@ file names with the same rows: the episodes table ends up as a clean run's, noth
 nothing duplicated. Judge answers are the one input from outside the lake: the pass records
 them (failures included) before it writes its episode file, and a re-run uses that record, so
 the rewritten file holds the same rewards as the one a reader may already have read.
+
+One builder per state directory: a second one would clean up the first one's generation in
+flight and commit over it. `StateLock` takes an exclusive `fcntl.flock` on `<state_dir>/LOCK` for
+the builder's life; the kernel drops it when the process dies, SIGKILL included, so a restarted
+builder never waits for a stale lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +45,45 @@ from flywheel.ingest import lake
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+
+class StateLockedError(RuntimeError):
+    """Another builder holds this state directory."""
+
+
+class StateLock:
+    """An exclusive flock on `<state_dir>/LOCK`, held from `acquire` until `release` or the process's end."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / "LOCK"
+        self._fd: int | None = None
+
+    def acquire(self) -> "StateLock":
+        """Take the lock or raise StateLockedError naming the state dir and, when it wrote it, the holder's pid."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children (PEP 446)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise StateLockedError(
+                f"episodes: state dir {self.path.parent} is in use by another episode builder (pid {holder}, lock "
+                f"{self.path}); two builders on one state would overwrite each other's passes. Stop that one, "
+                "or give this one its own --state-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above; the flock is the lock
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
 
 
 @dataclass

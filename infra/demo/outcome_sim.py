@@ -12,23 +12,39 @@ OutcomeReporter, like any outcome source would:
   `accepted` (1.0 accepted / 0.0 rejected): the verifier's verdict, flipped with probability
   `user_noise` (users are not perfect graders).
 
-Progress through the hand-off file is kept in a cursor (byte offset, saved after each batch
-of reports), so a restart neither re-reports nor skips sessions; user signals still pending at
-a restart are lost, as they are when a real user walks away. Bad lines are skipped, counted
-and logged. SIGTERM reports what is due, flushes and exits 0.
+Crash safety: send, confirm, then commit. The cursor (the hand-off file's byte offset, in
+`--cursor`) only moves past a hand-off line once every outcome that line scheduled was sent AND
+confirmed by the reporter's `flush()` (`committable` is the rule; a line that scheduled nothing,
+or a bad line, counts as done). A user signal due 40 s later therefore holds the cursor before its
+line for 40 s, and the lines after it wait too: the cursor is a prefix, never a set. A process
+killed anywhere re-reads from the committed cursor and schedules those lines again: an outcome
+the killed process had scheduled but not sent (its in-memory queue) is sent by the next one. One it
+had sent is sent again only if the kill came before the cursor write that recorded its
+confirmation (it was in flight, or confirmed a moment earlier): the cursor file also lists the
+confirmed outcomes of the lines it has not passed yet (`sent`), and a restart skips those.
+Re-sends are harmless: every outcome is the same on each run (outcome_id from session and kind,
+ts = its due time, the user's decision drawn from a per-session seed kept in the cursor file),
+and the episode builder keeps the first copy of an outcome_id. Bad lines are skipped, counted and
+logged. While Kafka is down, flush fails, nothing is committed and the next poll tries again.
+SIGTERM sends every queued task_success (due or not), confirms, commits and exits 0; a queued
+user signal is then still owed, and a restart sends it.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import heapq
+import inspect
 import json
 import logging
 import random
+import secrets
 import signal
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Protocol
 
 from flywheel.base import defaults
 from flywheel.base.atomic import Durability, write_json
@@ -45,6 +61,8 @@ from flywheel.demo import tasks
 from flywheel.demo.agent_sim import DEFAULT_HANDOFF
 
 log = logging.getLogger(__name__)
+# outcome ids are uuid5(session/kind/source) in this namespace: the same outcome has the same id on every run
+OUTCOME_ID_NAMESPACE = uuid.UUID("3f0c6a52-8e1d-4c1e-9b7a-6d2f5e0a4c11")
 
 
 @dataclass
@@ -61,7 +79,8 @@ class OutcomeSimConfig:
     user_delay_s_max: float = setting(40.0, "latest user reaction after session end, seconds")
     user_noise: float = setting(0.1, "probability the user's accept/reject disagrees with the verifier")
     poll_s: float = setting(0.25, "how often the hand-off file is read")
-    seed: int = setting(0, "seed of the user simulation (0: random)")
+    flush_timeout_s: float = setting(5.0, "how long a poll waits for Kafka to confirm what it sent (the cursor moves only after)")
+    seed: int = setting(0, "seed of the user simulation (0: random, drawn once and kept in the cursor file)")
     var_dir: Path = setting(Path(defaults.VAR_DIR), "local state root; the heartbeat goes to <var_dir>/run/status/")
     status_name: str = setting("outcome-sim", "name of the heartbeat under var/run/status")
     spool_name: str = setting("outcome-sim", "the SDK's spill spool name")
@@ -74,6 +93,8 @@ class OutcomeSimConfig:
             raise ConfigError(f"user_delay_s_min ({self.user_delay_s_min}) must be <= user_delay_s_max ({self.user_delay_s_max})")
         if self.verifier_delay_s < 0:
             raise ConfigError("verifier_delay_s must be >= 0")
+        if self.flush_timeout_s <= 0:
+            raise ConfigError(f"flush_timeout_s must be > 0, got {self.flush_timeout_s}")
 
 
 @dataclass(order=True)
@@ -85,6 +106,18 @@ class Due:
     kind: str
     value: float
     source: str
+    outcome_id: str = ""
+    line_end: int = 0  # byte offset just past the hand-off line that scheduled it
+
+
+def outcome_id(session_id: str, kind: str, source: str) -> str:
+    """The id of a session's outcome of one kind: the same on every run, so a re-send is a duplicate, not news."""
+    return uuid.uuid5(OUTCOME_ID_NAMESPACE, f"{session_id}/{kind}/{source}").hex
+
+
+def session_rng(seed: int, session_id: str) -> random.Random:
+    """The user simulation's dice for one session: a re-read after a restart draws the same decisions."""
+    return random.Random(f"{seed}/{session_id}")  # a str seed is hashed with sha512: stable across processes
 
 
 def verdict(record: dict[str, Any]) -> bool:
@@ -96,17 +129,82 @@ def verdict(record: dict[str, Any]) -> bool:
     return tasks.check(spec, [a if isinstance(a, str) else None for a in answers])
 
 
-def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random) -> list[Due]:
+def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random, line_end: int = 0) -> list[Due]:
     """The outcomes one finished session will produce, and when."""
     session_id = str(record["session_id"])
     ended = float(record["ended"])
     ok = verdict(record)
-    due = [Due(ended + cfg.verifier_delay_s, session_id, "task_success", 1.0 if ok else 0.0, "verifier")]
+
+    def due(at: float, kind: str, value: float, source: str) -> Due:
+        return Due(at, session_id, kind, value, source, outcome_id(session_id, kind, source), line_end)
+
+    out = [due(ended + cfg.verifier_delay_s, "task_success", 1.0 if ok else 0.0, "verifier")]
     if rng.random() < cfg.user_share:
         accepted = ok if rng.random() >= cfg.user_noise else not ok
         delay = rng.uniform(cfg.user_delay_s_min, cfg.user_delay_s_max)
-        due.append(Due(ended + delay, session_id, "accepted", 1.0 if accepted else 0.0, "user"))
-    return due
+        out.append(due(ended + delay, "accepted", 1.0 if accepted else 0.0, "user"))
+    return out
+
+
+def committable(cursor: int, lines: Iterable[tuple[int, int]]) -> int:
+    """The furthest the cursor may move: past each leading line whose outcomes are all confirmed sent.
+
+    `lines`: (byte offset just past the line, outcomes it scheduled not yet confirmed) for the
+    lines past `cursor`, in file order. The first line still owing an outcome stops the cursor,
+    whatever the lines after it owe: a restart re-reads from the cursor, so passing a line early
+    would lose what it still owes.
+    """
+    for end, unconfirmed in lines:
+        if unconfirmed > 0:
+            break
+        cursor = end
+    return cursor
+
+
+@dataclass
+class Line:
+    """A hand-off line past the committed cursor: the outcomes it scheduled and which are confirmed sent."""
+
+    end: int
+    ids: list[str]
+    sent: set[str] = field(default_factory=set)
+
+
+class Progress:
+    """The committed cursor and the hand-off lines past it that the cursor has not passed yet."""
+
+    def __init__(self, offset: int, sent: Iterable[str] = ()) -> None:
+        self.offset = offset
+        self.lines: list[Line] = []
+        # confirmed by an earlier process for lines past `offset`: not sent again when those lines are re-read
+        self.sent_before = set(sent)
+
+    def add(self, end: int, ids: list[str]) -> list[str]:
+        """Track a newly read line; returns its outcome ids still to send."""
+        line = Line(end, ids, {i for i in ids if i in self.sent_before})
+        self.lines.append(line)
+        return [i for i in ids if i not in line.sent]
+
+    def confirm(self, items: Iterable[Due]) -> None:
+        by_end = {line.end: line for line in self.lines}
+        for item in items:
+            by_end[item.line_end].sent.add(item.outcome_id)
+
+    def advance(self) -> bool:
+        """Move the cursor as far as `committable` allows; True when it moved."""
+        new = committable(self.offset, ((line.end, len(set(line.ids) - line.sent)) for line in self.lines))
+        if new == self.offset:
+            return False
+        for line in self.lines:
+            if line.end <= new:
+                self.sent_before.difference_update(line.ids)
+        self.lines = [line for line in self.lines if line.end > new]
+        self.offset = new
+        return True
+
+    def sent_ahead(self) -> list[str]:
+        """Confirmed outcomes of lines the cursor has not passed (a restart must not send them again)."""
+        return sorted(self.sent_before.union(*(line.sent for line in self.lines)))
 
 
 class HandoffReader:
@@ -134,15 +232,151 @@ class HandoffReader:
         return out
 
 
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def load_offset(path: Path) -> int:
     try:
-        return int(json.loads(path.read_text())["offset"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(_load(path)["offset"])
+    except (KeyError, TypeError, ValueError):
         return 0
 
 
-def save_offset(path: Path, offset: int) -> None:
-    write_json(path, {"offset": offset}, Durability.DURABLE)  # a cursor a restart resumes from
+def load_cursor(path: Path) -> tuple[int, int | None, list[str]]:
+    """(offset, seed or None when none was saved, outcome ids already confirmed past the offset)."""
+    record = _load(path)
+    seed = record.get("seed")
+    sent = record.get("sent")
+    return (load_offset(path), seed if isinstance(seed, int) else None,
+            [str(i) for i in sent] if isinstance(sent, list) else [])
+
+
+def save_offset(path: Path, offset: int, seed: int = 0, sent: Iterable[str] = ()) -> None:
+    # durable: a cursor a restart resumes from; the sent ids go in the same atomic write as the offset
+    write_json(path, {"offset": offset, "seed": seed, "sent": list(sent)}, Durability.DURABLE)
+
+
+class Reporter(Protocol):
+    """What the simulator needs of flywheel.ingest.sdk.OutcomeReporter."""
+
+    def report(self, session_id: str, kind: str, value: float, agent_id: str | None = None,
+               source: str | None = None, ts: str | None = None) -> str: ...
+
+    def flush(self, timeout: float = 10.0) -> bool: ...
+
+    def metrics(self) -> dict[str, Any]: ...
+
+
+def _wire_ts(epoch_s: float) -> str:
+    return dt.datetime.fromtimestamp(epoch_s, dt.timezone.utc).isoformat(timespec="microseconds")
+
+
+class OutcomeSim:
+    """The simulator between polls: hand-off reader, queue of scheduled outcomes, what is confirmed, the cursor."""
+
+    def __init__(self, cfg: OutcomeSimConfig, reporter: Reporter) -> None:
+        offset, seed, sent = load_cursor(cfg.cursor)
+        self.cfg = cfg
+        self.reporter = reporter
+        # with seed 0 a random seed is drawn once and kept in the cursor file, so a restart re-draws
+        # the same user decisions for the lines it re-reads
+        self.seed = cfg.seed or seed or secrets.randbits(48)
+        self.reader = HandoffReader(cfg.handoff, offset)
+        self.progress = Progress(offset, sent)
+        self.queue: list[Due] = []  # scheduled, not sent (a heap by due time)
+        self.unconfirmed: list[Due] = []  # sent, not yet confirmed by a flush
+        self.counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "accepted": 0, "successes": 0, "resent": 0}
+        # the SDK's report() draws a fresh outcome_id unless it takes one; passing ours makes a re-send a
+        # duplicate the builder drops (needs OutcomeReporter.report(..., outcome_id=)); without it a re-send
+        # still carries the same kind, value and ts, so the reward it gives is the same
+        self.pass_ids = "outcome_id" in inspect.signature(reporter.report).parameters
+        self._dropped = self._reporter_drops()
+        self._dirty = seed != self.seed  # the cursor file lacks what a restart needs: write it at the next commit
+
+    def read_new(self) -> int:
+        """Schedule the outcomes of the hand-off lines written since the last read; how many lines were read."""
+        lines = self.reader.read()
+        for end_offset, line in lines:
+            items: list[Due] = []
+            if line:
+                try:
+                    record = json.loads(line)
+                    items = schedule(record, self.cfg, session_rng(self.seed, str(record["session_id"])), end_offset)
+                    self.counts["sessions"] += 1
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    self.counts["bad_lines"] += 1
+                    log.warning("outcome-sim: hand-off line at byte %d is not a session record (%s); skipped",
+                                end_offset - len(line) - 1, exc)
+            todo = set(self.progress.add(end_offset, [i.outcome_id for i in items]))
+            for item in items:
+                if item.outcome_id in todo:
+                    heapq.heappush(self.queue, item)
+            self.reader.offset = end_offset
+        return len(lines)
+
+    def send_due(self, now: float, kinds: tuple[str, ...] = ()) -> int:
+        """Send what is due at `now`, and every queued outcome of `kinds` due or not; how many were sent."""
+        batch: list[Due] = []
+        while self.queue and self.queue[0].at <= now:
+            batch.append(heapq.heappop(self.queue))
+        if kinds:
+            batch += [q for q in self.queue if q.kind in kinds]
+            self.queue = [q for q in self.queue if q.kind not in kinds]
+            heapq.heapify(self.queue)
+        for item in batch:
+            ids = {"outcome_id": item.outcome_id} if self.pass_ids else {}
+            self.reporter.report(item.session_id, item.kind, item.value, source=item.source, ts=_wire_ts(item.at), **ids)
+            self.unconfirmed.append(item)
+            self.counts[item.kind] += 1
+            self.counts["successes"] += int(item.kind == "task_success" and item.value > 0)
+        return len(batch)
+
+    def confirm(self, timeout: float) -> bool:
+        """Wait for the reporter to confirm delivery of what was sent; True when nothing sent is unconfirmed."""
+        if not self.unconfirmed:
+            return True
+        if not self.reporter.flush(timeout):
+            return False  # Kafka did not confirm (down, slow): they stay unconfirmed, the next poll asks again
+        dropped = self._reporter_drops()
+        if dropped > self._dropped:
+            # the SDK dropped records (queue or spool full) and cannot say which: send the whole batch again
+            log.warning("outcome-sim: the reporter dropped %d records; re-sending this batch of %d outcomes",
+                        dropped - self._dropped, len(self.unconfirmed))
+            self._dropped = dropped
+            self.counts["resent"] += len(self.unconfirmed)
+            for item in self.unconfirmed:
+                heapq.heappush(self.queue, item)
+            self.unconfirmed = []
+            return False
+        self.progress.confirm(self.unconfirmed)
+        self.unconfirmed = []
+        self._dirty = True
+        return True
+
+    def commit(self) -> None:
+        """Move the cursor as far as the confirmed outcomes allow and save it with them, in one atomic write."""
+        if self.progress.advance() or self._dirty:
+            save_offset(self.cfg.cursor, self.progress.offset, self.seed, self.progress.sent_ahead())
+            self._dirty = False
+
+    def step(self, now: float) -> None:
+        """One poll: read, send what is due, confirm, then commit (the order is the crash safety)."""
+        self.read_new()
+        self.send_due(now)
+        self.confirm(self.cfg.flush_timeout_s)
+        self.commit()
+
+    def status(self) -> dict[str, Any]:
+        return {**self.counts, "pending": len(self.queue), "unconfirmed": len(self.unconfirmed),
+                "offset": self.progress.offset, "read_offset": self.reader.offset}
+
+    def _reporter_drops(self) -> int:
+        return int(self.reporter.metrics().get("dropped", 0))
 
 
 def run(cfg: OutcomeSimConfig) -> int:
@@ -151,55 +385,37 @@ def run(cfg: OutcomeSimConfig) -> int:
     cfg.cursor.parent.mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, cfg.cursor.parent / "outcome-sim.toml")
     reporter = OutcomeReporter(cfg.kafka_bootstrap, cfg.outcomes_topic, name=cfg.spool_name)
-    rng = random.Random(cfg.seed or None)
-    reader = HandoffReader(cfg.handoff, load_offset(cfg.cursor))
-    log.info("outcome-sim: following %s from byte %d; outcomes to %s (%s)", cfg.handoff, reader.offset,
-             cfg.kafka_bootstrap, cfg.outcomes_topic)
+    sim = OutcomeSim(cfg, reporter)
+    log.info("outcome-sim: following %s from byte %d (%d outcomes past it already sent); outcomes to %s (%s)",
+             cfg.handoff, sim.reader.offset, len(sim.progress.sent_before), cfg.kafka_bootstrap, cfg.outcomes_topic)
+    if not sim.pass_ids:
+        log.warning("outcome-sim: OutcomeReporter.report takes no outcome_id: an outcome re-sent after a crash "
+                    "gets a new id (same kind, value and ts)")
+    sim.commit()  # the seed goes to disk before any outcome drawn from it is sent
     stop = stop_on_signals("sending the outcomes due, then exiting", signals=(signal.SIGTERM,))
-    queue: list[Due] = []
-    counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "accepted": 0, "successes": 0}
     last_status = 0.0
     try:
         while not stop.is_set():
-            lines = reader.read()
-            for end_offset, line in lines:
-                if line:
-                    try:
-                        record = json.loads(line)
-                        for item in schedule(record, cfg, rng):
-                            heapq.heappush(queue, item)
-                        counts["sessions"] += 1
-                    except (ValueError, KeyError, TypeError) as exc:
-                        counts["bad_lines"] += 1
-                        log.warning("outcome-sim: hand-off line at byte %d is not a session record (%s); skipped",
-                                    end_offset - len(line) - 1, exc)
-                reader.offset = end_offset
             now = time.time()
-            while queue and queue[0].at <= now:
-                item = heapq.heappop(queue)
-                reporter.report(item.session_id, item.kind, item.value, source=item.source)
-                counts[item.kind] += 1
-                counts["successes"] += int(item.kind == "task_success" and item.value > 0)
-            if lines:
-                # the verifier's outcomes for these lines are queued; a restart before they are due loses
-                # them only if it also loses this process's memory, which is why the delay is short
-                save_offset(cfg.cursor, reader.offset)
+            sim.step(now)
             if now - last_status >= 2.0:
-                write_status(cfg.status_name, {**counts, "pending": len(queue), "offset": reader.offset}, cfg.var_dir)
+                write_status(cfg.status_name, sim.status(), cfg.var_dir)
                 last_status = now
             stop.wait(cfg.poll_s)
     except KeyboardInterrupt:
         pass
-    # report what is due now; later user signals are dropped, as a user who leaves never answers
-    now = time.time()
-    for item in [q for q in queue if q.kind == "task_success"]:
-        reporter.report(item.session_id, item.kind, item.value, source=item.source)
-        counts["task_success"] += 1
-    reporter.flush(30.0)
+    # the verifier's verdicts go out now, due or not; a user signal still queued is owed to the next
+    # run (the cursor stays before its line), as a user who has not answered yet may still answer
+    sim.read_new()
+    sim.send_due(time.time(), kinds=("task_success",))
+    confirmed = sim.confirm(30.0)
+    sim.commit()
     reporter.close()
-    write_status(cfg.status_name, {**counts, "pending": 0, "offset": reader.offset}, cfg.var_dir)
-    log.info("outcome-sim: stopped; %d sessions, %d task_success, %d accepted, %d bad lines", counts["sessions"],
-             counts["task_success"], counts["accepted"], counts["bad_lines"])
+    write_status(cfg.status_name, sim.status(), cfg.var_dir)
+    c = sim.counts
+    log.info("outcome-sim: stopped; %d sessions, %d task_success, %d accepted, %d bad lines; cursor at byte %d, "
+             "%d outcomes still queued%s", c["sessions"], c["task_success"], c["accepted"], c["bad_lines"],
+             sim.progress.offset, len(sim.queue), "" if confirmed else ", the last batch unconfirmed (a restart re-sends it)")
     return 0
 
 

@@ -5,12 +5,15 @@ random 0-100 ms after it commits a pass, so the kills land inside the next pass'
 and commit; the reference is one uninterrupted run over a copy of the same lake.
 Sessions lie two days in the past, so every maturity window is closed whenever the passes run and
 both builds make the same decisions; a third of the outcomes arrive several files late, so
-relabels (label 2) are part of what must survive the kills.
+relabels (label 2) are part of what must survive the kills. Event files also hold re-sent copies
+(the SDK's replay after an outage), of events in the same file and of sessions labelled three
+files earlier: both must count as duplicates, never as late events, and change no row.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import random
 import shutil
@@ -38,13 +41,19 @@ FILES = 24
 PER_FILE = 10
 
 
-def build_lake(root: Path) -> None:
+def build_lake(root: Path) -> int:
+    """Write the lake; returns how many event copies it holds."""
     start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)
     feed = synthetic.LakeFeeder(str(root))
     late: list[dict] = []
+    written: list[list[dict]] = []
+    copies = 0
     for i in range(FILES):
         events, outcomes = synthetic.generate(PER_FILE, start + dt.timedelta(minutes=10 * i), seed=i, sub_agents=0.5)
-        feed.write("events", events)
+        replay = events[:3] + (written[i - 3][::5] if i >= 3 else [])
+        written.append(events)
+        copies += len(replay)
+        feed.write("events", events + replay)
         on_time = [o for j, o in enumerate(outcomes) if j % 3]
         late.extend(o for j, o in enumerate(outcomes) if not j % 3)
         if i >= 4:  # outcomes of sessions four files back: their label 1 went out with task_success missing
@@ -52,6 +61,7 @@ def build_lake(root: Path) -> None:
             del late[:PER_FILE // 3 + 1]
         feed.write("outcomes", on_time)
     feed.write("outcomes", late)
+    return copies
 
 
 def flywheel(lake_root: Path, state: Path, toml: Path) -> list[str]:
@@ -66,10 +76,15 @@ def table(root: Path) -> tuple[list[tuple[int, int]], list[dict]]:
     return [(f.first, f.last) for f in files], sorted(rows, key=lambda r: (r["episode_id"], r["label_version"]))
 
 
+def counters(state: Path) -> dict[str, int]:
+    """The committed lifetime counters of a builder's state."""
+    return json.loads((state / (state / "CURRENT").read_text().strip() / "state.json").read_text())["counters"]
+
+
 def test_sigkill_mid_pass_gives_the_clean_table(tmp_path: Path) -> None:
     toml = tmp_path / "rewards.toml"
     toml.write_text(TOML)
-    build_lake(tmp_path / "clean")
+    copies = build_lake(tmp_path / "clean")
     shutil.copytree(tmp_path / "clean", tmp_path / "killed")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     cwd = Path(__file__).resolve().parents[2]
@@ -111,3 +126,37 @@ def test_sigkill_mid_pass_gives_the_clean_table(tmp_path: Path) -> None:
     assert killed_files == clean_files, f"file ranges differ after {kills} kills"
     assert len(killed_rows) == len(clean_rows), f"{len(killed_rows)} rows after {kills} kills vs {len(clean_rows)} clean"
     assert killed_rows == clean_rows, f"row contents differ after {kills} kills"
+    keys = [(r["episode_id"], r["label_version"]) for r in killed_rows]
+    assert len(set(keys)) == len(keys), f"{len(keys) - len(set(keys))} episode labels written twice"
+    for name in ("clean", "killed"):
+        c = counters(tmp_path / f"state-{name}")
+        assert c.get("dropped_duplicate_event") == copies and "dropped_late_event" not in c, (
+            f"{name}: {copies} re-sent copies should all count as duplicate_event: {c}")
+
+
+def test_a_second_builder_on_the_same_state_is_refused(tmp_path: Path) -> None:
+    """Two `flywheel episodes` processes on one state dir: the second exits 1 naming the dir and the first's pid."""
+    toml = tmp_path / "rewards.toml"
+    toml.write_text(TOML)
+    build_lake(tmp_path / "lake")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cwd = Path(__file__).resolve().parents[2]
+    state = tmp_path / "state"
+    first = subprocess.Popen(flywheel(tmp_path / "lake", state, toml) + ["--follow"], env=env, cwd=cwd,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "CURRENT").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # a committed pass: the first builder holds the lock and works on the state
+        assert first.poll() is None and (state / "CURRENT").exists(), "the first builder did not start passing"
+        second = subprocess.run(flywheel(tmp_path / "lake", state, toml), env=env, cwd=cwd, capture_output=True,
+                                text=True, timeout=120)
+        assert second.returncode == 1, f"exit {second.returncode}: {second.stderr[-2000:]}"
+        assert str(state) in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr[-2000:]
+    finally:
+        first.send_signal(signal.SIGTERM)  # finishes its pass, exits 0 and releases the lock
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-2000:]
+    third = subprocess.run(flywheel(tmp_path / "lake", state, toml), env=env, cwd=cwd, capture_output=True, text=True,
+                           timeout=300)
+    assert third.returncode == 0, third.stderr[-2000:]

@@ -163,3 +163,24 @@ def test_merge_outcomes_keeps_the_first_copy_in_lake_order() -> None:
     assert held_py[0]["held_since"] == T0, "held records come back with datetimes"
     assert [(o["outcome_id"], o["value"]) for o in fresh] == [("a", 1)], fresh
     assert duplicates == 2 and fresh[0]["held_since"] == at(10)
+
+
+def test_copies_of_a_labelled_sessions_events_are_duplicates_and_only_new_ones_late(rewards: config.RewardConfig) -> None:
+    events = session("s1")
+    index = {"s1": emitted("s1") | {"event_ids": [e["event_id"] for e in events]}}
+    copies = route({"s1": events}, index, [], at(60), rewards)
+    assert copies.drops == {"duplicate_event": 4} and copies.late_sessions == [], (copies.drops, copies.late_sessions)
+    assert copies.due == [] and copies.pending == set(), "a copy must not reopen a labelled session"
+    new = dict(events[1], event_id="s1-new")
+    mixed = route({"s1": events[:2] + [new]}, index, [], at(60), rewards)
+    assert mixed.drops == {"duplicate_event": 2, "late_event": 1} and mixed.late_sessions == ["s1"], mixed.drops
+
+
+def test_label_1_index_row_keeps_every_event_id_of_every_agent(rewards: config.RewardConfig) -> None:
+    from flywheel.rewards.builder import label_1_index_row
+
+    events = session("s1")
+    child = [dict(events[1], event_id="s1-kid", agent_id="kid", parent_agent_id="main", seq=0)]
+    (d,) = route({"s1": events + child}, {}, [outcome("s1", "o1")], at(60), rewards).due
+    row = label_1_index_row(d, rewards.task("tool_use"), rewards.join.relabel_horizon_s)
+    assert row["event_ids"] == sorted([e["event_id"] for e in events] + ["s1-kid"]), row["event_ids"]

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -63,6 +67,12 @@ class Rig:
             b.tool()
         end = b.end() if ended else T0 + dt.timedelta(seconds=10)
         return b.events, end
+
+    def restart(self) -> episodes.Builder:
+        """A new builder process on the same state: the old one stops first (it holds the state's lock)."""
+        self.builder.close()
+        self.builder = episodes.Builder(self.cfg, self.rewards)
+        return self.builder
 
     def run(self, at: dt.datetime) -> episodes.PassResult:
         return self.builder.run_pass(now=at)
@@ -239,7 +249,7 @@ def test_restart_resumes_from_the_cursor(rig: Rig, tmp_path: Path) -> None:
     rig.feed.write("events", events)
     rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
     rig.run(after(end, 2))
-    fresh = episodes.Builder(rig.cfg, rig.rewards)  # a new process on the same state
+    fresh = rig.restart()  # a new process on the same state
     res = fresh.run_pass(now=after(end, 3))
     assert res.idle and res.new_event_rows == 0
     events2, end2 = rig.session("s2")
@@ -267,7 +277,7 @@ def test_relabel_after_a_restart(rig: Rig) -> None:
     events, end = rig.session("s1")
     rig.feed.write("events", events)
     rig.run(after(end, 700))
-    rig.builder = episodes.Builder(rig.cfg, rig.rewards)  # a new process: the emitted set comes from the index
+    rig.restart()  # a new process: the emitted set comes from the index
     rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 800))])
     res = rig.run(after(end, 801))
     assert res.relabels == 1 and sorted(rig.labels("s1")) == [1, 2]
@@ -276,7 +286,7 @@ def test_relabel_after_a_restart(rig: Rig) -> None:
 def test_end_grace_waits_for_stragglers(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.rewards = config.parse(TOML.replace("[join]", "[join]\nend_grace_s = 30"))
-    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    rig.restart()
     events, end = rig.session("s1")
     rig.feed.write("events", events)
     rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
@@ -297,7 +307,7 @@ def test_rerun_of_a_killed_pass_reuses_its_judge_answers(tmp_path: Path, monkeyp
     rig = Rig(tmp_path)
     rig.rewards = config.parse(TOML.replace("[task_types.tool_use]", "[task_types.tool_use]\njudge = true"))
     rig.cfg.judge_url = "http://127.0.0.1:9"  # nothing listens: the first attempt records an error
-    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    rig.restart()
     events, end = rig.session("s1")
     rig.feed.write("events", events)
     rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
@@ -316,7 +326,7 @@ def test_rerun_of_a_killed_pass_reuses_its_judge_answers(tmp_path: Path, monkeyp
         def score(self, text: str, rubric: config.Rubric) -> judge_mod.JudgeResult:
             return judge_mod.JudgeResult(5, "ok")
 
-    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    rig.restart()
     rig.builder.judge = Answering(rig.cfg.judge_url, rig.builder.judge.model, 1.0, None)
     res = rig.run(after(end, 500))  # the clock passed in is ignored: the intent's clock rules
     strip = lambda rows: sorted((r["episode_id"], r["r_judge"], r["reward_detail"]) for r in rows)  # noqa: E731
@@ -335,7 +345,7 @@ def test_index_segments_are_compacted_and_still_found(rig: Rig, monkeypatch: pyt
     assert len(rig.builder.state.segments) <= 3, rig.builder.state.segments
     seg_files = sorted(p.name for p in (Path(rig.cfg.state_dir) / "segments").iterdir())
     assert seg_files == sorted(rig.builder.state.segments), "retired segments must be deleted"
-    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    rig.restart()
     rig.feed.write("outcomes", [synthetic.outcome("s0", "task_success", 1.0, after(ends[0], 700)),
                                 synthetic.outcome("s5", "task_success", 1.0, after(ends[5], 700))])
     res = rig.run(after(ends[5], 701))
@@ -380,6 +390,7 @@ def test_run_follows_in_a_thread_until_stop(rig: Rig) -> None:
     result: list[int] = []
     toml = Path(rig.cfg.state_dir).parent / "r.toml"
     toml.write_text(TOML)
+    rig.builder.close()  # run() starts its own builder on this state
     thread = threading.Thread(target=lambda: result.append(episodes.run(rig.cfg, config.load(toml), stop=done.is_set)))
     thread.start()
     deadline = time.monotonic() + 30
@@ -432,7 +443,7 @@ def test_outcome_about_one_agent_counts_for_its_rows_only(rig: Rig) -> None:
 def test_judge_budget_spent_is_recorded_not_waited_for(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.rewards = config.parse(TOML.replace("[task_types.tool_use]", "[judge]\nbudget_s = 0\n[task_types.tool_use]\njudge = true"))
-    rig.builder = episodes.Builder(rig.cfg, rig.rewards)
+    rig.restart()
     events, end = rig.session("s1")
     rig.feed.write("events", events)
     rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
@@ -441,3 +452,99 @@ def test_judge_budget_spent_is_recorded_not_waited_for(tmp_path: Path) -> None:
     assert {r["r_judge"] for r in rows} == {None} and {r["reward"] for r in rows} == {1.0}
     assert '"status": "budget"' in rows[0]["reward_detail"]
     assert rig.builder.judge.calls == 0
+
+
+# --- re-sent copies (the SDK replays its spool after an outage): duplicates whenever they come -----------------
+
+
+def test_copies_arriving_while_the_session_is_pending_change_nothing(rig: Rig) -> None:
+    events, end = rig.session("s1", calls=3)
+    rig.feed.write("events", events)
+    rig.run(after(end, 2))  # pending: task_success not in, its window open
+    rig.feed.write("events", events[2:] + events[:2])  # the SDK's replay: every event again, in another order
+    res = rig.run(after(end, 3))
+    assert res.pending_sessions == 1 and rig.rows() == [], res
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 4))])
+    rig.run(after(end, 5))
+    label1 = rig.labels("s1")
+    assert sorted(label1) == [1] and len(label1[1]) == 3, f"3 llm_calls, once each: {[len(v) for v in label1.values()]}"
+    assert len({r["episode_id"] for r in label1[1]}) == 3
+    assert rig.counters()["dropped_duplicate_event"] == len(events), rig.counters()
+    assert "dropped_late_event" not in rig.counters(), rig.counters()
+
+
+def test_copies_arriving_after_the_label_are_duplicates_and_a_new_event_is_late(rig: Rig) -> None:
+    events, end = rig.session("s1")
+    rig.feed.write("events", events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 2))
+    rig.restart()  # the emitted session's event ids come from the index, not from memory
+    rig.feed.write("events", events)
+    res = rig.run(after(end, 10))
+    assert res.rows_written == 0 and res.drops == {"duplicate_event": len(events)}, res.drops
+    # a relabel carries the event ids on: copies after label 2 are still duplicates
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "accepted", 1.0, after(end, 20))])
+    assert rig.run(after(end, 21)).relabels == 1
+    straggler = synthetic.SessionBuilder("s1", after(end, 3))
+    straggler.llm_call()
+    rig.feed.write("events", events[:3] + straggler.events)
+    res = rig.run(after(end, 30))
+    assert res.drops == {"duplicate_event": 3, "late_event": 1}, res.drops
+    assert sorted(rig.labels("s1")) == [1, 2] and all(len(v) == 2 for v in rig.labels("s1").values())
+    assert rig.counters()["dropped_duplicate_event"] == len(events) + 3 and rig.counters()["dropped_late_event"] == 1
+
+
+def test_index_segments_without_event_ids_still_work(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments written before the index kept event ids: lookups, relabels and compaction still work."""
+    monkeypatch.setattr(episodes, "SEGMENT_COMPACT_AT", 2)
+    old, end = rig.session("old")
+    rig.feed.write("events", old)
+    rig.run(after(end, 601))
+    (seg,) = [Path(rig.cfg.state_dir) / "segments" / s for s in rig.builder.state.segments]
+    pq.write_table(pq.read_table(seg).drop(["event_ids"]), seg)  # as the previous builder wrote it
+    rig.restart()
+    rig.feed.write("events", old[:2])
+    assert rig.run(after(end, 602)).drops == {"late_event": 2}, "an old index row knows no event ids: late, as before"
+    for sid in ("new1", "new2"):  # two more segments: the third pass merges old and new ones
+        events, end2 = rig.session(sid)
+        rig.feed.write("events", events)
+        rig.run(after(end2, 601))
+    assert len(rig.builder.state.segments) <= 2, rig.builder.state.segments
+    rig.feed.write("outcomes", [synthetic.outcome("old", "task_success", 1.0, after(end, 700))])
+    rig.feed.write("events", events)  # copies of new2's events
+    res = rig.run(after(end2, 700))
+    assert res.relabels == 1 and res.drops == {"duplicate_event": len(events)}, res
+
+
+# --- one builder per state directory ------------------------------------------------------------------------
+
+
+def test_a_second_builder_on_the_same_state_is_refused_until_the_first_stops(rig: Rig) -> None:
+    from flywheel.rewards.state import StateLockedError
+
+    with pytest.raises(StateLockedError) as refused:
+        episodes.Builder(rig.cfg, rig.rewards)
+    message = str(refused.value)
+    assert rig.cfg.state_dir in message and f"pid {os.getpid()}" in message, message
+    rig.builder.close()
+    second = episodes.Builder(rig.cfg, rig.rewards)  # the first one's lock went with it
+    second.close()
+
+
+def test_the_lock_of_a_killed_builder_is_released_by_its_death(tmp_path: Path) -> None:
+    from flywheel.rewards.state import StateLock, StateLockedError
+
+    state = tmp_path / "state"
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; from flywheel.rewards.state import StateLock; "
+                              f"StateLock({str(state)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "held"
+        with pytest.raises(StateLockedError, match=f"pid {child.pid}"):
+            StateLock(state).acquire()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    lock = StateLock(state).acquire()  # no stale lock after a SIGKILL: the kernel dropped it
+    assert lock.held and (state / "LOCK").read_text().strip() == str(os.getpid())
+    lock.release()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -99,3 +100,146 @@ def test_wilson_interval_contains_its_estimate_at_the_edges(successes, n):
     lo, hi = wilson(successes, n)
     rate = successes / n
     assert lo <= rate <= hi, f"{successes}/{n}: interval ({lo!r}, {hi!r}) does not contain {rate}"
+
+
+# --- the outcome simulator's crash safety: send, confirm, then commit ---------------------------------------------
+
+
+def test_cursor_passes_only_the_leading_lines_whose_outcomes_are_all_confirmed() -> None:
+    assert outcome_sim.committable(0, []) == 0
+    assert outcome_sim.committable(10, [(20, 0), (30, 0)]) == 30
+    # the line ending at 30 still owes a user signal: the lines after it wait, whatever they owe
+    assert outcome_sim.committable(10, [(20, 0), (30, 1), (40, 0)]) == 20
+    assert outcome_sim.committable(10, [(20, 2), (30, 0)]) == 10
+
+
+class Killed(BaseException):
+    """SIGKILL, raised at a chosen point inside a poll."""
+
+
+class FakeReporter:
+    """An OutcomeReporter stand-in: `report` queues in memory, a successful `flush` delivers (Kafka has it).
+
+    `kill(point)` is called inside report and flush; a test makes it raise Killed to kill the simulator there.
+    """
+
+    def __init__(self) -> None:
+        self.queued: list[str] = []
+        self.delivered: list[str] = []
+        self.down = False
+        self.kill: Callable[[str], None] = lambda point: None
+
+    def report(self, session_id: str, kind: str, value: float, agent_id: str | None = None, source: str | None = None,
+               ts: str | None = None, outcome_id: str | None = None) -> str:
+        assert outcome_id, "the simulator must pass its own outcome_id"
+        self.kill("report")
+        self.queued.append(outcome_id)
+        return outcome_id
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        self.kill("flush")
+        if self.down:
+            return False
+        self.delivered += self.queued
+        self.queued = []
+        self.kill("flushed")  # delivered, killed before the simulator heard of it
+        return True
+
+    def metrics(self) -> dict:
+        return {"dropped": 0}
+
+    def crash(self, rng: random.Random) -> None:
+        """SIGKILL: records in flight may or may not have reached Kafka; the rest of the queue is gone."""
+        self.delivered += [i for i in self.queued if rng.random() < 0.5]
+        self.queued = []
+
+
+def _sim_cfg(tmp_path: Path) -> outcome_sim.OutcomeSimConfig:
+    return outcome_sim.OutcomeSimConfig(handoff=tmp_path / "sessions.jsonl", cursor=tmp_path / "cursor.json",
+                                        verifier_delay_s=1.0, user_share=0.5, user_delay_s_min=5.0,
+                                        user_delay_s_max=15.0, seed=11)
+
+
+def _append_session(cfg: outcome_sim.OutcomeSimConfig, sid: str, ended: float, rng: random.Random) -> None:
+    spec = tasks.make_task(rng, multi_share=0.3)
+    answers = [tasks.truth(p) if rng.random() < 0.5 else "nonsense" for p in spec.parts]
+    with open(cfg.handoff, "a") as fh:
+        fh.write(json.dumps({"session_id": sid, "task": spec.to_json(), "answers": answers, "ended": ended}) + "\n")
+
+
+def test_a_restart_after_confirmed_sends_does_not_send_them_again(tmp_path: Path) -> None:
+    cfg = _sim_cfg(tmp_path)
+    cfg.user_share, cfg.user_delay_s_min, cfg.user_delay_s_max = 1.0, 30.0, 30.0
+    rng = random.Random(1)
+    _append_session(cfg, "a", 0.0, rng)
+    _append_session(cfg, "b", 1.0, rng)
+    reporter = FakeReporter()
+    sim = outcome_sim.OutcomeSim(cfg, reporter)
+    sim.step(now=5.0)  # both verdicts sent and confirmed; both user signals due at 30 and 31
+    assert len(reporter.delivered) == 2 and sim.progress.offset == 0, (reporter.delivered, sim.progress.offset)
+    reporter.down = True
+    sim.step(now=30.5)  # a's user signal sent, Kafka does not confirm it: the cursor stays before line a
+    assert sim.progress.offset == 0 and len(sim.unconfirmed) == 1, sim.status()
+    reporter.crash(random.Random(0))  # lost in flight (the rng says which)
+    reporter.down = False
+    restarted = outcome_sim.OutcomeSim(cfg, reporter)
+    assert restarted.seed == 11 and len(restarted.progress.sent_before) == 2, restarted.progress.sent_before
+    restarted.step(now=40.0)
+    owed = {outcome_sim.outcome_id(s, k, src) for s in "ab" for k, src in (("task_success", "verifier"), ("accepted", "user"))}
+    assert set(reporter.delivered) == owed, sorted(reporter.delivered)
+    assert len(reporter.delivered) <= 5, f"only the one unconfirmed outcome may be sent twice: {reporter.delivered}"
+    assert restarted.progress.offset == cfg.handoff.stat().st_size and outcome_sim.load_cursor(cfg.cursor)[2] == []
+
+
+def test_kills_at_any_point_of_a_poll_lose_no_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed inside report, flush or the cursor write (before or after it), Kafka down at times: nothing owed is lost."""
+    cfg = _sim_cfg(tmp_path)
+    rng = random.Random(5)
+    reporter = FakeReporter()
+    real_save = outcome_sim.save_offset
+    odds = {"report": 0.03, "flush": 0.1, "flushed": 0.1, "save": 0.1, "saved": 0.1}
+
+    def kill(point: str) -> None:
+        if rng.random() < odds[point]:
+            raise Killed(point)
+
+    def save(*args: object, **kwargs: object) -> None:
+        kill("save")
+        real_save(*args, **kwargs)
+        kill("saved")
+
+    reporter.kill = kill
+    monkeypatch.setattr(outcome_sim, "save_offset", save)
+    sim = outcome_sim.OutcomeSim(cfg, reporter)
+    kills, sessions, now = 0, 0, 0.0
+    for tick in range(400):
+        now = float(tick)
+        if tick < 300 and rng.random() < 0.4:
+            _append_session(cfg, f"s{sessions}", now, rng)
+            sessions += 1
+        if tick % 3 == 0:
+            with open(cfg.handoff, "a") as fh:
+                fh.write("not json\n" if tick % 2 else "\n")  # bad and empty lines owe nothing
+        reporter.down = 100 <= tick < 130  # an outage: flush fails, the cursor must hold
+        try:
+            sim.step(now)
+        except Killed:
+            reporter.crash(rng)
+            sim = outcome_sim.OutcomeSim(cfg, reporter)
+            kills += 1
+    reporter.kill = lambda point: None
+    monkeypatch.setattr(outcome_sim, "save_offset", real_save)
+    sim = outcome_sim.OutcomeSim(cfg, reporter)  # the last restart catches up, with no kill
+    sim.step(now + 60)
+    expected = set()
+    for line in cfg.handoff.read_text().splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            expected |= {d.outcome_id for d in outcome_sim.schedule(record, cfg, outcome_sim.session_rng(11, record["session_id"]))}
+    missing = expected - set(reporter.delivered)
+    assert kills >= 40 and sessions >= 100, (kills, sessions)
+    assert not missing, f"{len(missing)} of {len(expected)} outcomes never reached Kafka after {kills} kills"
+    assert set(reporter.delivered) <= expected, "an outcome nobody scheduled was sent"
+    resent = len(reporter.delivered) - len(set(reporter.delivered))
+    assert resent <= kills * 3, f"{resent} re-sends for {kills} kills: confirmed outcomes are being sent again"
+    assert sim.progress.offset == cfg.handoff.stat().st_size, (sim.progress.offset, cfg.handoff.stat().st_size)
