@@ -46,7 +46,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from flywheel.base.atomic import Durability, write_json, write_with
 
@@ -181,11 +181,43 @@ def rows_after_cursor(table: "pa.Table", f: LakeFile, cursor: Cursor, offset_col
 
 def next_offsets(root: str, table: str, source: str) -> dict[int, int]:
     """For each partition of `source`, the first offset not yet in the lake (exactly-once recovery)."""
+    return offsets_after(list_files(root, table), source)
+
+
+def offsets_after(files: Iterable[LakeFile], source: str) -> dict[int, int]:
+    """next_offsets over a listing already made."""
     out: dict[int, int] = {}
-    for f in list_files(root, table):
+    for f in files:
         if f.source == source:
             out[f.partition] = max(out.get(f.partition, 0), f.last + 1)
     return out
+
+
+def stream_tail(root: str, files: Iterable[LakeFile], column: str, n: int) -> list[Any]:
+    """The `column` values of the last `n` rows of one stream (the files of one source and partition),
+    in offset order: how the lake writer rebuilds its de-duplication window after a restart.
+
+    Reads only that column and `_offset`, newest files first, and stops once it has n rows.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs, _ = filesystem(root)
+    newest_first = sorted(files, key=lambda f: f.first, reverse=True)
+    assert len({(f.source, f.partition) for f in newest_first}) <= 1, "stream_tail reads one stream"
+    parts: list[pa.Table] = []
+    have = 0
+    for f in newest_first:
+        if have >= n:
+            break
+        # one file at a time (a dataset would take a zero-row file's column types for all of them)
+        part = pq.read_table(f.path, columns=[column, "_offset"], filesystem=fs)
+        parts.append(part)
+        have += part.num_rows
+    if not parts:
+        return []
+    tail = pa.concat_tables(parts, promote_options="permissive").sort_by("_offset")
+    return tail.column(column).to_pylist()[-n:] if n > 0 else []
 
 
 def write_file(root: str, table: str, date: str, source: str, partition: int, first: int, last: int, data: "pa.Table",
@@ -272,18 +304,25 @@ def claim_range(root: str, table: str, source: str, partition: int, first: int, 
     assert 0 <= first <= last, f"bad claim range {first}..{last}"
     fs, base = filesystem(root)
     path = _claim_path(base, table, source, partition, first)
+    return _parse_claim(first, _create_once(root, path, json.dumps({"last": last, "date": date})))
+
+
+def _create_once(root: str, path: str, text: str) -> str:
+    """Create `path` holding `text` unless it exists; return the content in force (the first writer's)."""
+    fs, _ = filesystem(root)
     directory = path.rsplit("/", 1)[0]
     fs.create_dir(directory, recursive=True)
-    text = json.dumps({"last": last, "date": date})
-    if "://" in root:
-        existing = read_claim(root, table, source, partition, first)
-        if existing is not None:
-            return existing
+    if "://" in root:  # check-then-write: see the module docstring
+        import pyarrow.fs as pafs
+
+        if fs.get_file_info(path).type != pafs.FileType.NotFound:
+            with fs.open_input_stream(path) as fh:
+                return fh.read().decode()
         with fs.open_output_stream(path) as fh:
             fh.write(text.encode())
-        return Claim(first, last, date)
+        return text
     # write the content first, then link it into place: the link is atomic and refuses an existing
-    # name, so a claim is never seen half-written and exactly one writer wins each offset
+    # name, so the file is never seen half-written and exactly one writer wins it
     tmp = f"{directory}/.{uuid.uuid4().hex}.tmp"
     with open(tmp, "w") as fh:
         fh.write(text)
@@ -291,12 +330,20 @@ def claim_range(root: str, table: str, source: str, partition: int, first: int, 
         os.fsync(fh.fileno())
     try:
         os.link(tmp, path)
-        return Claim(first, last, date)
+        return text
     except FileExistsError:
         with open(path) as fh:
-            return _parse_claim(first, fh.read())
+            return fh.read()
     finally:
         os.unlink(tmp)
+
+
+def stream_identity(root: str, table: str, source: str, identity: str) -> str:
+    """Record which incarnation of `source` (its Kafka topic id) the table's files come from, once;
+    return the identity recorded first: equal to `identity` unless the topic was recreated since."""
+    _, base = filesystem(root)
+    path = f"{base}/{CLAIMS_DIR}/{table}/{source}.identity.json"
+    return str(json.loads(_create_once(root, path, json.dumps({"identity": identity})))["identity"])
 
 
 def delete_files(root: str, files: Iterable[LakeFile]) -> int:

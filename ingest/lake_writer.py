@@ -23,11 +23,20 @@ Exactly-once, whatever instant the process dies:
   records were all bad is published as a file with zero rows, which keeps recovery from
   file names exact without any side table.
 * Bad records (non-UTF-8, malformed JSON, unsupported schema_version, schema violations,
-  records over schema.MAX_RECORD_BYTES, rows Arrow cannot hold) go to the dead-letter topic
-  as {reason, detail, topic, partition, offset, original_b64, ts}; the DLQ producer is
-  flushed before the file covering those offsets is published, so a crash re-sends (the DLQ
-  is at-least-once; its key topic/partition/offset de-duplicates) but never loses one. An
-  envelope too large for the DLQ topic is written to `<lake_root>/_dlq/` instead.
+  records past the schema's limits or over schema.MAX_RECORD_BYTES, rows Arrow cannot hold,
+  and any other exception one record raises while it is decoded or converted) go to the
+  dead-letter topic as {reason, detail, topic, partition, offset, original_b64, ts}: no
+  record can stop the writer. The DLQ producer is flushed before the file covering those
+  offsets is published, so a crash re-sends (the DLQ is at-least-once; its key
+  topic/partition/offset de-duplicates) but never loses one. An envelope too large for the
+  DLQ topic is written to `<lake_root>/_dlq/` instead.
+* Replays: the SDK is at-least-once. A row whose event_id (outcome_id) landed in the same
+  partition within the last `dedup_window` rows is dropped and counted (not dead-lettered);
+  its offset stays covered. The window is rebuilt from the lake's last files on assignment.
+* Offsets: a gap (retention deleted records before they were read) is logged and counted
+  and the writer goes on. A log that went back under the lake (a recreated or truncated
+  topic, seen as a record below the expected offset, a log end below the lake's, or a new
+  Kafka topic id) pauses that partition: nothing of it is written, no file is overwritten.
 
 Files roll on record count, bytes, age (default at most 1 s after the first record of the
 file arrived, so a quiet topic is visible within seconds) and on a change of the record's
@@ -42,6 +51,7 @@ covering file, so no reader sees a row twice or misses one.
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import datetime as dt
 import functools
@@ -96,6 +106,8 @@ class LakeWriterConfig:
     roll_max_bytes: int = setting(64 * 1024 * 1024, "publish a file once its records' wire bytes reach this")
     roll_max_age_s: float = setting(1.0, "publish a file at most this long after its first record arrived")
     compression: str = setting("zstd", "Parquet compression codec")
+    dedup_window: int = setting(100_000, "ids remembered per partition: a replayed event (or outcome) landing within "
+                                "this many rows of its original is dropped; 0 turns de-duplication off")
     session_timeout_s: float = setting(10.0, "group session timeout: how soon a dead writer's partitions move")
     poll_timeout_s: float = setting(0.2, "longest wait in one consumer poll")
     max_poll_records: int = setting(1000, "records returned by one poll")
@@ -114,6 +126,8 @@ class LakeWriterConfig:
         for name in ("roll_max_records", "roll_max_bytes", "max_poll_records", "fetch_partition_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
+        if self.dedup_window < 0:
+            raise ConfigError("dedup_window: must be >= 0 (0 turns de-duplication off)")
         if self.roll_max_age_s <= 0 or self.poll_timeout_s <= 0:
             raise ConfigError("roll_max_age_s, poll_timeout_s: must be > 0")
         if self.session_timeout_s < 6:
@@ -168,11 +182,36 @@ except ImportError:  # pragma: no cover - the lake extra installs orjson
         return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+# Every reason a dead letter can carry (docs/lake.md has the table): the decode path's, the limits', Arrow's.
+DLQ_REASONS = ("empty", "oversized", "not_utf8", "malformed_json", "unsupported_schema_version", "invalid",
+               *schema.LIMIT_REASONS, "decode_error", "unstorable")
+_ID_COLUMN = {"events": "event_id", "outcomes": "outcome_id"}
+
+
 def decode_record(table: str, value: bytes | None) -> tuple[dict[str, Any], str]:
     """Decode and validate one Kafka value into (lake row without meta columns, UTC date).
 
-    Raises Rejected with the reason the dead-letter envelope carries.
+    Raises Rejected with the reason the dead-letter envelope carries, and nothing else: whatever
+    else one record makes the code raise is that record's fault, so it becomes a `decode_error`
+    naming the exception instead of stopping the writer at this offset for good. MemoryError is
+    the one exception kept: it says the process is short of memory, not that the record is bad,
+    and a restart retries the same record.
     """
+    try:
+        return _decode(table, value)
+    except (Rejected, MemoryError):
+        raise
+    except Exception as exc:
+        raise Rejected("decode_error", _describe(exc)) from None
+
+
+def _describe(exc: BaseException) -> str:
+    """`Class: message` of an exception, for a dead letter's detail (bounded: some messages quote the input)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _decode(table: str, value: bytes | None) -> tuple[dict[str, Any], str]:
     if value is None:
         raise Rejected("empty", "record has no value (tombstone)")
     if len(value) > schema.MAX_RECORD_BYTES:
@@ -183,13 +222,16 @@ def decode_record(table: str, value: bytes | None) -> tuple[dict[str, Any], str]
         raise Rejected("not_utf8", f"value is not UTF-8: {exc}") from None
     try:
         record = _loads(text)
-    except ValueError as exc:  # json.JSONDecodeError and orjson.JSONDecodeError are ValueErrors
+    except (ValueError, RecursionError) as exc:  # JSONDecodeErrors are ValueErrors; the stdlib recurses on depth
         raise Rejected("malformed_json", f"value is not JSON: {exc}") from None
-    if isinstance(record, dict) and record.get("schema_version") not in schema.SUPPORTED_SCHEMA_VERSIONS:
-        raise Rejected("unsupported_schema_version",
-                       f"schema_version {record.get('schema_version')!r} not in {sorted(schema.SUPPORTED_SCHEMA_VERSIONS)}")
+    if isinstance(record, dict) and not schema.supported_version(record.get("schema_version")):
+        raise Rejected("unsupported_schema_version", f"schema_version {schema.short_repr(record.get('schema_version'))} "
+                       f"not in {sorted(schema.SUPPORTED_SCHEMA_VERSIONS)}")
     try:
         _VALIDATE[table](record)
+        schema.check_limits(record, _COLUMNS[table])
+    except schema.LimitError as exc:
+        raise Rejected(exc.reason, str(exc)) from None
     except schema.SchemaError as exc:
         raise Rejected("invalid", str(exc)) from None
     ts_fields, json_fields = _KIND_FIELDS[table]
@@ -222,6 +264,33 @@ def rows_to_table(table: str, rows: list[dict[str, Any]]) -> "pa.Table":
     import pyarrow as pa
 
     return pa.Table.from_pylist(rows, schema=_ARROW_SCHEMA[table]())
+
+
+def convert_rows(table: str, rows: list[dict[str, Any]]) -> tuple["pa.Table", list[tuple[int, str]]]:
+    """Rows -> an Arrow table of the lake schema without the rows Arrow cannot hold (a token id beyond int32 ...).
+
+    Returns (table, [(index in `rows` of a row left out, "Class: message")]). The whole batch is tried
+    first; only when it fails is each row converted on its own, so one bad row costs its chunk a slow
+    pass, never the chunk. MemoryError propagates (see decode_record).
+    """
+    import pyarrow as pa
+
+    try:
+        return rows_to_table(table, rows), []
+    except MemoryError:
+        raise
+    except Exception:
+        pass
+    singles: list[pa.Table] = []
+    bad: list[tuple[int, str]] = []
+    for i, row in enumerate(rows):
+        try:
+            singles.append(rows_to_table(table, [row]))
+        except MemoryError:
+            raise
+        except Exception as exc:
+            bad.append((i, _describe(exc)))
+    return (pa.concat_tables(singles) if singles else rows_to_table(table, [])), bad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,6 +342,41 @@ class Stats:
     files: int = 0
     dlq: int = 0
     conformed: int = 0  # publishes that followed another writer's claim
+    duplicates: int = 0  # rows dropped because their id had landed within the window (counted here, not dead letters)
+    gaps: int = 0  # times a partition's next record came after missing offsets
+    gap_offsets: int = 0  # offsets those gaps skipped
+    behind: int = 0  # records below the partition's expected offset, skipped
+    rewound: int = 0  # partitions found with a log that no longer matches the lake (paused, see check_logs)
+
+
+class IdWindow:
+    """The ids of the last `size` rows landed in one partition, oldest first.
+
+    First in, first out, and a duplicate does not refresh its id (no LRU): the window is then a
+    function of the lake's rows alone, so a writer that takes a partition over rebuilds from the
+    lake's last files exactly the window its predecessor had, and a range redone after a crash drops
+    the same duplicates and keeps its identical rows.
+    """
+
+    def __init__(self, size: int, ids: Iterable[str] = ()) -> None:
+        self.size = size
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        for item in ids:
+            self.add(item)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, item: str) -> None:
+        self._ids[item] = None
+        if len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+
+
+Partition = tuple[str, int]
 
 
 class LakeWriter:
@@ -283,30 +387,56 @@ class LakeWriter:
         self.dlq = dlq
         self.clock = clock
         self.tables = cfg.tables()
-        self.buffers: dict[tuple[str, int], Buffer] = {}
-        self.next_offset: dict[tuple[str, int], int | None] = {}  # where the next buffer starts (None: first record's offset)
-        self.published: dict[tuple[str, int], int] = {}  # last offset published (or found published) per partition
+        self.buffers: dict[Partition, Buffer] = {}
+        self.next_offset: dict[Partition, int | None] = {}  # where the next buffer starts (None: first record's offset)
+        self.published: dict[Partition, int] = {}  # last offset published (or found published) per partition
+        self.windows: dict[Partition, IdWindow] = {}  # ids landed lately, per partition (none when dedup_window is 0)
+        self.started: set[Partition] = set()  # partitions that took a record in order since their assignment
+        self.rewound: dict[Partition, str] = {}  # partition -> why its log no longer matches the lake
+        self.unpaused: set[Partition] = set()  # rewound partitions the consumer loop has not paused yet
+        self.unchecked: set[Partition] = set()  # assigned partitions whose log check_logs has not seen yet
+        self.identities: dict[str, str] = {}  # topic -> the Kafka topic id the lake's files of it came from
         self.stats = Stats()
         self.on_published: Callable[[str, int, int], None] = lambda topic, partition, last: None
 
     # ---- assignment ------------------------------------------------------------------------
-    def assign(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int | None]:
+    def assign(self, partitions: Iterable[Partition]) -> dict[Partition, int | None]:
         """Take partitions over; return where to read each from (None: the log's beginning)."""
-        parts = list(partitions)
-        starts: dict[tuple[str, int], int | None] = {}
-        by_topic: dict[str, dict[int, int]] = {}
-        for topic, partition in parts:
-            if topic not in by_topic:
-                by_topic[topic] = lake.next_offsets(self.cfg.lake_root, self.tables[topic], topic)
-            start = by_topic[topic].get(partition)
-            starts[(topic, partition)] = start
-            self.next_offset[(topic, partition)] = start
-            self.buffers.pop((topic, partition), None)
+        starts: dict[Partition, int | None] = {}
+        listings: dict[str, list[lake.LakeFile]] = {}
+        for topic, partition in list(partitions):
+            tp = (topic, partition)
+            if topic not in listings:
+                listings[topic] = [f for f in lake.list_files(self.cfg.lake_root, self.tables[topic]) if f.source == topic]
+            files = [f for f in listings[topic] if f.partition == partition]
+            start = lake.offsets_after(files, topic).get(partition)
+            starts[tp] = start
+            self._forget(tp)
+            self.next_offset[tp] = start
             if start is not None:
-                self.published[(topic, partition)] = start - 1
+                self.published[tp] = start - 1
+            if self.cfg.dedup_window > 0:
+                self.windows[tp] = self._rebuild_window(tp, files)
+            self.unchecked.add(tp)
         return starts
 
-    def revoke(self, partitions: Iterable[tuple[str, int]], flush: bool = True) -> None:
+    def _rebuild_window(self, tp: Partition, files: list[lake.LakeFile]) -> IdWindow:
+        if not files:
+            return IdWindow(self.cfg.dedup_window)
+        t0 = time.monotonic()
+        ids = lake.stream_tail(self.cfg.lake_root, files, _ID_COLUMN[self.tables[tp[0]]], self.cfg.dedup_window)
+        log.info("dedup: %s-%d: window rebuilt from the lake's last files (%d ids, %.2f s)", tp[0], tp[1], len(ids),
+                 time.monotonic() - t0)
+        return IdWindow(self.cfg.dedup_window, ids)
+
+    def _forget(self, tp: Partition) -> None:
+        """Drop everything held for a partition (its open file included)."""
+        for held in (self.buffers, self.next_offset, self.published, self.windows, self.rewound):
+            held.pop(tp, None)
+        for marked in (self.started, self.unpaused, self.unchecked):
+            marked.discard(tp)
+
+    def revoke(self, partitions: Iterable[Partition], flush: bool = True) -> None:
         """Give partitions up: publish what they hold (the next owner continues after it) or drop it."""
         for tp in list(partitions):
             if flush:
@@ -315,22 +445,88 @@ class LakeWriter:
                 except Exception as exc:  # dropping is safe: the new owner re-reads from the lake's next offset
                     log.warning("revoke: could not publish the open file of %s-%d (%s); dropped, the next owner "
                                 "re-reads it", tp[0], tp[1], exc)
-            self.buffers.pop(tp, None)
-            self.next_offset.pop(tp, None)
-            self.published.pop(tp, None)
+            self._forget(tp)
+
+    # ---- the log against the lake --------------------------------------------------------------
+    def check_logs(self, ends: dict[Partition, int], topic_ids: dict[str, str | None] | None = None) -> None:
+        """Compare assigned partitions' Kafka logs with the lake; rewind (stop writing) those that no longer match.
+
+        `ends` are log end offsets: a log that ends before the lake's next offset was recreated or truncated.
+        `topic_ids` are Kafka topic ids (None: unknown). The lake keeps the first id it saw per topic; another
+        id means the topic was recreated, which offsets alone miss once the new log outgrows the lake.
+        """
+        for topic, topic_id in (topic_ids or {}).items():
+            recorded = self._identity(topic, topic_id)
+            if recorded is not None and recorded != topic_id:
+                for tp in sorted(tp for tp in self.next_offset if tp[0] == topic):
+                    self._rewind(tp, f"the topic's id is {topic_id} but the lake's files came from topic id "
+                                     f"{recorded}: the topic was recreated")
+        for tp, end in ends.items():
+            if topic_ids is not None:  # the full check after an assignment (the status refresh compares offsets only)
+                self.unchecked.discard(tp)
+            lake_next = self.published.get(tp, -1) + 1
+            if tp in self.next_offset and end < lake_next:
+                self._rewind(tp, f"its log ends at offset {end} but the lake already holds offsets up to "
+                                 f"{lake_next - 1}: the topic was recreated or its log truncated")
+
+    def _identity(self, topic: str, topic_id: str | None) -> str | None:
+        if topic_id is None or topic not in self.tables:
+            return None
+        if topic not in self.identities:
+            self.identities[topic] = lake.stream_identity(self.cfg.lake_root, self.tables[topic], topic, topic_id)
+        return self.identities[topic]
+
+    def _rewind(self, tp: Partition, why: str) -> None:
+        """Stop writing a partition whose log no longer matches the lake. Writing on would either overwrite
+        the lake's files (same offsets, other records) or, past them, look like a continuation while every
+        reader's cursor skips the new offsets below it; the records stay in Kafka for an operator to decide."""
+        if tp in self.rewound:
+            return
+        self.rewound[tp] = why
+        self.unpaused.add(tp)
+        self.stats.rewound += 1
+        log.error("rewound: %s-%d: %s. Its records are not written from here on (the lake keeps its files, "
+                  "nothing is overwritten or skipped, the records stay in Kafka); the other partitions go on. "
+                  "If the topic was recreated on purpose, move this partition's lake files and claims aside "
+                  "and restart the writer (docs/lake.md, 'A recreated topic')", tp[0], tp[1], why)
+
+    def take_unpaused(self) -> list[Partition]:
+        """Rewound partitions for the consumer loop to pause (each returned once)."""
+        out, self.unpaused = sorted(self.unpaused), set()
+        return out
 
     # ---- records -----------------------------------------------------------------------------
+    def _in_order(self, tp: Partition, offset: int) -> bool:
+        """Whether a consumed offset is to be taken. After missing offsets it is (logged and counted as a
+        gap); below the expected one it is skipped (a fetch from before a seek delivers such records), and
+        once the partition has taken records since its assignment that means its log went back: rewound."""
+        buf = self.buffers.get(tp)
+        expected = buf.last + 1 if buf is not None else self.next_offset[tp]
+        if expected is not None and offset < expected:
+            self.stats.behind += 1
+            if tp in self.started:
+                self._rewind(tp, f"offset {offset} came after offset {expected - 1}: its log went back")
+            else:
+                log.debug("skip: %s-%d@%d is below the lake's next offset %d", tp[0], tp[1], offset, expected)
+            return False
+        if expected is not None and offset > expected:
+            self.stats.gaps += 1
+            self.stats.gap_offsets += offset - expected
+            log.warning("gap: %s-%d offsets %d..%d are not in the log (deleted by retention before they were read, "
+                        "or a compacted or transactional topic); the next file covers them and the writer goes on",
+                        tp[0], tp[1], expected, offset - 1)
+        self.started.add(tp)
+        return True
+
     def add(self, topic: str, partition: int, offset: int, value: bytes | None, key: bytes | None = None,
             kafka_ts_ms: int | None = None) -> None:
         """Take one consumed record into its partition's open file (rolling files as needed)."""
         tp = (topic, partition)
         if tp not in self.next_offset:
             raise AssertionError(f"record for unassigned partition {topic}-{partition}")
+        if tp in self.rewound or not self._in_order(tp, offset):
+            return
         buf = self.buffers.get(tp)
-        if buf is not None and offset <= buf.last:
-            return  # a fetch from before a seek delivered it again; the buffer already holds it
-        if buf is None and self.next_offset[tp] is not None and offset < self.next_offset[tp]:
-            return  # already published
         if buf is not None and buf.claim is not None and offset > buf.claim.last:
             # a gap in the log (compacted topic, transaction markers): the offsets up to the claimed end
             # do not exist, so the claimed range is complete
@@ -459,34 +655,47 @@ class LakeWriter:
             self._publish(rest, reason="claim")
 
     def _convert(self, buf: Buffer) -> None:
-        """Move decoded rows into an Arrow chunk; a row Arrow cannot hold (a token id beyond int32 ...)
-        is dead-lettered alone, with its original bytes."""
-        if buf.rows:
-            buf.chunks.append(self._to_table(buf, buf.rows, buf.values))
-            buf.rows, buf.values = [], []
+        """Move decoded rows into an Arrow chunk. A row Arrow cannot hold (a token id beyond int32 ...) is
+        dead-lettered alone, with its original bytes; a row whose id landed lately is dropped (`_drop_landed`)."""
+        if not buf.rows:
+            return
+        chunk, bad = convert_rows(buf.table, buf.rows)
+        for i, detail in bad:
+            offset = buf.rows[i]["_offset"]
+            log.warning("dlq: record at %s/%d@%d cannot be stored (%s); sent to %s",
+                        buf.topic, buf.partition, offset, detail, self.cfg.dlq_topic)
+            self.dlq.send(dlq_envelope("unstorable", detail, buf.topic, buf.partition, offset, buf.values[i]))
+            self.stats.dlq += 1
+        buf.chunks.append(self._drop_landed(buf, chunk))
+        buf.rows, buf.values = [], []
 
-    def _to_table(self, buf: Buffer, rows: list[dict[str, Any]], values: list[bytes]) -> "pa.Table":
+    def _drop_landed(self, buf: Buffer, chunk: "pa.Table") -> "pa.Table":
+        """Drop the rows whose id already landed in this partition within the window (the SDK is at-least-once:
+        a replay re-sends what may have arrived), and remember the ids of the others.
+
+        Runs at conversion, in offset order, on rows Arrow holds: so the window only ever holds ids that land,
+        and is the same whichever writer redoes a range. A dropped row's offset stays covered by its file.
+        """
+        window = self.windows.get((buf.topic, buf.partition))
+        if window is None or chunk.num_rows == 0:
+            return chunk
+        keep = []
+        for row_id in chunk.column(_ID_COLUMN[buf.table]).to_pylist():
+            landed = row_id in window
+            keep.append(not landed)
+            if not landed:
+                window.add(row_id)
+        dropped = keep.count(False)
+        if not dropped:
+            return chunk
         import pyarrow as pa
 
-        errors = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError)
-        try:
-            return rows_to_table(buf.table, rows)
-        except errors:
-            pass
-        good = []
-        for row, value in zip(rows, values):
-            try:
-                rows_to_table(buf.table, [row])
-            except errors as exc:
-                offset = row["_offset"]
-                log.warning("dlq: record at %s/%d@%d cannot be stored (%s); sent to %s",
-                            buf.topic, buf.partition, offset, exc, self.cfg.dlq_topic)
-                self.dlq.send(dlq_envelope("unstorable", f"{type(exc).__name__}: {exc}", buf.topic, buf.partition,
-                                           offset, value))
-                self.stats.dlq += 1
-                continue
-            good.append(row)
-        return rows_to_table(buf.table, good)
+        self.stats.duplicates += dropped
+        offsets = chunk.column("_offset")
+        log.info("dedup: %s-%d: %d of %d rows at %d..%d dropped: their %s landed within the last %d rows",
+                 buf.topic, buf.partition, dropped, chunk.num_rows, offsets[0].as_py(), offsets[-1].as_py(),
+                 _ID_COLUMN[buf.table], window.size)
+        return chunk.filter(pa.array(keep))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -719,16 +928,21 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
           status_name: str, stopped: Callable[[], bool]) -> None:
     """Poll -> writer (publishing, with its commit hints) -> heartbeat, until `stopped()`; then publish
     every open file."""
-    last_status = time.monotonic()
+    last_status = next_check = time.monotonic()
     last_stats = Stats()
     while not stopped():
         batches = consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
         rebalance.raise_failure()
+        if writer.unchecked and time.monotonic() >= next_check:
+            # before any record of a new assignment is written: a recreated topic must not reach the lake
+            if _check_logs(consumer, writer, sorted(writer.unchecked), topic_ids=True) is None:
+                next_check = time.monotonic() + cfg.status_interval_s
         for tp, messages in batches.items():
             if (tp.topic, tp.partition) not in writer.next_offset:
                 continue  # revoked during this poll
             for m in messages:
                 writer.add(tp.topic, tp.partition, m.offset, m.value, m.key, m.timestamp)
+        _pause_rewound(consumer, writer)
         writer.roll_due()
         now = time.monotonic()
         if now - last_status >= cfg.status_interval_s:
@@ -756,29 +970,62 @@ def _wait_for_topics(consumer: "KafkaConsumer", topics: list[str], timeout_s: fl
             log.info("setup: topic %s has %d partitions", topic, len(consumer.partitions_for_topic(topic)))
 
 
-def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer", writer: LakeWriter, dt_s: float,
-               prev: Stats) -> None:
+def _check_logs(consumer: "KafkaConsumer", writer: LakeWriter, parts: list[Partition],
+                topic_ids: bool) -> dict[Partition, int] | None:
+    """The log end offsets of `parts`, compared with the lake by `writer.check_logs` (with the topics' ids too
+    when `topic_ids`), rewound partitions paused; None when the broker did not answer."""
     from kafka import TopicPartition
 
-    parts = [TopicPartition(t, p) for t, p in writer.next_offset]
-    lag = 0
     try:
-        ends = consumer.end_offsets(parts, timeout_ms=2000) if parts else {}
-        for tp, end in ends.items():
-            lag += max(0, end - (writer.published.get((tp.topic, tp.partition), -1) + 1))
-    except Exception as exc:  # status is advisory
-        log.debug("status: end offsets unavailable (%s)", exc)
-        lag = -1
+        ends = consumer.end_offsets([TopicPartition(t, p) for t, p in parts], timeout_ms=2000) if parts else {}
+    except Exception as exc:  # fail open: the next status refresh compares the offsets again
+        (log.warning if topic_ids else log.debug)(
+            "check: log end offsets of %d partitions unavailable (%s); compared again later", len(parts), exc)
+        return None
+    found = {(tp.topic, tp.partition): end for tp, end in ends.items()}
+    writer.check_logs(found, {t: _topic_id(consumer, t) for t in sorted({t for t, _ in parts})} if topic_ids else None)
+    _pause_rewound(consumer, writer)
+    return found
+
+
+def _topic_id(consumer: "KafkaConsumer", topic: str) -> str | None:
+    """The topic's Kafka id (KIP-516), None when unknown. kafka-python keeps it only in its client's cluster
+    metadata, with no public accessor; brokers without topic ids send the zero UUID."""
+    try:
+        topic_id = consumer._client.cluster.topic_id(topic)
+        return None if topic_id is None or topic_id.int == 0 else str(topic_id)
+    except Exception:
+        return None
+
+
+def _pause_rewound(consumer: "KafkaConsumer", writer: LakeWriter) -> None:
+    """Stop fetching rewound partitions: their records stay in Kafka, unread."""
+    from kafka import TopicPartition
+
+    parts = writer.take_unpaused()
+    if parts:
+        consumer.pause(*[TopicPartition(t, p) for t, p in parts])
+
+
+def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer", writer: LakeWriter, dt_s: float,
+               prev: Stats) -> None:
+    ends = _check_logs(consumer, writer, list(writer.next_offset), topic_ids=False)
+    lag = -1 if ends is None else sum(max(0, end - (writer.published.get(tp, -1) + 1)) for tp, end in ends.items())
     s = writer.stats
     fields = {
         "state": "running",
-        "partitions": len(parts),
+        "partitions": len(writer.next_offset),
         "lag_records": lag,
         "records_per_s": round((s.records - prev.records) / dt_s, 1),
         "mb_per_s": round((s.wire_bytes - prev.wire_bytes) / dt_s / 1e6, 2),
         "files": s.files,
         "rows": s.rows,
         "dlq": s.dlq,
+        "duplicates": s.duplicates,
+        "gaps": s.gaps,
+        "gap_offsets": s.gap_offsets,
+        "behind": s.behind,
+        "rewound_partitions": [f"{t}/{p}" for t, p in sorted(writer.rewound)],
         "open_records": sum(b.count for b in writer.buffers.values() if not b.empty),
     }
     write_status(status_name, fields, var_dir=cfg.var_dir)

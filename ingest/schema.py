@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -37,6 +38,21 @@ DLQ_TOPIC = "flywheel.dlq"
 # Upper bounds the SDK enforces before an event leaves the host; the lake writer rejects larger records.
 MAX_TEXT_CHARS = 64 * 1024  # tool output, completion text: longer values are cut and flagged in `truncated`
 MAX_RECORD_BYTES = 4 * 1024 * 1024  # one serialised event, after truncation
+
+# Limits on what a well-typed record may hold (`check_limits`). The lake writer dead-letters a record past
+# any of them, with the LimitError's reason; the SDK checks the same constants before sending. Each bounds
+# something that fails later otherwise: deep JSON breaks encoders (orjson stops at 254 levels, the stdlib
+# at the recursion limit), a timestamp near the ends of the calendar overflows when converted to UTC, an
+# int beyond int64 or a float beyond float32 does not fit its lake column (float32 would become inf).
+MAX_JSON_DEPTH = 64  # nesting of one free-form JSON field's value (tags, sampling, arguments): 1 is {"a": 1}
+MAX_STRING_CHARS = MAX_TEXT_CHARS  # any one string of a record, keys and strings nested in JSON fields included
+MAX_TOKENS = 262_144  # items in one list field (prompt/completion/summary token ids, logprobs, truncated)
+MIN_TS = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)  # every ts field lies in [MIN_TS, MAX_TS)
+MAX_TS = _dt.datetime(2100, 1, 1, tzinfo=_dt.timezone.utc)
+MIN_INT, MAX_INT = -(2**63), 2**63 - 1  # int fields (int64 columns); token ids are int32, checked by the lake's Arrow conversion
+MAX_FLOAT32 = 3.4028234663852886e38  # |item| of a floats field (float32 column)
+LIMIT_REASONS = ("too_deep", "string_too_long", "too_many_tokens", "ts_out_of_range", "int_out_of_range",
+                 "float_out_of_range")
 
 EVENT_TYPES = (
     "session_start",
@@ -53,6 +69,14 @@ CONTEXT_EDIT_KINDS = ("summarize", "prune")
 
 class SchemaError(ValueError):
     """A record does not match the schema; the message names the field and the problem."""
+
+
+class LimitError(SchemaError):
+    """A record past one of the limits above; `reason` (one of LIMIT_REASONS) names which."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -226,13 +250,23 @@ def parse_ts(value: str) -> _dt.datetime:
     """Parse a wire timestamp into an aware UTC datetime (raises SchemaError)."""
     parsed = _parse_ts(value) if isinstance(value, str) else None
     if parsed is None:
-        raise SchemaError(f"ts: {value!r} is not an ISO-8601 timestamp with a UTC offset")
-    return parsed.astimezone(_dt.timezone.utc)
+        raise SchemaError(f"ts: {short_repr(value)} is not an ISO-8601 timestamp with a UTC offset")
+    try:
+        return parsed.astimezone(_dt.timezone.utc)
+    except OverflowError:  # 0001-01-01T00:00+01:00 is a valid string whose UTC instant is before year 1
+        raise SchemaError(f"ts: {short_repr(value)} is outside the representable UTC range") from None
 
 
 def now_ts() -> str:
     """The current time as a wire timestamp (ISO-8601, UTC, microseconds)."""
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
+
+
+def _kind_ok(kind: str, value: Any) -> bool:
+    try:
+        return _KIND_CHECK[kind](value)
+    except (ArithmeticError, TypeError, ValueError):  # math.isnan(10**400) overflows: not a float we can hold
+        return False
 
 
 def _check(record: Mapping[str, Any], cols: tuple[Col, ...], what: str) -> None:
@@ -242,22 +276,33 @@ def _check(record: Mapping[str, Any], cols: tuple[Col, ...], what: str) -> None:
             if col.required:
                 raise SchemaError(f"{what}: missing required field {col.name!r}")
             continue
-        if not _KIND_CHECK[col.kind](value):
-            raise SchemaError(f"{what}: field {col.name!r} should be {col.kind}, got {type(value).__name__} {_short(value)}")
+        if not _kind_ok(col.kind, value):
+            raise SchemaError(f"{what}: field {col.name!r} should be {col.kind}, got {type(value).__name__} {short_repr(value)}")
     known = {c.name for c in cols}
     unknown = [k for k in record if k not in known]
     if unknown:
         raise SchemaError(f"{what}: unknown field(s) {sorted(unknown)} (schema v{record.get('schema_version')} is closed; add fields in a new version)")
 
 
+def supported_version(version: Any) -> bool:
+    """Whether a record's schema_version is one this code reads (any JSON value may come in: a list is unhashable)."""
+    return type(version) is int and version in SUPPORTED_SCHEMA_VERSIONS
+
+
 def _check_version(record: Mapping[str, Any]) -> None:
     version = record.get("schema_version")
-    if version not in SUPPORTED_SCHEMA_VERSIONS:
-        raise SchemaError(f"unsupported schema_version {version!r} (supported: {sorted(SUPPORTED_SCHEMA_VERSIONS)})")
+    if not supported_version(version):
+        raise SchemaError(f"unsupported schema_version {short_repr(version)} (supported: {sorted(SUPPORTED_SCHEMA_VERSIONS)})")
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
+# reprlib stops at a few levels and items: repr() of a value nested 1,000 deep raises RecursionError
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 50, 50
+
+
+def short_repr(value: Any) -> str:
+    """A repr of any decoded JSON value for an error message: at most 60 chars, safe at any depth."""
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -267,8 +312,8 @@ def validate_event(record: Any) -> dict[str, Any]:
         raise SchemaError(f"event is a JSON {type(record).__name__}, expected an object")
     _check_version(record)
     etype = record.get("type")
-    if etype not in EVENT_FIELDS:
-        raise SchemaError(f"unknown event type {etype!r} (known: {', '.join(EVENT_TYPES)})")
+    if not isinstance(etype, str) or etype not in EVENT_FIELDS:
+        raise SchemaError(f"unknown event type {short_repr(etype)} (known: {', '.join(EVENT_TYPES)})")
     _check(record, EVENT_COMMON + EVENT_FIELDS[etype], f"{etype} event")
     if record["seq"] < 0:
         raise SchemaError(f"{etype} event: seq must be >= 0, got {record['seq']}")
@@ -289,6 +334,92 @@ def validate_outcome(record: Any) -> dict[str, Any]:
     _check_version(record)
     _check(record, OUTCOME_COLUMNS, "outcome")
     return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits (the constants at the top): checked after validation by the lake writer, before sending by the SDK
+# ---------------------------------------------------------------------------------------------
+_KINDS: dict[int, tuple[tuple[Col, ...], dict[str, str]]] = {}
+
+
+def _kinds(cols: tuple[Col, ...]) -> dict[str, str]:
+    # cached by identity: hashing the 35 frozen Cols on every record would cost more than the checks
+    cached = _KINDS.get(id(cols))
+    if cached is None or cached[0] is not cols:
+        cached = _KINDS[id(cols)] = (cols, {c.name: c.kind for c in cols})
+    return cached[1]
+
+
+def check_limits(record: Mapping[str, Any], cols: tuple[Col, ...] = EVENT_COLUMNS) -> None:
+    """Raise LimitError (its reason one of LIMIT_REASONS) when a field of `record` is past a limit.
+
+    `cols` is EVENT_COLUMNS or OUTCOME_COLUMNS. Values of the wrong type and unknown fields are
+    validation's business and pass here; on a validated record every check is a few C-level passes
+    (the token-id lists are measured, not walked).
+    """
+    kinds = _kinds(cols)
+    for name, value in record.items():
+        kind = kinds.get(name)
+        if value is None or kind is None:
+            continue
+        if isinstance(value, str):
+            _check_string(name, value)
+            if kind == "ts":
+                _check_ts(name, value)
+        elif kind in ("int", "float") and type(value) is int and not MIN_INT <= value <= MAX_INT:
+            raise LimitError("int_out_of_range", f"field {name!r}: {short_repr(value)} is outside int64")
+        elif kind in ("ints", "floats", "strs") and isinstance(value, list):
+            _check_list(name, kind, value)
+        elif kind == "json":
+            _check_json(name, value, 0)
+
+
+def _check_string(name: str, value: str) -> None:
+    if len(value) > MAX_STRING_CHARS:
+        raise LimitError("string_too_long",
+                         f"field {name!r}: a string of {len(value)} chars > schema.MAX_STRING_CHARS={MAX_STRING_CHARS}")
+
+
+def _check_ts(name: str, value: str) -> None:
+    parsed = _parse_ts(value)
+    # aware datetimes compare by their UTC instant without converting, so year 1 at +01:00 cannot overflow here
+    if parsed is not None and not MIN_TS <= parsed < MAX_TS:
+        raise LimitError("ts_out_of_range", f"field {name!r}: {short_repr(value)} is outside "
+                         f"[{MIN_TS.isoformat()}, {MAX_TS.isoformat()})")
+
+
+def _check_list(name: str, kind: str, value: list[Any]) -> None:
+    if len(value) > MAX_TOKENS:
+        raise LimitError("too_many_tokens", f"field {name!r}: {len(value)} items > schema.MAX_TOKENS={MAX_TOKENS}")
+    if kind == "floats" and value:
+        try:  # min/max run in C: cheap enough for every llm_call's logprobs
+            low, high = min(value), max(value)
+            beyond = low < -MAX_FLOAT32 or high > MAX_FLOAT32
+        except TypeError:  # mixed item types: validation's business
+            return
+        if beyond:
+            raise LimitError("float_out_of_range",
+                             f"field {name!r}: an item beyond float32 (min {short_repr(low)}, max {short_repr(high)})")
+    if kind == "strs":
+        for item in value:
+            if isinstance(item, str):
+                _check_string(name, item)
+
+
+def _check_json(name: str, value: Any, depth: int) -> None:
+    """Walk a JSON field's value; `depth` is the number of containers around it."""
+    if isinstance(value, str):
+        _check_string(name, value)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise LimitError("float_out_of_range", f"field {name!r}: {value} is not a finite number")
+    elif isinstance(value, (dict, list)):
+        if depth + 1 > MAX_JSON_DEPTH:
+            raise LimitError("too_deep", f"field {name!r}: JSON nested deeper than schema.MAX_JSON_DEPTH={MAX_JSON_DEPTH}")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_string(name, key)
+            _check_json(name, item, depth + 1)
 
 
 # ---------------------------------------------------------------------------------------------

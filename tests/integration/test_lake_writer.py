@@ -162,3 +162,93 @@ def test_a_missing_dlq_topic_fails_at_start_up(kafka_bootstrap: str, new_topic: 
                            dlq_topic=f"test.absent.{uuid.uuid4().hex[:8]}", lake_root=str(tmp_path / "lake"),
                            var_dir=str(tmp_path / "var"))
     assert run(cfg) == 2, "a writer without its dead-letter topic must refuse to start"
+
+
+def produce_values(bootstrap: str, topic: str, values: list[bytes]) -> None:
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    for value in values:
+        producer.send(topic, value=value, key=b"s0", partition=0).get(timeout=30)
+    producer.close()
+
+
+def test_poison_and_replays_cost_only_themselves(kafka_bootstrap: str, new_topic: Callable[..., str],
+                                                 tmp_path: Path) -> None:
+    topic, dlq = new_topic("lw-poison"), new_topic("lw-poison-dlq")
+    good = [session_event(i) for i in range(5)]
+    deep = json.dumps(session_event(90, tags="@@")).replace('"@@"', "[" * 300 + "]" * 300)
+    poison = {
+        1: (deep.encode(), "too_deep"),  # orjson cannot encode it: this stopped the writer for good before
+        3: (json.dumps(session_event(91, ts="0001-01-01T00:00:00+01:00")).encode(), "ts_out_of_range"),
+        5: (json.dumps(session_event(92, schema_version=[1])).encode(), "unsupported_schema_version"),
+        7: (json.dumps(session_event(93, type=["session_start"])).encode(), "invalid"),
+        9: (json.dumps(session_event(94, seq=2**64 - 1)).encode(), "int_out_of_range"),
+    }
+    # offsets 0 2 4 6 8 carry good[0..4]; offset 10 is a replay of offset 4 (good[2] again, same event_id)
+    good_at = {0: good[0], 2: good[1], 4: good[2], 6: good[3], 8: good[4], 10: good[2]}
+    values = [poison[o][0] if o in poison else json.dumps(good_at[o]).encode() for o in range(11)]
+    produce_values(kafka_bootstrap, topic, values)
+    root = str(tmp_path / "lake")
+    cfg = LakeWriterConfig(kafka_bootstrap=kafka_bootstrap, events_topic=topic, outcomes_topic="", dlq_topic=dlq,
+                           group_id=f"test-lw-{uuid.uuid4().hex[:8]}", lake_root=root, var_dir=str(tmp_path / "var"),
+                           roll_max_age_s=0.5, session_timeout_s=6)
+    run_until(cfg, lambda: lake.next_offsets(root, "events", topic) == {0: 11})
+
+    import pyarrow.parquet as pq
+
+    landed = sorted((r["_offset"], r["event_id"]) for f in lake.list_files(root, "events")
+                    for r in pq.read_table(f.path).to_pylist())
+    assert landed == [(o, json.loads(values[o])["event_id"]) for o in (0, 2, 4, 6, 8)], landed
+    letters = {e["offset"]: e for e in read_dlq(kafka_bootstrap, dlq, len(poison))}
+    assert {o: e["reason"] for o, e in letters.items()} == {o: r for o, (_, r) in poison.items()}, letters
+    for offset, (value, _) in poison.items():
+        assert base64.b64decode(letters[offset]["original_b64"]) == value, f"offset {offset}: original bytes lost"
+    status = json.loads(next((tmp_path / "var" / "run" / "status").glob("lake-writer-*.json")).read_text())
+    assert (status["duplicates"], status["dlq"], status["rows"]) == (1, 5, 5), status
+
+
+def test_a_recreated_topic_is_paused_and_the_lake_kept(kafka_bootstrap: str, new_topic: Callable[..., str],
+                                                       tmp_path: Path) -> None:
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    topic, dlq = new_topic("lw-recreated"), new_topic("lw-recreated-dlq")
+    produce_values(kafka_bootstrap, topic, [json.dumps(session_event(i)).encode() for i in range(20)])
+    root = tmp_path / "lake"
+    cfg = LakeWriterConfig(kafka_bootstrap=kafka_bootstrap, events_topic=topic, outcomes_topic="", dlq_topic=dlq,
+                           group_id=f"test-lw-{uuid.uuid4().hex[:8]}", lake_root=str(root),
+                           var_dir=str(tmp_path / "var"), roll_max_age_s=0.5, session_timeout_s=6,
+                           status_interval_s=0.5)
+    run_until(cfg, lambda: lake.next_offsets(str(root), "events", topic) == {0: 20})
+    before = {str(p): p.read_bytes() for p in sorted(root.glob("events/**/*.parquet"))}
+
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        admin.delete_topics([topic])
+        deadline = time.monotonic() + 60
+        while True:  # deletion is asynchronous: create again once the broker lets the name go
+            try:
+                admin.create_topics([NewTopic(topic, 1, 1)])
+                break
+            except TopicAlreadyExistsError:
+                assert time.monotonic() < deadline, f"{topic} was not deleted within 60 s"
+                time.sleep(0.5)
+    finally:
+        admin.close()
+    produce_values(kafka_bootstrap, topic, [json.dumps(session_event(100 + i)).encode() for i in range(5)])
+
+    seen: dict = {}
+
+    def stop(writer: object) -> bool:
+        seen.update(writer.rewound)
+        return bool(seen) or time.monotonic() > deadline
+
+    deadline = time.monotonic() + 60
+    run(cfg, stop=stop)
+    assert list(seen) == [(topic, 0)], f"the recreated topic was not detected within 60 s: {seen}"
+    assert "recreated" in seen[(topic, 0)], seen
+    # this broker sends topic ids, so the lake recorded the first incarnation's and the new one differs
+    assert "topic id" in seen[(topic, 0)], seen[(topic, 0)]
+    after = {str(p): p.read_bytes() for p in sorted(root.glob("events/**/*.parquet"))}
+    assert after == before, f"the lake changed: {sorted(set(after) ^ set(before))} (a recreated topic must not write)"

@@ -108,3 +108,23 @@ def test_concurrent_claims_have_exactly_one_winner(tmp_path: Path) -> None:
         results = pool.map(_claim, [(str(tmp_path), last) for last in lasts])
     assert len(set(results)) == 1, f"processes saw different claims: {results}"
     assert results[0] in lasts
+
+
+def test_stream_tail_reads_the_last_rows_of_a_stream_in_offset_order(tmp_path: Path) -> None:
+    files = [put(tmp_path, 0, 4), put(tmp_path, 5, 9), put(tmp_path, 10, 11, date="2026-12-01")]
+    empty = lake.write_file(str(tmp_path), "events", "2026-12-01", SRC, 0, 12, 13,
+                            table([]).cast(table([0]).schema))  # a range of dead letters only
+    files.append(empty)
+    assert lake.stream_tail(str(tmp_path), files, "x", 4) == [80, 90, 100, 110]
+    assert lake.stream_tail(str(tmp_path), files, "x", 100) == [o * 10 for o in range(12)], "fewer rows than asked"
+    assert lake.stream_tail(str(tmp_path), [], "x", 5) == []
+    assert lake.offsets_after(files, SRC) == {0: 14} == lake.next_offsets(str(tmp_path), "events", SRC)
+
+
+def test_stream_identity_keeps_the_first(tmp_path: Path) -> None:
+    assert lake.stream_identity(str(tmp_path), "events", SRC, "a") == "a"
+    assert lake.stream_identity(str(tmp_path), "events", SRC, "b") == "a"
+    assert lake.stream_identity(str(tmp_path), "outcomes", SRC, "b") == "b", "per table"
+    uri = f"file://{tmp_path}/remote"
+    assert [lake.stream_identity(uri, "events", SRC, i) for i in ("c", "d")] == ["c", "c"], "object-store branch"
+    assert lake.list_files(str(tmp_path), "events") == [], "identity files are not lake files"

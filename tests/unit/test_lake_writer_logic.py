@@ -263,10 +263,20 @@ def test_revoke_publishes_open_files(tmp_path: Path) -> None:
 class FakeConsumer:
     """What the rebalance listener and the loop call on a KafkaConsumer; polls return `batches` in turn."""
 
-    def __init__(self, batches: list[dict] | None = None) -> None:
+    def __init__(self, batches: list[dict] | None = None, ends: dict[tuple[str, int], int] | None = None) -> None:
         self.batches = list(batches or [])
         self.seeks: dict[tuple[str, int], int | None] = {}
         self.commits: list[dict] = []
+        self.ends = ends  # log end offsets; None: the broker does not answer
+        self.paused: list[tuple[str, int]] = []
+
+    def end_offsets(self, parts: list, timeout_ms: int) -> dict:
+        if self.ends is None:
+            raise TimeoutError("no answer")
+        return {t: self.ends.get((t.topic, t.partition), 0) for t in parts}
+
+    def pause(self, *parts: object) -> None:
+        self.paused += [(t.topic, t.partition) for t in parts]
 
     def seek(self, tp: object, offset: int) -> None:
         self.seeks[(tp.topic, tp.partition)] = offset
@@ -475,3 +485,179 @@ def test_the_writer_has_no_local_only_logic(tmp_path: Path) -> None:
     assert [(f.first, f.last) for f in lake.list_files(root, "events")] == [(0, 2), (3, 5), (6, 6)]
     assert lake.read_claim(root, "events", TOPIC, 0, 3) == lake.Claim(3, 5, "2026-11-30")
     assert sorted(lake_rows(tmp_path / "lake")) == [0, 1, 2, 3, 5, 6]
+
+
+# ---- duplicates: the SDK is at-least-once; the writer drops ids it landed within its window ------------
+def ids_in_lake(root: Path) -> list[tuple[int, str]]:
+    rows = [r for f in lake.list_files(str(root), "events") for r in pq.read_table(f.path).to_pylist()]
+    return sorted((r["_offset"], r["event_id"]) for r in rows)
+
+
+def test_a_replayed_event_within_the_window_is_dropped_and_its_offset_covered(tmp_path: Path) -> None:
+    w = make_writer(tmp_path, roll_max_records=4)
+    w.assign([(TOPIC, 0)])
+    ids = [0, 1, 2, 3, 4, 2, 3, 5]  # offsets 5 and 6 replay events 2 and 3 (one across a file boundary)
+    for offset, i in enumerate(ids):
+        w.add(TOPIC, 0, offset, wire(event(i)))
+    w.flush_all()
+    assert ids_in_lake(tmp_path) == [(o, f"e{i:08d}") for o, i in enumerate(ids) if o not in (5, 6)]
+    assert (w.stats.duplicates, w.stats.dlq, w.dlq.sent) == (2, 0, []), "a duplicate is counted, not dead-lettered"
+    assert_exact_ranges = [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")]
+    assert assert_exact_ranges == [(0, 3), (4, 7)], f"the dropped offsets must stay covered: {assert_exact_ranges}"
+
+
+def test_the_window_is_rebuilt_from_the_lake_after_a_restart(tmp_path: Path) -> None:
+    first = make_writer(tmp_path, roll_max_records=5)
+    first.assign([(TOPIC, 0)])
+    for i in range(10):
+        first.add(TOPIC, 0, i, wire(event(i)))  # publishes 0..4 and 5..9
+    second = make_writer(tmp_path, dedup_window=6)
+    assert second.assign([(TOPIC, 0)]) == {(TOPIC, 0): 10}
+    assert len(second.windows[(TOPIC, 0)]) == 6, "the window holds the ids of the lake's last 6 rows"
+    for offset, i in zip(range(10, 14), (9, 3, 5, 10)):  # 3 is 7 rows back: beyond a window of 6, so it lands
+        second.add(TOPIC, 0, offset, wire(event(i)))
+    second.flush_all()
+    assert [i for o, i in ids_in_lake(tmp_path) if o >= 10] == ["e00000003", "e00000010"]
+    assert second.stats.duplicates == 2
+
+
+def test_a_redone_range_drops_the_same_duplicates(tmp_path: Path) -> None:
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 5, 8, 6, 9, 2, 10]
+
+    def feed(w: LakeWriter, offsets: range) -> None:
+        for o in offsets:
+            w.add(TOPIC, 0, o, wire(event(ids[o])))
+
+    whole = make_writer(tmp_path / "whole", roll_max_records=5, dedup_window=4)
+    whole.assign([(TOPIC, 0)])
+    feed(whole, range(len(ids)))
+    whole.flush_all()
+    killed = make_writer(tmp_path / "redo", roll_max_records=5, dedup_window=4)
+    killed.assign([(TOPIC, 0)])
+    feed(killed, range(8))  # publishes 0..4, then "dies" holding 5..7
+    redo = make_writer(tmp_path / "redo", roll_max_records=5, dedup_window=4)
+    redo.assign([(TOPIC, 0)])
+    feed(redo, range(5, len(ids)))
+    redo.flush_all()
+    assert ids_in_lake(tmp_path / "redo") == ids_in_lake(tmp_path / "whole"), \
+        "a range redone after a crash must hold the same rows as when written in one go"
+    assert [(f.first, f.last) for f in lake.list_files(str(tmp_path / "redo"), "events")] == [(0, 4), (5, 9), (10, 13)]
+    # 5 at offset 8 is 3 rows back, 6 at 10 is 4 rows back (both within the window of 4); 2 at 12 is beyond it
+    assert (whole.stats.duplicates, redo.stats.duplicates) == (2, 2), (whole.stats, redo.stats)
+
+
+def test_a_dead_lettered_copy_does_not_hide_the_next_one(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    w.add(TOPIC, 0, 0, wire(event(1, prompt_token_ids=[2 ** 40])))  # unstorable: never lands
+    w.add(TOPIC, 0, 1, wire(event(1)))
+    w.flush_all()
+    assert ids_in_lake(tmp_path) == [(1, "e00000001")], "only ids that land may enter the window"
+    assert (w.stats.dlq, w.stats.duplicates) == (1, 0)
+
+
+def test_dedup_window_zero_lands_every_copy(tmp_path: Path) -> None:
+    w = make_writer(tmp_path, dedup_window=0)
+    w.assign([(TOPIC, 0)])
+    for o in range(3):
+        w.add(TOPIC, 0, o, wire(event(7)))
+    w.flush_all()
+    assert [o for o, _ in ids_in_lake(tmp_path)] == [0, 1, 2]
+    with pytest.raises(Exception, match="dedup_window"):
+        LakeWriterConfig(dedup_window=-1).check()
+
+
+# ---- offset gaps and logs that went back ------------------------------------------------------------
+def test_a_gap_is_logged_counted_and_covered(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    with caplog.at_level("WARNING", logger="flywheel.ingest.lake_writer"):
+        for o in (0, 1, 5, 6):  # retention deleted 2..4 before they were read
+            w.add(TOPIC, 0, o, wire(event(o)))
+    w.flush_all()
+    assert (w.stats.gaps, w.stats.gap_offsets) == (1, 3), vars(w.stats)
+    assert any("offsets 2..4" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 6)]
+    assert sorted(lake_rows(tmp_path)) == [0, 1, 5, 6]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.glob("events/**/*.parquet"))}
+
+
+def test_a_log_that_goes_back_rewinds_only_its_partition(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0), (TOPIC, 1)])
+    for o in range(5):
+        w.add(TOPIC, 0, o, wire(event(o)))
+    w.flush_all()
+    before = snapshot(tmp_path)
+    w.add(TOPIC, 0, 5, wire(event(5)))
+    for o in range(0, 8):  # the topic was recreated: its new log starts again at 0
+        w.add(TOPIC, 0, o, wire(event(100 + o)))
+        w.add(TOPIC, 1, o, wire(event(200 + o)))
+    w.flush_all()
+    assert set(w.rewound) == {(TOPIC, 0)} and w.stats.rewound == 1, w.rewound
+    assert w.take_unpaused() == [(TOPIC, 0)] and w.take_unpaused() == [], "the loop pauses each rewound partition once"
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before, "a rewound partition must not overwrite files"
+    part0 = [(f.first, f.last) for f in lake.list_files(str(tmp_path), "events") if f.partition == 0]
+    assert part0 == [(0, 4), (5, 5)], f"only the record before the log went back may land: {part0}"
+    assert [f.last for f in lake.list_files(str(tmp_path), "events") if f.partition == 1] == [7], "partition 1 goes on"
+
+
+def test_check_logs_rewinds_a_log_shorter_than_the_lake(tmp_path: Path) -> None:
+    first = make_writer(tmp_path)
+    first.assign([(TOPIC, 0), (TOPIC, 1)])
+    for o in range(10):
+        first.add(TOPIC, 0, o, wire(event(o)))
+    first.flush_all()
+    before = snapshot(tmp_path)
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0), (TOPIC, 1)])
+    w.check_logs({(TOPIC, 0): 3, (TOPIC, 1): 0}, {TOPIC: None})
+    assert list(w.rewound) == [(TOPIC, 0)] and "ends at offset 3" in w.rewound[(TOPIC, 0)], w.rewound
+    for o in range(3):
+        w.add(TOPIC, 0, o, wire(event(50 + o)))
+    w.flush_all()
+    assert snapshot(tmp_path) == before and w.unchecked == set()
+
+
+def test_a_new_topic_id_rewinds_the_topic(tmp_path: Path) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0)])
+    w.check_logs({(TOPIC, 0): 0}, {TOPIC: "id-a"})
+    assert w.rewound == {}
+    restarted = make_writer(tmp_path)
+    restarted.assign([(TOPIC, 0), (TOPIC, 1)])
+    restarted.check_logs({(TOPIC, 0): 10**6, (TOPIC, 1): 10**6}, {TOPIC: "id-b"})  # the new log outgrew the lake
+    assert sorted(restarted.rewound) == [(TOPIC, 0), (TOPIC, 1)], "offsets alone cannot see this recreation"
+    assert "id-a" in restarted.rewound[(TOPIC, 0)]
+    assert lake.stream_identity(str(tmp_path), "events", TOPIC, "id-c") == "id-a", "the first id seen is kept"
+    unknown = make_writer(tmp_path)
+    unknown.assign([(TOPIC, 0)])
+    unknown.check_logs({(TOPIC, 0): 0}, {TOPIC: None})  # a broker without topic ids: offsets only
+    assert unknown.rewound == {}
+
+
+def test_the_loop_checks_new_assignments_before_writing_and_pauses_rewound_ones(tmp_path: Path) -> None:
+    first = make_writer(tmp_path)
+    first.assign([(TOPIC, 0)])
+    for o in range(10):
+        first.add(TOPIC, 0, o, wire(event(o)))
+    first.flush_all()
+    before = snapshot(tmp_path)
+    # the topic was recreated and holds 3 records: the seek to 10 is out of range and the consumer resets to 0
+    consumer = FakeConsumer([{tp(0): messages(range(0, 3)), tp(1): messages(range(0, 2))}],
+                            ends={(TOPIC, 0): 3, (TOPIC, 1): 2})
+    w = make_writer(tmp_path, status_interval_s=0.0, var_dir=str(tmp_path / "var"))
+    rebalance = _Rebalance(w, consumer)
+    rebalance.on_partitions_assigned({tp(0), tp(1)})
+    polls = iter(range(2))
+    _loop(w.cfg, consumer, w, rebalance, "lake-writer-test", lambda: next(polls, None) is None)
+    assert consumer.paused == [(TOPIC, 0)], consumer.paused
+    assert {k: v for k, v in snapshot(tmp_path).items() if k in before} == before
+    assert [(f.partition, f.first, f.last) for f in lake.list_files(str(tmp_path), "events")] == [(0, 0, 9), (1, 0, 1)]
+    status = json.loads((tmp_path / "var" / "run" / "status" / "lake-writer-test.json").read_text())
+    assert status["rewound_partitions"] == [f"{TOPIC}/0"], status
+    assert (status["duplicates"], status["gaps"], status["behind"]) == (0, 0, 0), status

@@ -43,3 +43,68 @@ def test_arrow_schemas_derive_from_columns():
     assert len({c.name for c in schema.EVENT_COLUMNS}) == len(schema.EVENT_COLUMNS), "duplicate column names"
     episodes = schema.episode_arrow_schema()
     assert episodes.field("completion_logprobs").type.value_type.bit_width == 32
+
+
+# ---- any JSON value: validation raises SchemaError and nothing else ----------------------------------
+@pytest.mark.parametrize("change", [
+    {"schema_version": [1]}, {"schema_version": {"v": 1}}, {"type": ["llm_call"]}, {"type": {"a": 1}},
+    {"latency_s": 10**400}, {"completion_logprobs": [-0.1, 10**400]}, {"session_id": [[[[[[[[[["x"]]]]]]]]]]},
+    {"ts": "0001-01-01T00:00:00+01:00-garbage"},
+])
+def test_validation_of_any_json_value_raises_only_schema_errors(change):
+    # each of these raised TypeError or OverflowError before, which stopped the lake writer at that offset
+    with pytest.raises(schema.SchemaError):
+        schema.validate_event(_llm_call(**change))
+
+
+def test_messages_stay_short_at_any_depth():
+    deep = 1
+    for _ in range(5000):
+        deep = [deep]
+    assert len(schema.short_repr(deep)) <= 60
+    with pytest.raises(schema.SchemaError, match="should be str"):
+        schema.validate_event(_llm_call(session_id=deep))
+
+
+def test_parse_ts_of_a_valid_string_outside_utc_raises_a_schema_error():
+    with pytest.raises(schema.SchemaError, match="representable"):
+        schema.parse_ts("0001-01-01T00:00:00+01:00")
+
+
+# ---- limits -------------------------------------------------------------------------------------------
+def _nest(depth):
+    value = 1
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"sampling": _nest(schema.MAX_JSON_DEPTH + 1)}, "too_deep"),
+    ({"completion_text": "x" * (schema.MAX_STRING_CHARS + 1)}, "string_too_long"),
+    ({"sampling": {"stop": ["y" * (schema.MAX_STRING_CHARS + 1)]}}, "string_too_long"),
+    ({"truncated": ["z" * (schema.MAX_STRING_CHARS + 1)]}, "string_too_long"),
+    ({"prompt_token_ids": [1] * (schema.MAX_TOKENS + 1)}, "too_many_tokens"),
+    ({"ts": "1999-12-31T23:59:59.999999+00:00"}, "ts_out_of_range"),
+    ({"ts": "2100-01-01T00:00:00+00:00"}, "ts_out_of_range"),
+    ({"ts": "0001-01-01T00:00:00+01:00"}, "ts_out_of_range"),
+    ({"seq": schema.MAX_INT + 1}, "int_out_of_range"),
+    ({"latency_s": schema.MIN_INT - 1}, "int_out_of_range"),
+    ({"completion_logprobs": [-0.1, -1e39]}, "float_out_of_range"),
+    ({"sampling": {"t": float("inf")}}, "float_out_of_range"),
+])
+def test_limits_name_the_limit(change, reason):
+    with pytest.raises(schema.LimitError) as info:
+        schema.check_limits(_llm_call(**change))
+    assert info.value.reason == reason and info.value.reason in schema.LIMIT_REASONS, str(info.value)
+
+
+def test_values_at_the_limits_pass():
+    schema.check_limits(_llm_call(
+        sampling=_nest(schema.MAX_JSON_DEPTH), completion_text="x" * schema.MAX_STRING_CHARS,
+        prompt_token_ids=[1] * schema.MAX_TOKENS, ts="2099-12-31T23:59:59.999999+00:00", seq=schema.MAX_INT,
+        completion_logprobs=[-schema.MAX_FLOAT32, 0.0]))
+    schema.check_limits({"schema_version": 1, "value": 2.5, "ts": "2000-01-01T00:00:00+00:00", "kind": "k"},
+                        schema.OUTCOME_COLUMNS)
+    # wrong types are validation's business: the limits neither raise on them nor judge them
+    schema.check_limits(_llm_call(completion_logprobs=["a", 1], seq="7", ts=5, sampling=object()))
