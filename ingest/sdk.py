@@ -20,13 +20,22 @@ what it was given (style.md rule 5, modelled on the Langfuse SDK):
   full schema validation, and batching into an idempotent kafka-python producer (acks=all,
   lz4, keyed by session_id so a session stays ordered in one partition).
 * When the broker is down or does not acknowledge, events spill to an append-only bounded
-  spool on disk (ingest/spool.py) and are replayed in order once it answers again; while
-  the spool holds anything, new events queue behind it so order is kept. Records that may
-  have reached Kafka are replayed anyway: downstream de-duplicates by event_id.
+  spool on disk (ingest/spool.py, fsynced in batches) and are replayed in order once it
+  answers again; while the spool holds anything, new events queue behind it so order is
+  kept. Sends in flight when the outage is noticed are copied to the spool as well. Records
+  that may have reached Kafka are replayed anyway (at-least-once): downstream de-duplicates
+  by event_id.
+* Recovery needs no restart: a producer whose sends stay unresolved after the broker is back
+  (kafka-python's idempotent producer after an outage past its delivery timeout, design.md)
+  is closed without waiting and replaced, and what it held is re-sent from the spool.
+* The spool is per logger name and topic (var/spool/<name>@<topic>, the name defaulting to the
+  program's, without the pid): a restarted agent replays its predecessor's spool, and adopts
+  the sibling spools (<spool>-<pid>) that dead processes of the same name left behind.
 * Bad input (missing fields, wrong types, unknown fields, non-JSON values, oversized text)
   logs one warning per kind of problem, is counted, and never raises into the host: text is
   cut to schema.MAX_TEXT_CHARS and named in `truncated`; non-JSON values are stored as
-  their repr(); an event that still fails schema validation is dropped and counted.
+  their repr(); JSON nested past schema.MAX_JSON_DEPTH is cut (named in `truncated`); an
+  event past another schema limit, or that still fails validation, is dropped and counted.
 * No bootstrap (argument None and no FLYWHEEL_KAFKA_BOOTSTRAP): one warning, then a no-op.
 * `flush(timeout)`, `close()`, atexit, and fork safety (a forked child gets a fresh queue,
   thread, producer and spool of its own).
@@ -44,6 +53,8 @@ import json
 import logging
 import math
 import os
+import re
+import reprlib
 import socket
 import sys
 import threading
@@ -57,7 +68,7 @@ from typing import Any, Callable, Sequence
 
 from flywheel.ingest import schema
 from flywheel.ingest.redact import Redactor, redact_json, redact_text
-from flywheel.ingest.spool import Spool, SpoolLocked
+from flywheel.ingest.spool import SEGMENT_SUFFIX, Spool, SpoolLocked
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +89,24 @@ _SEQUENCE_FIELDS = ("prompt_token_ids", "completion_token_ids", "completion_logp
 
 def _resolve_bootstrap(bootstrap: str | None) -> str | None:
     return bootstrap if bootstrap else (os.environ.get(BOOTSTRAP_ENV) or None)
+
+
+def _safe_name(text: str) -> str:
+    """A name usable as one path component: [A-Za-z0-9._-], not starting with a dot or a dash."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".-")
+
+
+def _default_name() -> str:
+    """The program's name, without the pid: stable across restarts, so a restarted agent finds its spool."""
+    path = Path(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else "python")
+    stem = path.parent.name if path.stem == "__main__" else path.stem  # `python -m pkg`: the package
+    return _safe_name(stem) or "python"
+
+
+def default_spool_dir(name: str, topic: str) -> Path:
+    """var/spool/<name>@<topic>: one spool per logger name and topic (a SessionLogger and an OutcomeReporter
+    of the same name must not replay each other's records into the wrong topic)."""
+    return DEFAULT_SPOOL_ROOT / f"{_safe_name(name) or 'python'}@{_safe_name(topic)}"
 
 
 def _sampled(session_id: str, rate: float) -> bool:
@@ -151,6 +180,13 @@ def _is_poison(exc: BaseException | None) -> bool:
     return exc is not None and type(exc).__name__ in _POISON_ERRORS
 
 
+# Where an in-flight send's record lives besides the producer (the third item of a _pending entry). A record
+# leaves _pending only when Kafka answered or when it is safe on disk, so dropping a producer loses nothing.
+_IN_MEMORY = 0  # only in _pending: a failure sends it to the spool
+_FROM_SPOOL = 1  # a replay: the spool keeps it until the ack commits it
+_COPIED = 2  # copied into the spool when the broker was declared down: it may arrive twice, never zero times
+
+
 class _WarnOnce:
     """One warning per kind of problem; later ones are only counted (shown in the metrics log)."""
 
@@ -183,6 +219,20 @@ def _install_process_hooks() -> None:
         os.register_at_fork(after_in_child=lambda: [p._reset_in_child() for p in list(_LIVE)])
 
 
+def _close_producer(producer: Any, timeout: float) -> None:
+    """Close a KafkaProducer within `timeout` seconds (0: at once), whatever it still holds."""
+    try:
+        producer.close(timeout=timeout)
+    except Exception:
+        # kafka-python 3.0: close() raises from its flush() while records are still pending and then
+        # never force-closes, leaving its sender thread running and __del__ retrying (and raising) at
+        # exit. Everything pending is already in our spool: stop it the way close() would have.
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+        producer._closed = True
+
+
 class _Rejected:
     """What _send returns for a record Kafka refused for good: a resolved, failed future."""
 
@@ -196,6 +246,19 @@ class _Rejected:
 
     def failed(self) -> bool:
         return True
+
+
+class _Delivered:
+    """A resolved, successful future: a spooled copy of a record Kafka acknowledged in the meantime."""
+
+    is_done = True
+    exception = None
+
+    def succeeded(self) -> bool:
+        return True
+
+    def failed(self) -> bool:
+        return False
 
 
 class _Pipeline:
@@ -216,6 +279,7 @@ class _Pipeline:
         compression: str | None,
         outage_after_s: float,
         retry_s: float,
+        inflight_wait_s: float,
         metrics_interval_s: float,
         exit_timeout_s: float,
         producer_config: dict[str, Any] | None,
@@ -224,7 +288,7 @@ class _Pipeline:
         self.topic = topic
         self.name = name
         self._encode = encode
-        self._spool_dir = Path(spool_dir) if spool_dir is not None else DEFAULT_SPOOL_ROOT / name
+        self._spool_dir = Path(spool_dir) if spool_dir is not None else default_spool_dir(name, topic)
         self.max_queue = max_queue
         self.batch_max = batch_max
         self.linger_s = linger_s
@@ -232,6 +296,7 @@ class _Pipeline:
         self.compression = compression
         self.outage_after_s = outage_after_s
         self.retry_s = retry_s
+        self.inflight_wait_s = inflight_wait_s
         self.metrics_interval_s = metrics_interval_s
         self.exit_timeout_s = exit_timeout_s
         self.producer_config = dict(producer_config or {})
@@ -252,16 +317,25 @@ class _Pipeline:
         self._producer_tried = 0.0
         self._spool: Spool | None = None
         self._failed: collections.deque[tuple[bytes, bytes]] = collections.deque()
-        self._pending: dict[int, tuple[bytes, bytes, bool]] = {}  # send id -> (key, value, from_spool)
+        # send id -> (key, value, where the record also lives: _IN_MEMORY | _FROM_SPOOL | _COPIED, monotonic send time)
+        self._pending: dict[int, tuple[bytes, bytes, int, float]] = {}
+        # values of _COPIED sends that Kafka acknowledged after all: their spool copy is skipped, not sent again
+        self._acked_copies: set[bytes] = set()
         self._send_ids = itertools.count()
         self._progress_ts = time.monotonic()
         self._down = False
         self._down_since = 0.0
+        self._reachable_since: float | None = None  # first probe that found the broker listening again
+        self._replace_producer = False  # the producer failed a replay against a listening broker
+        self._restarts_in_outage = 0  # producers given up on since the broker was last declared down
+        self._delivery_timeout_s = 30.0  # the producer's delivery_timeout_ms, once created
+        self._next_stall_check = 0.0
         self._next_replay = 0.0
         self._last_metrics = time.monotonic()
         self._last_logged: dict[str, int] = {}
         self._stopping_deadline = float("inf")
         self._in_hand = False
+        self._opened = False  # the background thread has looked for spools left by earlier processes
         self._cb_lock = threading.Lock()
         self._yielded = time.perf_counter()
         # Counters, written without locks: exact where one thread writes them (the background thread, or the
@@ -278,6 +352,9 @@ class _Pipeline:
         self.truncated = 0
         self.send_errors = 0
         self.rejected = 0
+        self.producer_restarts = 0
+        self.adopted = 0
+        self.limited = 0  # values cut or events dropped at a schema limit (MAX_JSON_DEPTH, MAX_TOKENS, ranges)
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"flywheel-sdk-{self.name}", daemon=True)
@@ -311,8 +388,11 @@ class _Pipeline:
             "invalid": self.invalid,
             "coerced": self.coerced,
             "truncated": self.truncated,
+            "limited": self.limited,
             "send_errors": self.send_errors,
             "rejected": self.rejected,
+            "producer_restarts": self.producer_restarts,
+            "adopted": self.adopted,
             "queue_depth": len(self._queue),
             "inflight": len(self._pending),
             "spool_records": len(spool) if spool is not None else 0,
@@ -327,7 +407,8 @@ class _Pipeline:
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not (self._queue or self._in_hand or self._pending or self._failed or self._spool_pending()):
+            if self._opened and not (self._queue or self._in_hand or self._pending or self._failed
+                                     or self._spool_pending()):
                 return True
             if self._thread is None or not self._thread.is_alive():
                 return False
@@ -361,6 +442,7 @@ class _Pipeline:
     def _run(self) -> None:
         try:
             self._open_existing_spool()
+            self._opened = True
             while True:
                 self._wake.wait(self.linger_s)
                 self._wake.clear()
@@ -378,6 +460,8 @@ class _Pipeline:
         self._check_health()
         if (self._spool_pending() or self._down) and time.monotonic() >= self._next_replay:
             self._replay()  # also ends an outage that spilled nothing (in-flight records were delivered late)
+        if self._spool is not None:
+            self._spool.maybe_sync()  # a quiet tail is fsynced within the spool's interval too
         self._maybe_log_metrics()
 
     def _drain_queue(self) -> None:
@@ -426,16 +510,17 @@ class _Pipeline:
             if self._down:  # a send just failed (it spilled its record): the rest must not wait on Kafka too
                 self._spill(batch[i:])
                 return
-            result = self._send(key, value, from_spool=False)
+            result = self._send(key, value, _IN_MEMORY)
             if isinstance(result, _Rejected):
                 self._reject(result.exception)
             self._yield_gil()
 
-    def _send(self, key: bytes, value: bytes, from_spool: bool) -> Any:
+    def _send(self, key: bytes, value: bytes, where: int) -> Any:
         send_id = next(self._send_ids)
+        now = time.monotonic()
         if not self._pending:
-            self._progress_ts = time.monotonic()
-        self._pending[send_id] = (key, value, from_spool)
+            self._progress_ts = now
+        self._pending[send_id] = (key, value, where, now)
         try:
             future = self._producer.send(self.topic, key=key, value=value)
         except Exception as exc:  # metadata timeout, producer closed ...: the broker is unusable now
@@ -443,8 +528,10 @@ class _Pipeline:
             self.send_errors += 1
             if _is_poison(exc):
                 return _Rejected(exc)  # the record, not the broker: callers drop it and count it
+            if type(exc).__name__ != "KafkaTimeoutError":  # not a slow broker (no metadata yet): a broken producer
+                self._replace_producer = True
             self._mark_down(f"send failed: {exc}")
-            if not from_spool:
+            if where == _IN_MEMORY:
                 self._spill([(key, value)])
             return None
         future.add_callback(self._on_ack, send_id)
@@ -457,20 +544,23 @@ class _Pipeline:
             entry = self._pending.get(send_id)
             self._progress_ts = time.monotonic()
             if entry is not None:
-                if entry[2]:
+                if entry[2] == _FROM_SPOOL:
                     self.replayed += 1
+                elif entry[2] == _COPIED:
+                    self._acked_copies.add(entry[1])
                 self.sent += 1
                 del self._pending[send_id]  # last: flush() sees an empty _pending only after the counters moved
 
     def _on_error(self, send_id: int, exc: BaseException) -> None:
         poison = _is_poison(exc)
         with self._cb_lock:
-            entry = self._pending.get(send_id)
+            entry = self._pending.pop(send_id, None)
+            if entry is None:  # a send of a producer given up on: its record is in the spool already
+                return
             self.send_errors += 1
-            if entry is not None and not entry[2] and not poison:  # spool records stay there until acknowledged
+            if entry[2] == _IN_MEMORY and not poison:  # spool records (replayed or copied) stay there until acked
                 self._failed.append((entry[0], entry[1]))
-            self._pending.pop(send_id, None)
-        if poison and entry is not None and not entry[2]:
+        if poison and entry[2] == _IN_MEMORY:
             self._reject(exc)
             return
         self.warn(f"send:{type(exc).__name__}", "sdk %s: Kafka did not take a batch (%s); records go to the spool", self.name, exc)
@@ -490,36 +580,141 @@ class _Pipeline:
             self._in_hand = False
 
     def _check_health(self) -> None:
-        if self._pending and not self._down and time.monotonic() - self._progress_ts > self.outage_after_s:
+        now = time.monotonic()
+        if self._pending and not self._down and now - self._progress_ts > self.outage_after_s:
             self._mark_down(f"no acknowledgement for {self.outage_after_s:.1f}s")
+        if self._pending and now >= self._next_stall_check:
+            self._next_stall_check = now + 1.0
+            with self._cb_lock:  # the oldest send (dicts keep insertion order); callbacks delete concurrently
+                oldest = next(iter(self._pending.values()), None)
+            # kafka-python fails a send after delivery_timeout_ms; one still unresolved well after that never
+            # will be (its idempotent producer after a long outage, design.md): give that producer up.
+            if oldest is not None and now - oldest[3] > self._delivery_timeout_s + self.inflight_wait_s:
+                self._mark_down(f"a send unresolved after {now - oldest[3]:.0f}s")
+                self._abandon_producer(f"a send unresolved {now - oldest[3]:.0f}s after it was made, past the "
+                                       f"producer's delivery timeout of {self._delivery_timeout_s:.0f}s")
 
     def _mark_down(self, why: str) -> None:
         if not self._down:
             self._down = True
             self._down_since = time.monotonic()
+            self._reachable_since = None
+            self._restarts_in_outage = 0
             self._next_replay = time.monotonic() + self.retry_s
             log.warning("sdk %s: Kafka at %s unavailable (%s); spilling to %s until it answers",
                         self.name, self.bootstrap, why, self._spool_dir)
+            self._copy_inflight_to_spool()
+
+    def _copy_inflight_to_spool(self) -> None:
+        """Put every in-flight record that exists only in memory into the spool too.
+
+        Sends made before the outage was noticed would otherwise live only in the producer until they
+        resolve: up to delivery_timeout_ms, or never. On disk they survive a SIGKILL of the host, and
+        the producer can be dropped without losing them. One that is delivered late arrives twice.
+        """
+        with self._cb_lock:  # marked under the lock, so _on_error cannot also queue one of them for the spool
+            copies = [(sid, e) for sid, e in self._pending.items() if e[2] == _IN_MEMORY]
+            for sid, (key, value, _where, ts) in copies:
+                self._pending[sid] = (key, value, _COPIED, ts)
+        if copies:
+            self._spill([(e[0], e[1]) for _sid, e in copies])
+
+    def _abandon_producer(self, why: str) -> None:
+        """Close the producer without waiting and start afresh; every record it held is in the spool."""
+        self._copy_inflight_to_spool()
+        with self._cb_lock:
+            abandoned = len(self._pending)
+            self._pending.clear()
+        producer, self._producer = self._producer, None
+        self._replace_producer = False
+        self._producer_tried = 0.0  # the next _ensure_producer creates one at once
+        self.producer_restarts += 1
+        self._restarts_in_outage += 1
+        # A broker that listens but keeps failing replays makes this happen every retry: warn once per outage.
+        log.log(logging.WARNING if self._restarts_in_outage == 1 else logging.INFO,
+                "sdk %s: replacing the Kafka producer (%s); its %d in-flight records are re-sent from the spool",
+                self.name, why, abandoned)
+        if producer is not None:
+            _close_producer(producer, timeout=0.0)
 
     def _spool_pending(self) -> bool:
         return self._spool is not None and len(self._spool) > 0
 
     # ---------------------------------------------------------------- spool
     def _open_existing_spool(self) -> None:
-        # A named spool left behind by an earlier process is replayed by this one.
-        if any(self._spool_dir.glob("*.seg")):
+        """Replay what earlier processes of this name left: our own spool, then orphans (oldest first).
+
+        An orphan is a sibling `<spool>-<pid>[-<n>]` whose lock is free: the spool of a dead process
+        (or a closed logger) that could not take the main one, or of a forked child.
+        """
+        orphans = self._orphan_spools()
+        if orphans or any(self._spool_dir.glob("*.seg")):
             self._open_spool()
-            if self._spool is not None and len(self._spool):
-                log.info("sdk %s: found %d spooled records in %s from an earlier run; replaying them",
-                         self.name, len(self._spool), self._spool_dir)
+        if self._spool is None:
+            return
+        for directory in orphans:
+            if directory != self._spool_dir:
+                self._adopt(directory)
+        if len(self._spool):
+            log.info("sdk %s: found %d spooled records in %s from an earlier run (%d adopted from %d orphaned "
+                     "spools); replaying them", self.name, len(self._spool), self._spool_dir, self.adopted,
+                     len(orphans))
+
+    def _orphan_spools(self) -> list[Path]:
+        base = self._spool_dir
+        pattern = re.compile(re.escape(base.name) + r"-\d+(-\d+)?")
+        try:
+            found = [d for d in base.parent.iterdir() if pattern.fullmatch(d.name) and d.is_dir()]
+        except OSError:  # no spool root yet: nothing left behind
+            return []
+
+        def age(directory: Path) -> float:  # the oldest segment's mtime; an orphan without one sorts first
+            return min((p.stat().st_mtime for p in directory.glob(f"*{SEGMENT_SUFFIX}")), default=0.0)
+
+        try:
+            return sorted(found, key=age)
+        except OSError:  # vanished while we looked (its owner closed it): try them in name order
+            return sorted(found)
+
+    def _adopt(self, directory: Path) -> None:
+        """Move an orphaned spool's records behind ours (fsynced before they leave it), then remove it."""
+        try:
+            orphan = Spool(directory, max_bytes=self.spool_max_bytes, segment_bytes=self._segment_bytes())
+        except SpoolLocked:
+            return  # its owner is alive
+        except OSError as exc:
+            self.warn("spool-adopt", "sdk %s: cannot open orphaned spool %s (%s); left for a later start",
+                      self.name, directory, exc)
+            return
+        moved = 0
+        try:
+            while len(orphan):
+                records = orphan.peek(2000)
+                if not records:
+                    break
+                self.dropped_spool += self._spool.append(records)  # beyond our bound the oldest go, as always
+                self._spool.sync()  # on disk here before the orphan lets go of them: a crash duplicates, never loses
+                orphan.commit(len(records))
+                moved += len(records)
+        except OSError as exc:
+            self.warn("spool-adopt", "sdk %s: adopting %s failed (%s); the rest stays there", self.name, directory, exc)
+        finally:
+            orphan.close()  # an emptied spool removes itself
+        self.adopted += moved
+        log.info("sdk %s: adopted %d records from orphaned spool %s", self.name, moved, directory)
+
+    def _segment_bytes(self) -> int:
+        return max(1024 * 1024, min(8 * 1024 * 1024, self.spool_max_bytes // 8))
 
     def _open_spool(self) -> Spool | None:
         if self._spool is not None:
             return self._spool
-        segment = max(1024 * 1024, min(8 * 1024 * 1024, self.spool_max_bytes // 8))
-        for directory in (self._spool_dir, self._spool_dir.with_name(f"{self._spool_dir.name}-{os.getpid()}")):
+        # Another live logger of this name holds the main spool: take a sibling (a later start adopts it).
+        own = self._spool_dir.with_name(f"{self._spool_dir.name}-{os.getpid()}")
+        candidates = [self._spool_dir, own, *(own.with_name(f"{own.name}-{n}") for n in range(1, 4))]
+        for directory in candidates:
             try:
-                self._spool = Spool(directory, max_bytes=self.spool_max_bytes, segment_bytes=segment)
+                self._spool = Spool(directory, max_bytes=self.spool_max_bytes, segment_bytes=self._segment_bytes())
                 self._spool_dir = directory
                 return self._spool
             except SpoolLocked:
@@ -550,11 +745,24 @@ class _Pipeline:
     def _replay(self, chunk: int = 2000, ack_timeout_s: float = 10.0) -> None:
         """Send spooled records oldest first; commit each chunk only once Kafka acknowledged it."""
         self._next_replay = time.monotonic() + self.retry_s
-        if self._producer is None or not self._broker_reachable():
+        if not self._broker_reachable():
+            self._reachable_since = None
             return
-        if self._pending:  # records sent before the outage: wait until the producer resolves them
-            if time.monotonic() - self._progress_ts > self.outage_after_s:
+        now = time.monotonic()
+        if self._reachable_since is None:
+            self._reachable_since = now
+        if self._pending or self._replace_producer:
+            # Sends from before the outage: after a short one the producer delivers them within a second or two
+            # of the broker's return (fewer duplicates); after one longer than its delivery timeout some never
+            # resolve (design.md). So wait a bounded time, then drop that producer (the records are in the spool).
+            waited = now - max(self._progress_ts, self._reachable_since)
+            if not self._replace_producer and waited < self.inflight_wait_s:
                 return
+            self._abandon_producer(f"{len(self._pending)} sends unresolved {waited:.1f}s after the broker answered"
+                                   if not self._replace_producer else "it failed a replay")
+        self._ensure_producer()
+        if self._producer is None:
+            return
         spool = self._spool
         self._in_hand = True  # flush() waits for the end of a replay, not just an empty spool
         try:
@@ -567,33 +775,63 @@ class _Pipeline:
             records = spool.peek(chunk)
             futures = []
             for value in records:
-                future = self._send(self._key_of(value), value, from_spool=True)
+                if self._acked_copies and value in self._acked_copies:  # delivered late by the producer it left
+                    self._acked_copies.discard(value)
+                    futures.append(_Delivered())
+                    continue
+                future = self._send(self._key_of(value), value, _FROM_SPOOL)
                 if future is None:  # Kafka refused a send: the records stay in the spool for the next try
-                    return
+                    break
                 futures.append(future)
                 self._yield_gil()
-            deadline = time.monotonic() + ack_timeout_s
-            while not all(f.is_done for f in futures) and time.monotonic() < deadline:
-                self._drain_into_spool()  # the host keeps logging while Kafka acknowledges: keep its queue short
-                self._in_hand = True
-                time.sleep(0.01)
-            ok = 0
-            for f in futures:
-                if f.is_done and f.failed() and _is_poison(f.exception):
-                    self._reject(f.exception)  # consumed: replaying it again could never succeed
-                elif not f.succeeded():
-                    break
-                ok += 1
-            spool.commit(ok)
+            ok = self._commit_acknowledged(spool, futures, ack_timeout_s)
             if ok < len(records):
+                if len(futures) == len(records):
+                    # Sends taken but not acknowledged by a broker that listens: the next try uses a fresh producer
+                    # (one that expired batches may never send again). Unresolved ones stay in _pending until then.
+                    self._replace_producer = True
                 self._mark_down(f"replay: {len(records) - ok} of {len(records)} records not acknowledged")
                 return
-            self._drain_into_spool()
+            if not len(spool):
+                break  # caught up: what is queued now follows the spool straight to Kafka, in order
+            self._drain_into_spool()  # behind the spool, to keep order (and the host's queue short)
             self._in_hand = True  # (_drain_into_spool clears it)
         if self._down:
             log.info("sdk %s: Kafka answers again after %.1fs; spool replayed (%d records so far)",
                      self.name, time.monotonic() - self._down_since, self.replayed)
         self._down = False
+        self._acked_copies.clear()  # any left were copies replayed before their late ack: nothing to skip
+
+    def _commit_acknowledged(self, spool: Spool, futures: list[Any], ack_timeout_s: float) -> int:
+        """Commit the acknowledged prefix of a replayed chunk as acks arrive; return how many were committed.
+
+        Stops at the first failed send, or after ack_timeout_s without an ack: a slow broker that keeps
+        acknowledging is waited for, and what it took is off the spool even if the rest of the chunk fails.
+        """
+        ok, progress = 0, time.monotonic()
+        while ok < len(futures):
+            start = ok
+            while ok < len(futures) and futures[ok].is_done:
+                f = futures[ok]
+                if f.failed() and _is_poison(f.exception):
+                    self._reject(f.exception)  # consumed: replaying it again could never succeed
+                elif not f.succeeded():
+                    spool.commit(ok - start)
+                    return ok
+                ok += 1
+            if ok > start:
+                spool.commit(ok - start)
+                progress = time.monotonic()
+            elif time.monotonic() - progress > ack_timeout_s:
+                break
+            if ok < len(futures):
+                # The host keeps logging while Kafka acknowledges: park a long queue behind the spool. Not a short
+                # one: a replay that spools what arrives during every wait would never end under steady load.
+                if len(self._queue) >= self.batch_max:
+                    self._drain_into_spool()
+                    self._in_hand = True
+                time.sleep(0.01)
+        return ok
 
     def _drain_into_spool(self) -> None:
         # New records keep arriving during a long replay: park them behind the spool to keep order
@@ -641,6 +879,21 @@ class _Pipeline:
             self.warn("import", "sdk %s: kafka-python is not installed (%s); records are spooled", self.name, exc)
             self._mark_down("kafka-python missing")
             return
+        config = self._producer_settings()
+        try:
+            self._producer = KafkaProducer(**config)
+        except Exception as exc:  # NoBrokersAvailable, KafkaTimeoutError, config errors
+            self._mark_down(f"cannot connect: {type(exc).__name__}: {exc}")
+            return
+        self._delivery_timeout_s = float(config["delivery_timeout_ms"]) / 1000.0
+        # kafka-python registers its own atexit close, which would run before ours (atexit is LIFO) and
+        # close the producer while our queue still holds records; our hook closes it after draining.
+        unregister = getattr(self._producer, "_unregister_cleanup", None)
+        if callable(unregister):
+            unregister()
+        log.info("sdk %s: connected to Kafka at %s (topic %s, compression %s)", self.name, self.bootstrap, self.topic, self.compression)
+
+    def _producer_settings(self) -> dict[str, Any]:
         config: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap.split(","),
             "client_id": f"flywheel-sdk-{self.name}",
@@ -657,17 +910,7 @@ class _Pipeline:
             "reconnect_backoff_max_ms": 1000,
         }
         config.update(self.producer_config)
-        try:
-            self._producer = KafkaProducer(**config)
-        except Exception as exc:  # NoBrokersAvailable, KafkaTimeoutError, config errors
-            self._mark_down(f"cannot connect: {type(exc).__name__}: {exc}")
-            return
-        # kafka-python registers its own atexit close, which would run before ours (atexit is LIFO) and
-        # close the producer while our queue still holds records; our hook closes it after draining.
-        unregister = getattr(self._producer, "_unregister_cleanup", None)
-        if callable(unregister):
-            unregister()
-        log.info("sdk %s: connected to Kafka at %s (topic %s, compression %s)", self.name, self.bootstrap, self.topic, self.compression)
+        return config
 
     # ---------------------------------------------------------------- shutdown and metrics
     def _finish(self) -> None:
@@ -684,22 +927,12 @@ class _Pipeline:
                 pass
         self._respool_failures()
         # Whatever Kafka has not acknowledged goes to disk: it may arrive twice, never zero times.
-        leftovers = [(k, v) for k, v, from_spool in list(self._pending.values()) if not from_spool]
-        self._pending.clear()
-        if leftovers:
-            self._spill(leftovers)
+        self._copy_inflight_to_spool()
+        with self._cb_lock:
+            self._pending.clear()
         if self._producer is not None:
             producer, self._producer = self._producer, None
-            try:
-                producer.close(timeout=0 if self._down else 1)
-            except Exception:
-                # kafka-python 3.0: close() raises from its flush() while records are still pending and then
-                # never force-closes, leaving its sender thread running and __del__ retrying (and raising) at
-                # exit. Everything pending is already in our spool: stop it the way close() would have.
-                sender = getattr(producer, "_sender", None)
-                if sender is not None:
-                    sender.force_close()
-                producer._closed = True
+            _close_producer(producer, timeout=0 if self._down else 1)
         if self._spool is not None:
             if len(self._spool):
                 log.warning("sdk %s: %d records remain in spool %s; a process with the same name replays them",
@@ -726,11 +959,12 @@ class _Pipeline:
 # ---------------------------------------------------------------------------------------------
 class _Encoder:
     def __init__(self, pipeline_ref: Callable[[], _Pipeline | None], redact: Redactor | None, validate: Callable[[Any], Any],
-                 id_field: str) -> None:
+                 id_field: str, columns: tuple[schema.Col, ...]) -> None:
         self._pipe = pipeline_ref
         self._redact = redact
         self._validate = validate
         self._id_field = id_field
+        self._columns = columns  # for schema.check_limits: EVENT_COLUMNS or OUTCOME_COLUMNS
 
     def __call__(self, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
         pipe = self._pipe()
@@ -745,7 +979,7 @@ class _Encoder:
                 record[name] = value.tolist() if hasattr(value, "tolist") else list(value)
         truncated: list[str] = list(record.get("truncated") or [])
         self._cap_text(record, truncated)
-        for name in _JSON_FIELDS:
+        for name in _JSON_COLUMNS:
             value = record.get(name)
             if value is not None:
                 record[name] = self._json_value(pipe, what, name, value, truncated)
@@ -766,31 +1000,67 @@ class _Encoder:
                 record[name] = value
 
     def _json_value(self, pipe: _Pipeline, what: str, name: str, value: Any, truncated: list[str]) -> Any:
-        """A JSON field as plain JSON (non-JSON values coerced to their repr()), redacted, capped by its text."""
-        try:
-            text = json.dumps(value, default=_json_default, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            pipe.coerced += 1
-            pipe.warn(f"json:{what}:{name}", "sdk: %s %s is not JSON serialisable (%s); such values are stored "
-                      "as their repr() text", what, name, exc)
-            try:  # keep the structure, replace only the values JSON cannot hold
-                text = json.dumps(_finite(value), default=_json_default_or_repr, allow_nan=False)
-            except ValueError:  # circular reference: nothing structured to keep
-                text = json.dumps(repr(value))
+        """A JSON field as plain JSON: non-JSON values as their repr(), nothing nested deeper than
+        schema.MAX_JSON_DEPTH (deeper containers become a short repr()), redacted, capped by its text."""
+        text = self._json_text(pipe, what, name, value, truncated)
         value = json.loads(text)
+        if text.count("[") + text.count("{") >= schema.MAX_JSON_DEPTH:  # fewer containers cannot nest that deep
+            value, clipped = _clip_depth(value)
+            if clipped:
+                self._too_deep(pipe, what, name, truncated)
+                text = json.dumps(value)
         if self._redact is not None:
             value = redact_json(value, self._redact)
+            # The cap below cuts the text: it must be the redacted text, or a secret survives in the prefix.
+            # Below half the cap the default redactor (placeholders about as long as what they replace) cannot
+            # push it over, so the common small field is not encoded twice.
+            if len(text) > schema.MAX_TEXT_CHARS // 2:
+                text = json.dumps(value)
         if len(text) > schema.MAX_TEXT_CHARS:
             value = text[: schema.MAX_TEXT_CHARS]  # a prefix of its JSON text, flagged as cut
             truncated.append(name)
         return value
 
+    def _json_text(self, pipe: _Pipeline, what: str, name: str, value: Any, truncated: list[str]) -> str:
+        try:
+            return json.dumps(value, default=_json_default, allow_nan=False)
+        except RecursionError:  # nested past the interpreter's recursion limit: cut it first
+            value, _ = _clip_depth(value)
+            self._too_deep(pipe, what, name, truncated)
+        except (TypeError, ValueError) as exc:
+            pipe.coerced += 1
+            pipe.warn(f"json:{what}:{name}", "sdk: %s %s is not JSON serialisable (%s); such values are stored "
+                      "as their repr() text", what, name, exc)
+            value, clipped = _clip_depth(value)  # also unrolls a circular reference only down to the limit
+            if clipped:
+                self._too_deep(pipe, what, name, truncated)
+        try:  # keep the structure, replace only the values JSON cannot hold
+            return json.dumps(_finite(value), default=_json_default_or_repr, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):  # keys JSON cannot hold: nothing structured to keep
+            return json.dumps(_SHORT_REPR.repr(value))
+
+    @staticmethod
+    def _too_deep(pipe: _Pipeline, what: str, name: str, truncated: list[str]) -> None:
+        pipe.limited += 1
+        truncated.append(name)
+        pipe.warn(f"limit:too_deep:{what}:{name}", "sdk: %s %s nested deeper than schema.MAX_JSON_DEPTH=%d; what "
+                  "lies deeper is stored as a short repr() text and the field is named in `truncated`", what, name,
+                  schema.MAX_JSON_DEPTH)
+
     def _payload(self, pipe: _Pipeline, what: str, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
         """(key, value) for Kafka once the record passes the schema and the size bound; None (counted) if not."""
         try:
             self._validate(_without_numeric_lists(record, what))
+            # The lake writer's limits (it would dead-letter the record): the JSON fields were cut to them above,
+            # what is left (token counts, int, float and timestamp ranges) cannot be cut without lying: drop.
+            schema.check_limits({k: v for k, v in record.items() if k not in _JSON_COLUMNS}, self._columns)
             # allow_nan=False: NaN/Infinity are not JSON, and the lake writer's strict parser would reject the record.
             payload = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False).encode()
+        except schema.LimitError as exc:
+            pipe.invalid += 1
+            pipe.limited += 1
+            pipe.warn(f"limit:{exc.reason}:{what}", "sdk: %s dropped, past a schema limit (%s): %s", what, exc.reason, exc)
+            return None
         except (schema.SchemaError, TypeError, ValueError) as exc:
             pipe.invalid += 1
             pipe.warn(f"invalid:{what}:{str(exc)[:40]}", "sdk: %s dropped: %s", what, exc)
@@ -804,6 +1074,35 @@ class _Encoder:
 
 
 _LIST_KINDS = {c.name: c.kind for c in schema.EVENT_COLUMNS if c.kind in ("ints", "floats")}
+# The lake stores token ids as int32 (schema.arrow_type("ints")): packing them into a 32-bit array checks the
+# range in the same C pass that checks the type.
+_INT32 = next(code for code in "il" if array.array(code).itemsize == 4)
+_JSON_COLUMNS = tuple(c.name for c in schema.EVENT_COLUMNS if c.kind == "json")  # tags, sampling, arguments
+_SHORT_REPR = reprlib.Repr()  # bounded output, and no recursion past its maxlevel (a repr() of a deep value has both)
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 200, 200
+
+
+def _clip_depth(value: Any, depth: int = 1) -> tuple[Any, bool]:
+    """`value` as dicts and lists, every container nested deeper than schema.MAX_JSON_DEPTH (1 is {"a": 1})
+    replaced by a short repr() of it; and whether any was. Recurses at most MAX_JSON_DEPTH + 1 frames."""
+    is_dict = isinstance(value, dict)
+    if not is_dict and not isinstance(value, (list, tuple, set, frozenset)):
+        return value, False
+    if depth > schema.MAX_JSON_DEPTH:
+        return _SHORT_REPR.repr(value), True
+    clipped = False
+    if is_dict:
+        out: dict[Any, Any] = {}
+        for key, item in value.items():
+            out[key], cut = _clip_depth(item, depth + 1)
+            clipped = clipped or cut
+        return out, clipped
+    items = []
+    for item in value:
+        item, cut = _clip_depth(item, depth + 1)
+        items.append(item)
+        clipped = clipped or cut
+    return items, clipped
 
 
 def _without_numeric_lists(record: dict[str, Any], what: str) -> dict[str, Any]:
@@ -821,9 +1120,12 @@ def _without_numeric_lists(record: dict[str, Any], what: str) -> dict[str, Any]:
         if not isinstance(value, list):
             raise schema.SchemaError(f"{what} event: field {name!r} should be {kind}, got {type(value).__name__}")
         try:
-            packed = array.array("q" if kind == "ints" else "d", value)
-        except (TypeError, OverflowError) as exc:
+            packed = array.array(_INT32 if kind == "ints" else "d", value)
+        except TypeError as exc:
             raise schema.SchemaError(f"{what} event: field {name!r} should be {kind} ({exc})") from None
+        except OverflowError:
+            raise schema.LimitError("int_out_of_range", f"{what} event: field {name!r} holds a token id outside int32, "
+                                    "the lake's column type") from None
         if kind == "floats" and packed:
             total = sum(packed)  # NaN propagates; only then look for it element by element
             if total != total and any(x != x for x in packed):
@@ -846,6 +1148,7 @@ class _Client:
 
     _topic_default = schema.EVENTS_TOPIC
     _id_field = "event_id"
+    _columns = schema.EVENT_COLUMNS
 
     def __init__(
         self,
@@ -861,6 +1164,7 @@ class _Client:
         compression: str | None = "lz4",
         outage_after_s: float = 2.0,
         retry_s: float = 1.0,
+        inflight_wait_s: float = 3.0,
         metrics_interval_s: float = 60.0,
         exit_timeout_s: float = 5.0,
         redact: Redactor | None = redact_text,
@@ -868,7 +1172,7 @@ class _Client:
     ) -> None:
         self.topic = topic or self._topic_default
         self.bootstrap = _resolve_bootstrap(bootstrap)
-        self.name = name or f"{Path(sys.argv[0] or 'python').stem or 'python'}-{os.getpid()}"
+        self.name = name or _default_name()
         self._pipe: _Pipeline | None = None
         if self.bootstrap is None:
             log.warning("sdk: no Kafka bootstrap given (argument or %s); %s logs nothing", BOOTSTRAP_ENV, type(self).__name__)
@@ -878,11 +1182,12 @@ class _Client:
                 import lz4.frame  # noqa: F401  (kafka-python needs it for lz4)
             except ImportError:
                 compression = "gzip"  # stdlib; slower, but never a reason not to log
-        encoder = _Encoder(lambda: self._pipe, redact, self._validate, self._id_field)
+        encoder = _Encoder(lambda: self._pipe, redact, self._validate, self._id_field, self._columns)
         self._pipe = _Pipeline(
             self.bootstrap, self.topic, encoder, name=self.name, spool_dir=spool_dir, max_queue=max_queue,
             batch_max=batch_max, linger_s=linger_s, spool_max_bytes=spool_max_bytes, compression=compression,
-            outage_after_s=outage_after_s, retry_s=retry_s, metrics_interval_s=metrics_interval_s,
+            outage_after_s=outage_after_s, retry_s=retry_s, inflight_wait_s=inflight_wait_s,
+            metrics_interval_s=metrics_interval_s,
             exit_timeout_s=exit_timeout_s, producer_config=producer_config,
         )
 
@@ -920,15 +1225,17 @@ class SessionLogger(_Client):
     """Logs agent sessions to Kafka (flywheel.events). Thread-safe; one per process is enough.
 
     Options (keyword, defaults in brackets):
-      name            spool name [<program>-<pid>]; give a stable one so a restarted process replays
-                      what an earlier one spooled
-      spool_dir       [var/spool/<name>]          spool_max_bytes  [256 MiB; oldest dropped beyond]
+      name            logger name [the program's name]; the spool is per name and topic, so a restarted
+                      process of the same name replays what an earlier one spooled
+      spool_dir       [var/spool/<name>@<topic>]  spool_max_bytes  [256 MiB; oldest dropped beyond]
       max_queue       records held in memory [20,000]; beyond, new records are dropped and counted
       batch_max       records per background batch [500]
       linger_s        background wake-up [0.01]; short, so queued records are encoded and freed before
                       the garbage collector promotes them (which makes the host's full collections frequent)
       outage_after_s  no acknowledgement for this long = broker down, spill to disk [2.0]
       retry_s         how often a down broker is retried [1.0]
+      inflight_wait_s once the broker listens again, how long sends from before the outage may take to
+                      resolve before the producer is replaced and they are re-sent from the spool [3.0]
       compression     producer compression [lz4; gzip when the lz4 package is missing]
       redact          Callable[[str], str] applied to text fields [flywheel.ingest.redact.redact_text]; None: off
       sample_rate     share of sessions logged, by a hash of session_id [1.0]
@@ -1108,15 +1415,20 @@ class OutcomeReporter(_Client):
 
     _topic_default = schema.OUTCOMES_TOPIC
     _id_field = "outcome_id"
+    _columns = schema.OUTCOME_COLUMNS
 
     @staticmethod
     def _validate(record: Any) -> Any:
         return schema.validate_outcome(record)
 
     def report(self, session_id: str, kind: str, value: float, agent_id: str | None = None,
-               source: str | None = None, ts: str | None = None) -> str:
-        """Enqueue one outcome; returns its outcome_id. Never raises (bad input is warned and counted)."""
-        outcome_id = uuid.uuid4().hex
+               source: str | None = None, ts: str | None = None, outcome_id: str | None = None) -> str:
+        """Enqueue one outcome; returns its outcome_id. Never raises (bad input is warned and counted).
+
+        Pass `outcome_id` when the same outcome may be reported again (a source that re-sends after a
+        crash): the episode builder keeps the first copy of an id, so a re-send is then a duplicate.
+        """
+        outcome_id = outcome_id or uuid.uuid4().hex
         pipe = self._pipe
         if pipe is None:
             return outcome_id

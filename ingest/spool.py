@@ -4,7 +4,9 @@ When the broker is down or slow, the SDK's background thread appends encoded eve
 instead of holding them in memory; when the broker answers again it replays them from the
 head, in the order they were written, and only advances the head after Kafka acknowledged
 them. A crash between send and commit replays a record twice, which is fine: every event
-carries an event_id and the lake writer de-duplicates by it.
+carries an event_id, and the lake writer drops a copy whose event_id landed in the same
+partition within its window (`dedup_window` rows, 100,000 by default; docs/lake.md); a
+later copy lands, and readers that need exactness de-duplicate by event_id.
 
 Layout of a spool directory:
 
@@ -15,6 +17,14 @@ Layout of a spool directory:
 Bounded: when the segments together exceed `max_bytes`, the OLDEST segment is deleted and its
 unreplayed records are counted as dropped (the caller logs and reports them); the newest data
 is kept because it is what the learner wants most. Stdlib only (the SDK's import path).
+
+Durability: every append is written into the OS (it survives a crash or SIGKILL of the process);
+it is fsynced in batches, once `sync_records` records or `sync_interval_s` seconds have gathered
+since the last fsync (checked on each append and by `maybe_sync()`, which the SDK calls every
+cycle), and at close. A power loss therefore loses at most the last `sync_interval_s` seconds or
+`sync_records` records of spooled data. A new segment's directory entry is fsynced when it is
+created. head.json is written without fsync: after a power loss it may point earlier, which
+replays records again (duplicates, never a loss).
 """
 
 from __future__ import annotations
@@ -22,12 +32,15 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flywheel.base.atomic import Durability, write_json
+from flywheel.base.atomic import Durability, fsync_path, write_json
 
 SEGMENT_SUFFIX = ".seg"
+SYNC_INTERVAL_S = 0.5  # the power-loss window of spooled records, in time ...
+SYNC_RECORDS = 5000  # ... and in records (a burst reaches this long before the interval)
 
 
 class SpoolLocked(RuntimeError):
@@ -45,11 +58,17 @@ class _Segment:
 class Spool:
     """A FIFO of byte records on disk. Single-threaded: the SDK's background thread owns it."""
 
-    def __init__(self, directory: str | Path, max_bytes: int = 256 * 1024 * 1024, segment_bytes: int = 8 * 1024 * 1024) -> None:
+    def __init__(self, directory: str | Path, max_bytes: int = 256 * 1024 * 1024, segment_bytes: int = 8 * 1024 * 1024,
+                 sync_interval_s: float = SYNC_INTERVAL_S, sync_records: int = SYNC_RECORDS) -> None:
         assert segment_bytes * 2 <= max_bytes, f"segment_bytes {segment_bytes} must be at most half of max_bytes {max_bytes}"
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
+        self.sync_interval_s = sync_interval_s
+        self.sync_records = sync_records
+        self._unsynced = 0  # records written into the OS since the last fsync
+        self._unsynced_since = 0.0  # monotonic time of the oldest of them
+        self.syncs = 0
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fh = open(self.directory / "lock", "a+")
         try:
@@ -124,18 +143,40 @@ class Spool:
         if self._writer is None:
             self._writer = open(tail.path, "ab")
         self._writer.write(payload)
-        self._writer.flush()  # into the OS: survives a crash of this process (fsync only at close)
+        self._writer.flush()  # into the OS: survives a crash of this process; fsynced in batches (maybe_sync)
         tail.size += len(payload)
         tail.records += len(records)
+        if not self._unsynced:
+            self._unsynced_since = time.monotonic()
+        self._unsynced += len(records)
+        self.maybe_sync()
         return self._enforce_bound()
+
+    def maybe_sync(self) -> bool:
+        """fsync the tail once sync_records records or sync_interval_s seconds are unsynced; True if it did."""
+        if self._unsynced and (self._unsynced >= self.sync_records
+                               or time.monotonic() - self._unsynced_since >= self.sync_interval_s):
+            self.sync()
+            return True
+        return False
+
+    def sync(self) -> None:
+        """fsync everything appended so far (os.fsync releases the GIL: the host's threads keep running)."""
+        if self._writer is not None and self._unsynced:
+            self._writer.flush()
+            os.fsync(self._writer.fileno())
+            self.syncs += 1
+        self._unsynced = 0
 
     def _new_segment(self) -> _Segment:
         if self._writer is not None:
+            self.sync()  # the old tail's last records, before its handle goes
             self._writer.close()
             self._writer = None
         index = self._segments[-1].index + 1 if self._segments else max(self._head_segment, 1)
         segment = _Segment(index, self.directory / f"{index:012d}{SEGMENT_SUFFIX}", 0, 0)
         segment.path.touch()
+        fsync_path(self.directory)  # the new name survives a power loss, so its fsynced records do too
         if not self._segments:
             self._head_segment, self._head_offset, self._head_consumed = index, 0, 0
             self._save_head()
@@ -203,8 +244,7 @@ class Spool:
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.flush()
-            os.fsync(self._writer.fileno())
+            self.sync()
             self._writer.close()
             self._writer = None
         # An empty, fully replayed spool leaves nothing behind (a process per pid would otherwise

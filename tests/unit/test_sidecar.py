@@ -155,6 +155,18 @@ def test_outcomes_validate_and_bad_values_are_counted(dead_bootstrap: str, tmp_p
     assert outcomes[0]["value"] == 1.0 and reporter.metrics()["invalid"] == 2
 
 
+def test_an_outcome_reported_again_with_its_id_keeps_that_id(dead_bootstrap: str, tmp_path: Path) -> None:
+    # a source that re-sends after a crash passes its own id, so the builder sees a duplicate, not news
+    reporter = OutcomeReporter(dead_bootstrap, name="o", spool_dir=tmp_path / "o", linger_s=0.01)
+    first = reporter.report("sess-1", kind="task_success", value=1.0, source="verifier", outcome_id="oid-7")
+    again = reporter.report("sess-1", kind="task_success", value=1.0, source="verifier", outcome_id="oid-7")
+    fresh = reporter.report("sess-1", kind="task_success", value=1.0, source="verifier")
+    reporter.close(timeout=5)
+    ids = [o["outcome_id"] for o in _spooled(tmp_path / "o")]
+    assert first == again == "oid-7" and ids[:2] == ["oid-7", "oid-7"], ids
+    assert fresh != "oid-7" and ids[2] == fresh, ids
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_gets_its_own_pipeline(dead_bootstrap: str, tmp_path: Path) -> None:
     log = _logger(dead_bootstrap, tmp_path)
@@ -222,3 +234,88 @@ def test_the_lake_writer_accepts_every_event_and_outcome_the_sdk_emits(dead_boot
         assert values, f"nothing spooled for {table}"
         for value in values:
             lake_writer.decode_record(table, value)  # raises Rejected with the DLQ reason
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {"leaf": 1}
+    for _ in range(depth - 1):
+        value = {"k": value}
+    return value
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+def test_json_fields_nested_past_the_limit_are_cut_flagged_and_pass_the_writers_limits(
+        dead_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    s = log.attach("sess-deep")
+    circular: list = [1]
+    circular.append(circular)
+    with caplog.at_level(logging.WARNING, logger="flywheel.ingest.sdk"):
+        s.tool_call("deep", _nested(schema.MAX_JSON_DEPTH + 30))  # a model's own tool call can nest like this
+        s.tool_call("deeper", {"x": _nested(5000)})  # past the interpreter's recursion limit
+        s.tool_call("circular", {"x": circular})
+        s.llm_call(model="m", policy_version=0, prompt_token_ids=[1], completion_token_ids=[2],
+                   completion_logprobs=[-1.0], sampling={"stop": _nested(200)})
+        with log.session(task_type="t", tags=_nested(schema.MAX_JSON_DEPTH)):  # exactly at the limit: kept as is
+            pass
+        log.close(timeout=5)
+    events = _spooled(tmp_path / "spool")
+    assert [e["type"] for e in events] == ["tool_call", "tool_call", "tool_call", "llm_call", "session_start",
+                                           "session_end"], "over-deep values are cut, never a reason to drop"
+    for event in events:
+        schema.validate_event(event)
+        schema.check_limits(event)  # what the lake writer checks again: it must not dead-letter these
+    for event, field in zip(events[:4], ("arguments", "arguments", "arguments", "sampling")):
+        assert field in event.get("truncated", []) and _depth(event[field]) <= schema.MAX_JSON_DEPTH, (
+            f"{event['type']} {field}: depth {_depth(event[field])}, truncated {event.get('truncated')}")
+    assert "truncated" not in events[4] and events[4]["tags"] == _nested(schema.MAX_JSON_DEPTH)
+    m = log.metrics()
+    assert m["limited"] == 4 and m["invalid"] == 0 and m["truncated"] == 4, m
+    warnings = [r.getMessage() for r in caplog.records if "MAX_JSON_DEPTH" in r.getMessage()]
+    assert len(warnings) == 2, f"one warning per kind (tool_call arguments, llm_call sampling): {warnings}"
+
+
+def test_values_past_the_other_limits_drop_the_event_with_one_warning_each(dead_bootstrap: str, tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    s = log.attach("sess-limits")
+    good = dict(model="m", policy_version=0, prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0])
+    with caplog.at_level(logging.WARNING, logger="flywheel.ingest.sdk"):
+        s.llm_call(**{**good, "prompt_token_ids": [1] * (schema.MAX_TOKENS + 1)})  # too_many_tokens
+        s.llm_call(**{**good, "prompt_token_ids": [1] * (schema.MAX_TOKENS + 1)})  # the same kind: counted only
+        s.llm_call(**{**good, "completion_token_ids": [2**31]})  # beyond the lake's int32 column
+        s.llm_call(**{**good, "completion_logprobs": [-1e39]})  # beyond float32
+        s.llm_call(**{**good, "policy_version": 2**63})  # beyond int64
+        s.llm_call(**good)
+        log.close(timeout=5)
+    events = _spooled(tmp_path / "spool")
+    assert len(events) == 1 and events[0]["completion_token_ids"] == [2], events
+    m = log.metrics()
+    assert m["invalid"] == 5 and m["limited"] == 5, m
+    messages = [r.getMessage() for r in caplog.records if "schema limit" in r.getMessage()]
+    for reason in ("too_many_tokens", "int_out_of_range", "float_out_of_range"):
+        assert any(reason in msg for msg in messages), f"no warning names {reason}: {messages}"
+    assert sum("too_many_tokens" in msg for msg in messages) == 1, messages
+
+    reporter = OutcomeReporter(dead_bootstrap, name="o", spool_dir=tmp_path / "o", linger_s=0.01)
+    reporter.report("sess-limits", kind="accepted", value=1.0, ts="1970-01-01T00:00:00+00:00")  # a clock never set
+    reporter.report("sess-limits", kind="accepted", value=1.0)
+    reporter.close(timeout=5)
+    assert len(_spooled(tmp_path / "o")) == 1 and reporter.metrics()["limited"] == 1, reporter.metrics()
+
+
+def test_a_json_field_cut_to_size_is_cut_after_redaction(dead_bootstrap: str, tmp_path: Path) -> None:
+    log = _logger(dead_bootstrap, tmp_path)
+    half = schema.MAX_TEXT_CHARS // 2
+    log.attach("sess-cut").tool_call("mail", {"a": "x" * half, "to": "bob@example.com", "b": "y" * half})
+    log.close(timeout=5)
+    event = _spooled(tmp_path / "spool")[0]
+    assert event["truncated"] == ["arguments"] and len(event["arguments"]) == schema.MAX_TEXT_CHARS
+    assert "bob@example.com" not in event["arguments"] and "[EMAIL]" in event["arguments"], "the prefix leaks"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,23 @@ def test_one_owner_per_directory(tmp_path: Path) -> None:
         Spool(tmp_path)
     first.close()
     Spool(tmp_path).close()
+
+
+def test_appends_are_fsynced_in_batches_by_count_and_by_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=1 << 18, sync_interval_s=0.2, sync_records=100)
+    for start in range(0, 99, 11):
+        spool.append(_records(start, 11))  # 99 records: under both bounds, no fsync of the data yet
+    data_syncs = spool.syncs
+    assert data_syncs == 0, f"{data_syncs} fsyncs for 99 records within 0.2 s (bounds: 100 records, 0.2 s)"
+    spool.append(_records(99, 1))
+    assert spool.syncs == 1, "the 100th unsynced record fsyncs the tail"
+    spool.append(_records(100, 1))
+    assert not spool.maybe_sync() and spool.syncs == 1
+    time.sleep(0.25)
+    assert spool.maybe_sync() and spool.syncs == 2, "an unsynced record older than sync_interval_s is fsynced"
+    assert not spool.maybe_sync(), "nothing left to fsync"
+    spool.close()
+    assert len(synced) >= 3, f"os.fsync called {len(synced)} times: the data twice, and the new segment's directory"

@@ -1,0 +1,342 @@
+"""How the SDK's pipeline recovers without a process restart, against stand-in producers.
+
+kafka-python's idempotent producer may never resolve some sends after an outage longer than its
+delivery timeout (design.md, measured against a real broker; the integration test
+test_sidecar_kafka.py repeats that outage for real). Here a fake KafkaProducer plays each case
+exactly: sends that hang, sends acknowledged late, one send stuck while the rest flow. The
+"broker" is a local socket that accepts connections, so the SDK's reachability probe succeeds.
+Also here: the spool a restarted or killed process leaves behind, and orphaned spools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from flywheel.ingest.sdk import OutcomeReporter, SessionLogger, _default_name
+from flywheel.ingest.spool import Spool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Future:
+    """The part of kafka-python's FutureRecordMetadata the SDK uses."""
+
+    def __init__(self) -> None:
+        self.is_done = False
+        self.exception: BaseException | None = None
+        self._ok = False
+        self._callbacks: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        self._errbacks: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+
+    def add_callback(self, fn: Callable[..., None], *args: Any) -> "_Future":
+        if self.is_done and self._ok:
+            fn(*args, None)
+        else:
+            self._callbacks.append((fn, args))
+        return self
+
+    def add_errback(self, fn: Callable[..., None], *args: Any) -> "_Future":
+        if self.is_done and not self._ok:
+            fn(*args, self.exception)
+        else:
+            self._errbacks.append((fn, args))
+        return self
+
+    def succeeded(self) -> bool:
+        return self.is_done and self._ok
+
+    def failed(self) -> bool:
+        return self.is_done and not self._ok
+
+    def resolve(self, ok: bool, exception: BaseException | None = None) -> None:
+        if self.is_done:
+            return
+        self.is_done, self._ok, self.exception = True, ok, exception
+        for fn, args in self._callbacks if ok else self._errbacks:
+            fn(*args, None if ok else exception)
+
+
+class _Producer:
+    """A KafkaProducer whose sends do what `behaviour(i)` says for the i-th send: "ack", "hang", or "later"
+    (acknowledged ACK_DELAY_S later by an I/O thread, as a broker's round trip would be)."""
+
+    ACK_DELAY_S = 0.02
+
+    def __init__(self, behaviour: Callable[[int], str], **config: Any) -> None:
+        self.behaviour = behaviour
+        self.config = config
+        self.sent: list[bytes] = []
+        self.futures: list[_Future] = []
+        self.closed_with: float | None = None
+        self._later: list[tuple[float, _Future]] = []
+        self._io: threading.Thread | None = None
+
+    def send(self, topic: str, key: bytes | None = None, value: bytes | None = None) -> _Future:
+        future = _Future()
+        self.futures.append(future)
+        self.sent.append(value or b"")
+        what = self.behaviour(len(self.sent) - 1)
+        if what == "ack":
+            future.resolve(True)
+        elif what == "later":
+            self._later.append((time.monotonic() + self.ACK_DELAY_S, future))
+            if self._io is None:
+                self._io = threading.Thread(target=self._acknowledge, daemon=True)
+                self._io.start()
+        return future
+
+    def _acknowledge(self) -> None:
+        while self.closed_with is None:
+            now = time.monotonic()
+            due = [item for item in self._later[:1000] if item[0] <= now]
+            del self._later[:len(due)]
+            for _, future in due:
+                future.resolve(True)
+            time.sleep(0.005)
+
+    def flush(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self, timeout: float | None = None) -> None:
+        # what kafka-python's force_close does: every unresolved send fails
+        self.closed_with = timeout
+        for future in self.futures:
+            future.resolve(False, RuntimeError("Producer is closed forcefully."))
+
+
+class _Fakes:
+    def __init__(self) -> None:
+        self.behaviours: list[Callable[[int], str]] = []
+        self.producers: list[_Producer] = []
+
+    def make(self, **config: Any) -> _Producer:
+        n = len(self.producers)
+        behaviour = self.behaviours[n] if n < len(self.behaviours) else (lambda i: "ack")
+        producer = _Producer(behaviour, **config)
+        self.producers.append(producer)
+        return producer
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> _Fakes:
+    import kafka
+
+    fakes = _Fakes()
+    monkeypatch.setattr(kafka, "KafkaProducer", fakes.make)
+    return fakes
+
+
+@pytest.fixture
+def listening() -> Iterator[str]:
+    """A bootstrap address that accepts TCP connections (and closes them): the broker 'is back'."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+                conn.close()
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(2)
+    server.close()
+
+
+def _dead_bootstrap() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _logger(bootstrap: str, spool_dir: Path | None, **kw: Any) -> SessionLogger:
+    options = {"name": "rec", "linger_s": 0.01, "retry_s": 0.1, "outage_after_s": 0.2, "inflight_wait_s": 0.3, **kw}
+    if spool_dir is not None:
+        options["spool_dir"] = spool_dir
+    return SessionLogger(bootstrap, **options)
+
+
+def _indices(values: list[bytes]) -> list[int]:
+    return [json.loads(v)["arguments"]["i"] for v in values]
+
+
+def _spooled_names(directory: Path) -> list[str]:
+    spool = Spool(directory)
+    names = [json.loads(r)["name"] for r in spool.peek(100_000)]
+    spool.close()
+    return names
+
+
+def _wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s}s"
+        time.sleep(0.01)
+
+
+def test_a_producer_whose_sends_never_resolve_is_replaced_and_its_records_resent(
+        fakes: _Fakes, listening: str, tmp_path: Path) -> None:
+    fakes.behaviours = [lambda i: "hang"]  # the first producer: kafka-python after a long outage
+    log = _logger(listening, tmp_path / "spool")
+    s = log.attach("sess-w")
+    for i in range(100):
+        s.tool_call("t", {"i": i})
+    started = time.monotonic()
+    delivered = log.flush(10)
+    took = time.monotonic() - started
+    m = log.metrics()
+    log.close(timeout=2)
+    assert delivered, f"flush did not finish after {took:.1f}s: {m}"
+    first, second = fakes.producers[0], fakes.producers[1]
+    assert len(first.sent) == 100 and first.closed_with == 0.0, "the wedged producer is closed without waiting"
+    assert _indices(second.sent) == list(range(100)), "every record once, in order, from the spool"
+    assert m["producer_restarts"] == 1 and m["replayed"] == 100 and m["dropped"] == 0, m
+    # outage_after_s (0.2) + inflight_wait_s (0.3) + a retry or two: well under the 10 s the SDK promises
+    assert took < 3.0, f"delivery resumed {took:.1f}s after the flush began; {m}"
+
+
+def test_sends_acknowledged_late_keep_the_producer_and_are_not_sent_twice(fakes: _Fakes, listening: str,
+                                                                         tmp_path: Path) -> None:
+    fakes.behaviours = [lambda i: "hang"]
+    log = _logger(listening, tmp_path / "spool", inflight_wait_s=5.0)
+    s = log.attach("sess-late")
+    for i in range(50):
+        s.tool_call("t", {"i": i})
+    # noticed after outage_after_s without an ack; the in-flight records are then copied to disk
+    _wait_for(lambda: log.metrics()["broker_down"] and log.metrics()["spool_records"] == 50, 5,
+              "the outage being noticed and the in-flight records copied to the spool")
+    for future in list(fakes.producers[0].futures):  # the broker is back: the producer delivers them after all
+        future.resolve(True)
+    assert log.flush(10), log.metrics()
+    m = log.metrics()
+    log.close(timeout=2)
+    assert len(fakes.producers) == 1 and len(fakes.producers[0].sent) == 50, "no second producer, no resend"
+    assert m["producer_restarts"] == 0 and m["sent"] == 50 and m["replayed"] == 0 and m["spool_records"] == 0, m
+
+
+def test_one_send_stuck_past_the_delivery_timeout_replaces_the_producer(fakes: _Fakes, listening: str,
+                                                                       tmp_path: Path) -> None:
+    fakes.behaviours = [lambda i: "hang" if i == 0 else "ack"]  # the rest flows, so no outage is noticed
+    log = _logger(listening, tmp_path / "spool", outage_after_s=30.0, inflight_wait_s=0.2,
+                  producer_config={"delivery_timeout_ms": 300})
+    s = log.attach("sess-stuck")
+    for i in range(20):
+        s.tool_call("t", {"i": i})
+    assert log.flush(10), log.metrics()
+    m = log.metrics()
+    log.close(timeout=2)
+    first, second = fakes.producers[0], fakes.producers[1]
+    assert _indices(first.sent) == list(range(20)) and _indices(second.sent) == [0], (
+        f"the stuck record is re-sent by the new producer: {_indices(second.sent)}")
+    assert m["producer_restarts"] == 1 and m["sent"] == 20 and m["send_errors"] == 0, m
+
+
+def test_the_outage_ends_while_the_agent_keeps_logging(fakes: _Fakes, listening: str, tmp_path: Path) -> None:
+    """Records logged during a replay queue behind the spool; once it is caught up they must go straight to
+    Kafka again, or every event goes through the disk for as long as the agent logs."""
+    fakes.behaviours = [lambda i: "hang", lambda i: "later"]
+    log = _logger(listening, tmp_path / "spool")
+    s = log.attach("sess-busy")
+    i, started, recovered = 0, time.monotonic(), None
+    while time.monotonic() - started < 4.0:
+        s.tool_call("t", {"i": i})  # ~1,000 calls/s, all along
+        i += 1
+        time.sleep(0.001)
+        m = log.metrics()
+        if recovered is None and m["producer_restarts"] == 1 and not m["broker_down"] and not m["spool_records"]:
+            recovered = time.monotonic() - started
+    assert log.flush(10), log.metrics()
+    m = log.metrics()
+    log.close(timeout=2)
+    assert recovered is not None and recovered < 2.5, f"still spilling after {time.monotonic() - started:.1f}s: {m}"
+    assert _indices(fakes.producers[1].sent) == list(range(i)), "every record once, in the order logged"
+    assert m["replayed"] < i / 2, f"{m['replayed']} of {i} records went through the spool: {m}"
+
+
+def test_orphaned_spools_are_adopted_in_order_and_removed(tmp_path: Path) -> None:
+    dead, spool_dir = _dead_bootstrap(), tmp_path / "spool"
+    first = _logger(dead, spool_dir)
+    for name in ("a0", "a1"):
+        first.attach("s").tool_call(name, {})
+    _wait_for(lambda: first.metrics()["spilled"] == 2, 5, "the first logger spilling")
+    second = _logger(dead, spool_dir)  # same name while the first holds the spool: it takes a sibling
+    for name in ("b0", "b1", "b2"):
+        second.attach("s").tool_call(name, {})
+    second.close(timeout=2)
+    first.close(timeout=2)
+    orphan = tmp_path / f"spool-{os.getpid()}"
+    assert _spooled_names(orphan) == ["b0", "b1", "b2"], "the second logger's records are in its sibling spool"
+    third = _logger(dead, spool_dir)
+    third.attach("s").tool_call("c0", {})
+    third.close(timeout=2)
+    assert _spooled_names(spool_dir) == ["a0", "a1", "b0", "b1", "b2", "c0"]
+    assert not orphan.exists(), "an adopted spool is removed once its records are safe in ours"
+    assert third.metrics()["adopted"] == 3, third.metrics()
+
+
+KILLED = """
+import sys, time
+from flywheel import SessionLogger
+log = SessionLogger(sys.argv[1], name="killed", linger_s=0.01, retry_s=0.1)
+s = log.attach("sess-killed")
+for i in range(50):
+    s.tool_call("t", {"i": i})
+while log.metrics()["spilled"] < 50:
+    time.sleep(0.01)
+print("spooled", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_agent_is_replayed_by_the_next_process_of_that_name(fakes: _Fakes, listening: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, _dead_bootstrap()], cwd=tmp_path, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "spooled", "the agent never spooled"
+    finally:
+        proc.send_signal(signal.SIGKILL)  # no close, no atexit: only what reached the spool survives
+        proc.wait(10)
+    spool_dir = tmp_path / "var" / "spool" / "killed@flywheel.events"
+    assert spool_dir.is_dir(), f"default spool is per name and topic, without the pid: {list(tmp_path.rglob('*'))}"
+    monkeypatch.chdir(tmp_path)
+    log = SessionLogger(listening, name="killed", linger_s=0.01, retry_s=0.1)
+    assert log.flush(10), log.metrics()
+    log.close(timeout=2)
+    assert _indices(fakes.producers[0].sent) == list(range(50)), "the predecessor's records, once, in order"
+    assert not spool_dir.exists(), "a replayed spool leaves nothing behind"
+
+
+def test_default_spool_is_stable_and_per_topic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
+    dead = _dead_bootstrap()
+    log = SessionLogger(dead, name="same", linger_s=0.01)
+    reporter = OutcomeReporter(dead, name="same", linger_s=0.01)
+    log.attach("s").tool_call("t", {})
+    reporter.report("s", kind="accepted", value=1.0)
+    log.close(timeout=2)
+    reporter.close(timeout=2)
+    root = tmp_path / "var" / "spool"
+    assert sorted(p.name for p in root.iterdir()) == ["same@flywheel.events", "same@flywheel.outcomes"]
+    assert _spooled_names(root / "same@flywheel.events") == ["t"]
+    assert str(os.getpid()) not in _default_name() and SessionLogger(None).name == _default_name()
