@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import datetime as dt
 import heapq
-import inspect
 import json
 import logging
 import random
@@ -265,7 +264,7 @@ class Reporter(Protocol):
     """What the simulator needs of flywheel.ingest.sdk.OutcomeReporter."""
 
     def report(self, session_id: str, kind: str, value: float, agent_id: str | None = None,
-               source: str | None = None, ts: str | None = None) -> str: ...
+               source: str | None = None, ts: str | None = None, outcome_id: str | None = None) -> str: ...
 
     def flush(self, timeout: float = 10.0) -> bool: ...
 
@@ -291,10 +290,6 @@ class OutcomeSim:
         self.queue: list[Due] = []  # scheduled, not sent (a heap by due time)
         self.unconfirmed: list[Due] = []  # sent, not yet confirmed by a flush
         self.counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "accepted": 0, "successes": 0, "resent": 0}
-        # the SDK's report() draws a fresh outcome_id unless it takes one; passing ours makes a re-send a
-        # duplicate the builder drops (needs OutcomeReporter.report(..., outcome_id=)); without it a re-send
-        # still carries the same kind, value and ts, so the reward it gives is the same
-        self.pass_ids = "outcome_id" in inspect.signature(reporter.report).parameters
         self._dropped = self._reporter_drops()
         self._dirty = seed != self.seed  # the cursor file lacks what a restart needs: write it at the next commit
 
@@ -329,8 +324,9 @@ class OutcomeSim:
             self.queue = [q for q in self.queue if q.kind not in kinds]
             heapq.heapify(self.queue)
         for item in batch:
-            ids = {"outcome_id": item.outcome_id} if self.pass_ids else {}
-            self.reporter.report(item.session_id, item.kind, item.value, source=item.source, ts=_wire_ts(item.at), **ids)
+            # our outcome_id, not a fresh one: a re-send after a crash is then a duplicate the builder drops
+            self.reporter.report(item.session_id, item.kind, item.value, source=item.source, ts=_wire_ts(item.at),
+                                 outcome_id=item.outcome_id)
             self.unconfirmed.append(item)
             self.counts[item.kind] += 1
             self.counts["successes"] += int(item.kind == "task_success" and item.value > 0)
@@ -388,9 +384,6 @@ def run(cfg: OutcomeSimConfig) -> int:
     sim = OutcomeSim(cfg, reporter)
     log.info("outcome-sim: following %s from byte %d (%d outcomes past it already sent); outcomes to %s (%s)",
              cfg.handoff, sim.reader.offset, len(sim.progress.sent_before), cfg.kafka_bootstrap, cfg.outcomes_topic)
-    if not sim.pass_ids:
-        log.warning("outcome-sim: OutcomeReporter.report takes no outcome_id: an outcome re-sent after a crash "
-                    "gets a new id (same kind, value and ts)")
     sim.commit()  # the seed goes to disk before any outcome drawn from it is sent
     stop = stop_on_signals("sending the outcomes due, then exiting", signals=(signal.SIGTERM,))
     last_status = 0.0
