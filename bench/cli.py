@@ -14,6 +14,7 @@ BENCHMARKS = {
     "episodes": "episode builder: full build and incremental passes at lake sizes 1x and 10x",
     "learner": "learner step tokens/s vs a bare torch loop, step-to-served publish time",
     "weights": "LoRA and full-weight push into a running vLLM vs a plain file copy",
+    "chaos": "the closed loop under SIGKILLs of every process and a broker outage: nothing lost, nothing twice",
 }
 
 

@@ -12,12 +12,24 @@ When a session ends, the agent appends one line to its hand-off file for the ver
 (`var/run/agent-sim/sessions.jsonl`: session id, the task spec, the answers given). The agent
 does not judge itself: `flywheel outcome-sim` recomputes the truth from the spec and reports it.
 SIGTERM finishes the sessions in flight, flushes the SDK and exits 0.
+
+Two switches for `flywheel bench chaos` (docs/reliability.md), off by default:
+* `--durable-handoff`: an ended session waits (in memory) until a flush of the SDK confirms that Kafka
+  acknowledged its events, and only then is it handed off, so a hand-off line means its events reached
+  Kafka; the line says `"durable": false` when the flush timed out (`durable_timeout_s`). The flushes run
+  on their own thread: during a broker outage the workers go on making sessions (their events spill to
+  the SDK's spool) and the hand-offs follow once the broker is back.
+* `--event-ledger PATH`: one JSON line per event the agent hands to the SDK (and per llm_call the
+  proxy answered), then one `done` line per session after its hand-off: the truth the chaos run
+  compares with the lake, written so that a SIGKILL cannot take back a line already written.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
 import random
 import signal
 import threading
@@ -69,6 +81,11 @@ class AgentSimConfig:
     tokenizer: str = setting(defaults.BASE_MODEL_DIR, "model dir whose tokenizer.json counts context-edit tokens ('' = estimate)")
     request_timeout_s: float = setting(120.0, "timeout of one model call")
     seed: int = setting(0, "seed of the task stream (0: random)")
+    durable_handoff: bool = setting(False, "hand a session off only once an SDK flush confirmed its events reached "
+                                           "Kafka (flywheel bench chaos)")
+    durable_timeout_s: float = setting(120.0, "longest wait for that flush; the line then says durable false")
+    event_ledger: str = setting("", "append one JSON line per event handed to the SDK, and one per finished session, "
+                                    "to this file ('' = off; flywheel bench chaos reads it)")
     spool_name: str = setting("agent-sim", "the SDK's spill spool name")
     var_dir: Path = setting(Path(defaults.VAR_DIR), "local state root; the heartbeat goes to <var_dir>/run/status/")
     status_name: str = setting("agent-sim", "name of the heartbeat under var/run/status")
@@ -113,6 +130,128 @@ class _TokenCounter:
         return len(ids) if ids is not None else max(1, len(text) // 3)  # byte-level BPE averages ~3 chars/token
 
 
+class EventLedger:
+    """What the agent handed to the SDK, one JSON line per event: {"session_id", "agent_id", "type", "t"} (t: epoch s).
+
+    Each line is written before the SDK call it names, with one os.write on an O_APPEND descriptor: the
+    line is whole and in the page cache once written, so a SIGKILL cannot take it back, and an event the
+    killed agent's SDK had not delivered yet stays listed. llm_call lines are written when the proxy's
+    reply arrives (the proxy logs the call before it replies). After a session's hand-off comes
+    {"session_id", "agent_id", "type": "done", "status", "durable"}.
+    """
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    def note(self, session_id: str, agent_id: str, etype: str, **fields: Any) -> None:
+        line = json.dumps({"session_id": session_id, "agent_id": agent_id, "type": etype, "t": round(time.time(), 3),
+                           **fields}) + "\n"
+        with self._lock:
+            os.write(self._fd, line.encode())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class LedgerSession:
+    """An SDK Session (main agent or sub-agent) that notes each event in the ledger before logging it."""
+
+    def __init__(self, inner: Any, ledger: EventLedger, parent: "LedgerSession | None" = None) -> None:
+        self._inner, self._ledger, self._parent = inner, ledger, parent
+        self.session_id, self.agent_id, self.parent_agent_id = inner.session_id, inner.agent_id, inner.parent_agent_id
+        self._closed = False  # session_end / subagent_finish are emitted once, as the SDK does
+
+    def _note(self, etype: str) -> None:
+        self._ledger.note(self.session_id, self.agent_id, etype)
+
+    def tool_call(self, *args: Any, **kwargs: Any) -> str:
+        self._note("tool_call")
+        return self._inner.tool_call(*args, **kwargs)
+
+    def tool_result(self, *args: Any, **kwargs: Any) -> None:
+        self._note("tool_result")
+        self._inner.tool_result(*args, **kwargs)
+
+    def context_edit(self, *args: Any, **kwargs: Any) -> None:
+        self._note("context_edit")
+        self._inner.context_edit(*args, **kwargs)
+
+    def spawn_subagent(self, *args: Any, **kwargs: Any) -> "LedgerSession":
+        self._note("subagent_spawn")
+        return LedgerSession(self._inner.spawn_subagent(*args, **kwargs), self._ledger, parent=self)
+
+    def finish(self, ok: bool = True) -> None:
+        if self._parent is not None and not self._closed:
+            self._closed = True
+            self._parent._note("subagent_finish")  # the SDK emits it on the parent
+        self._inner.finish(ok)
+
+    def end(self, status: str = "ok") -> None:
+        if not self._closed:
+            self._closed = True
+            self._note("session_end")
+        self._inner.end(status)
+
+
+@dataclass
+class Finished:
+    """An ended session on its way to the hand-off file and the ledger."""
+
+    session_id: str
+    agent_id: str
+    status: str
+    spec: tasks.TaskSpec
+    answers: list[str | None]
+    ended: float
+
+
+class DurableHandoff:
+    """`--durable-handoff`: ended sessions wait here; a thread flushes the SDK, which confirms everything logged
+    before the flush (the waiting sessions' events included), and then passes them on to `finish`."""
+
+    def __init__(self, logger: Any, timeout_s: float, finish: Any) -> None:
+        self.logger, self.timeout_s, self.finish = logger, timeout_s, finish
+        self._queue: queue.Queue[Finished] = queue.Queue()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="durable-handoff", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Finished) -> None:
+        self._queue.put(item)
+
+    def _take(self) -> list[Finished]:
+        try:
+            batch = [self._queue.get(timeout=0.2)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if not batch:
+                if self._closing.is_set():
+                    return
+                continue
+            durable = self.logger.flush(self.timeout_s)
+            if not durable:
+                log.warning("agent: the SDK did not confirm %d ended session(s) within %.0fs; handed off with "
+                            "durable false", len(batch), self.timeout_s)
+            for item in batch:
+                self.finish(item, durable)
+
+    def close(self, timeout_s: float) -> None:
+        """Hand off everything still waiting (flushing first), then stop the thread."""
+        self._closing.set()
+        self._thread.join(timeout_s)
+
+
 class AgentSim:
     """Runs sessions on worker threads; one SessionLogger and one openai client shared by all."""
 
@@ -126,6 +265,8 @@ class AgentSim:
         self.rng = random.Random(cfg.seed or None)
         self.rng_lock = threading.Lock()
         self.handoff_lock = threading.Lock()
+        self.ledger = EventLedger(Path(cfg.event_ledger)) if cfg.event_ledger else None
+        self.durable = DurableHandoff(logger, cfg.durable_timeout_s, self._finish) if cfg.durable_handoff else None
         self.started = time.time()
         self.sub_pool = ThreadPoolExecutor(max_workers=max(2, cfg.concurrency), thread_name_prefix="subagent")
         cfg.handoff.parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +282,8 @@ class AgentSim:
                 model=self.cfg.model, messages=messages, max_tokens=self.cfg.max_tokens,
                 temperature=self.cfg.temperature, extra_headers=headers, timeout=self.cfg.request_timeout_s)
             self.counts.add("llm_calls")
+            if self.ledger is not None:
+                self.ledger.note(session_id, agent_id, "llm_call")
             return resp.choices[0].message.content or ""
 
         return generate
@@ -174,8 +317,14 @@ class AgentSim:
         with self.rng_lock:
             spec = tasks.make_task(self.rng, self.cfg.multi_share)
         session_id = uuid.uuid4().hex
+        if self.ledger is not None:
+            from flywheel.ingest.sdk import MAIN_AGENT
+
+            self.ledger.note(session_id, MAIN_AGENT, "session_start")
         session = self.logger.session(task_type=spec.task_type, session_id=session_id,
                                       tags={"task_id": spec.task_id, "parts": str(len(spec.parts))})
+        if self.ledger is not None:
+            session = LedgerSession(session, self.ledger)
         status = "ok"
         answers: list[str | None] = []
         try:
@@ -202,11 +351,25 @@ class AgentSim:
             self.stop.wait(1.0)  # back off instead of spinning on a dead endpoint
         session.end(status)
         self.counts.add("sessions")
-        if status == "ok":
-            self._hand_off(session_id, spec, answers)
+        finished = Finished(session_id, session.agent_id, status, spec, answers, time.time())
+        if self.durable is not None:
+            self.durable.put(finished)  # handed off once the SDK confirms its events
+        else:
+            self._finish(finished, None)
 
-    def _hand_off(self, session_id: str, spec: tasks.TaskSpec, answers: list[str | None]) -> None:
-        record = {"session_id": session_id, "task": spec.to_json(), "answers": answers, "ended": time.time()}
+    def _finish(self, f: Finished, durable: bool | None) -> None:
+        if f.status == "ok":
+            self._hand_off(f, durable)
+        if self.ledger is not None:
+            # after the hand-off line: a kill between the two leaves a session the verifier judges but
+            # the ledger calls unfinished, never the other way round
+            self.ledger.note(f.session_id, f.agent_id, "done", status=f.status, durable=durable)
+
+    def _hand_off(self, f: Finished, durable: bool | None) -> None:
+        record: dict[str, Any] = {"session_id": f.session_id, "task": f.spec.to_json(), "answers": f.answers,
+                                  "ended": f.ended}
+        if durable is not None:
+            record["durable"] = durable
         line = json.dumps(record) + "\n"
         with self.handoff_lock, open(self.cfg.handoff, "a") as fh:
             fh.write(line)  # one write of a whole line, so the verifier never reads half of one
@@ -243,6 +406,8 @@ class AgentSim:
                 last = time.time()
             time.sleep(0.2)
         self.sub_pool.shutdown(wait=True)
+        if self.durable is not None:
+            self.durable.close(self.cfg.durable_timeout_s + 10.0)
         return self.heartbeat()
 
 
@@ -268,6 +433,8 @@ def run(cfg: AgentSimConfig) -> int:
         fields = sim.heartbeat()
     logger.flush(30.0)
     logger.close()
+    if sim.ledger is not None:
+        sim.ledger.close()
     log.info("agent: stopped after %d sessions (%d errors)", fields["sessions"], fields["errors"])
     return 0
 
