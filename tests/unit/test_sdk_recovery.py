@@ -2,7 +2,7 @@
 
 kafka-python's idempotent producer may never resolve some sends after an outage longer than its
 delivery timeout (design.md, measured against a real broker; the integration test
-test_sidecar_kafka.py repeats that outage for real). Here a fake KafkaProducer plays each case
+test_sdk_kafka.py repeats that outage for real). Here a fake KafkaProducer plays each case
 exactly: sends that hang, sends acknowledged late, one send stuck while the rest flow. The
 "broker" is a local socket that accepts connections, so the SDK's reachability probe succeeds.
 Also here: the spool a restarted or killed process leaves behind, and orphaned spools.
