@@ -30,7 +30,8 @@ what it was given (style.md rule 5, modelled on the Langfuse SDK):
   is closed without waiting and replaced, and what it held is re-sent from the spool.
 * The spool is per logger name and topic (var/spool/<name>@<topic>, the name defaulting to the
   program's, without the pid): a restarted agent replays its predecessor's spool, and adopts
-  the sibling spools (<spool>-<pid>) that dead processes of the same name left behind.
+  the sibling spools (<spool>-<pid>) that dead processes of the same name and topic left behind
+  (each spool's owner.json says whose it is).
 * Bad input (missing fields, wrong types, unknown fields, non-JSON values, oversized text)
   logs one warning per kind of problem, is counted, and never raises into the host: text is
   cut to schema.MAX_TEXT_CHARS and named in `truncated`; non-JSON values are stored as
@@ -68,18 +69,19 @@ from typing import Any, Callable, Sequence
 
 from flywheel.ingest import schema
 from flywheel.ingest.redact import Redactor, redact_json, redact_text
-from flywheel.ingest.spool import SEGMENT_SUFFIX, Spool, SpoolLocked
+from flywheel.ingest.spool import SEGMENT_SUFFIX, Spool, SpoolLocked, read_owner
 
 log = logging.getLogger(__name__)
 
 BOOTSTRAP_ENV = "FLYWHEEL_KAFKA_BOOTSTRAP"
 DEFAULT_SPOOL_ROOT = Path("var/spool")
 MAIN_AGENT = "main"
+PARK_AFTER_S = 0.1  # during a replay, queued records older than this are parked in the spool (SIGKILL window)
 
 # Free-text fields: redacted and capped at MAX_TEXT_CHARS. JSON fields: strings inside are redacted,
 # and the whole value is capped by its JSON length.
 _TEXT_FIELDS = ("prompt_text", "completion_text", "output", "subtask")
-_JSON_FIELDS = ("arguments", "tags")
+_JSON_COLUMNS = tuple(c.name for c in schema.EVENT_COLUMNS if c.kind == "json")  # tags, sampling, arguments
 _REQUIRED = {
     etype: tuple(c.name for c in cols if c.required) for etype, cols in schema.EVENT_FIELDS.items()
 }
@@ -100,13 +102,17 @@ def _default_name() -> str:
     """The program's name, without the pid: stable across restarts, so a restarted agent finds its spool."""
     path = Path(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else "python")
     stem = path.parent.name if path.stem == "__main__" else path.stem  # `python -m pkg`: the package
-    return _safe_name(stem) or "python"
+    return _name_component(stem)
+
+
+def _name_component(name: str) -> str:
+    return _safe_name(name) or "python"
 
 
 def default_spool_dir(name: str, topic: str) -> Path:
     """var/spool/<name>@<topic>: one spool per logger name and topic (a SessionLogger and an OutcomeReporter
     of the same name must not replay each other's records into the wrong topic)."""
-    return DEFAULT_SPOOL_ROOT / f"{_safe_name(name) or 'python'}@{_safe_name(topic)}"
+    return DEFAULT_SPOOL_ROOT / f"{_name_component(name)}@{_safe_name(topic)}"
 
 
 def _sampled(session_id: str, rate: float) -> bool:
@@ -129,7 +135,7 @@ def _json_default(value: Any) -> Any:
 
 # Per event type, the fields _snapshot() looks at (only those: this runs on the hot path).
 _SNAPSHOT_FIELDS = {
-    etype: tuple(c.name for c in cols if c.name in _SEQUENCE_FIELDS + _JSON_FIELDS + ("sampling",))
+    etype: tuple(c.name for c in cols if c.name in _SEQUENCE_FIELDS + _JSON_COLUMNS)
     for etype, cols in schema.EVENT_FIELDS.items()
 }
 
@@ -141,7 +147,7 @@ def _snapshot(name: str, value: Any) -> Any:
         return value
     if kind is dict:
         return value.copy()
-    if name in _JSON_FIELDS or name == "sampling":
+    if name in _JSON_COLUMNS:
         return value  # another JSON value: the encoder deals with it
     tolist = getattr(value, "tolist", None)  # numpy arrays, torch tensors: a copy, which also freezes them
     if tolist is not None:
@@ -289,6 +295,7 @@ class _Pipeline:
         self.name = name
         self._encode = encode
         self._spool_dir = Path(spool_dir) if spool_dir is not None else default_spool_dir(name, topic)
+        self._default_spool = spool_dir is None
         self.max_queue = max_queue
         self.batch_max = batch_max
         self.linger_s = linger_s
@@ -335,6 +342,7 @@ class _Pipeline:
         self._last_logged: dict[str, int] = {}
         self._stopping_deadline = float("inf")
         self._in_hand = False
+        self._queued_since: float | None = None  # when a replay's wait first saw the host's queue non-empty
         self._opened = False  # the background thread has looked for spools left by earlier processes
         self._cb_lock = threading.Lock()
         self._yielded = time.perf_counter()
@@ -354,6 +362,7 @@ class _Pipeline:
         self.rejected = 0
         self.producer_restarts = 0
         self.adopted = 0
+        self.io_errors = 0  # OSErrors (disk full, EIO) that interrupted a background cycle
         self.limited = 0  # values cut or events dropped at a schema limit (MAX_JSON_DEPTH, MAX_TOKENS, ranges)
 
     def _start(self) -> None:
@@ -376,7 +385,11 @@ class _Pipeline:
         return True
 
     def metrics(self) -> dict[str, Any]:
-        spool = self._spool
+        spool = self._spool  # read once: _finish sets it to None concurrently
+        try:
+            spool_records, spool_bytes = (len(spool), spool.size_bytes) if spool is not None else (0, 0)
+        except Exception:  # a spool being closed right now: host-facing calls never raise
+            spool_records, spool_bytes = 0, 0
         return {
             "enqueued": self.popped + len(self._queue),
             "sent": self.sent,
@@ -393,10 +406,11 @@ class _Pipeline:
             "rejected": self.rejected,
             "producer_restarts": self.producer_restarts,
             "adopted": self.adopted,
+            "io_errors": self.io_errors,
             "queue_depth": len(self._queue),
             "inflight": len(self._pending),
-            "spool_records": len(spool) if spool is not None else 0,
-            "spool_bytes": spool.size_bytes if spool is not None else 0,
+            "spool_records": spool_records,
+            "spool_bytes": spool_bytes,
             "broker_down": self._down,
         }
 
@@ -434,6 +448,8 @@ class _Pipeline:
         # Both are kept alive, unused: dropping the producer would run its __del__ (close, flush on the
         # parent's sockets), and closing the spool would unlock the parent's spool (flock is shared by fork).
         _FORK_ORPHANS.extend(x for x in (self._producer, self._spool) if x is not None)
+        if self._spool is not None:
+            self._spool.release_inherited_lock()  # else a SIGKILLed parent's successor finds its spool locked
         self._init_state()
         self._spool_dir = self._spool_dir.with_name(f"{self._spool_dir.name}-{os.getpid()}")
         self._needs_start = True
@@ -441,17 +457,31 @@ class _Pipeline:
     # ---------------------------------------------------------------- background thread
     def _run(self) -> None:
         try:
-            self._open_existing_spool()
+            try:
+                self._open_existing_spool()
+            except OSError as exc:
+                self._io_failed("open", exc)
             self._opened = True
             while True:
                 self._wake.wait(self.linger_s)
                 self._wake.clear()
-                self._cycle()
+                try:
+                    self._cycle()
+                except OSError as exc:  # EIO, ENOSPC from the spool: the disk may recover, so keep cycling
+                    self._io_failed("cycle", exc)
                 if self._stopping:
                     self._finish()
                     return
         except Exception:  # the host must never see this thread die silently, nor be affected by it
             log.exception("sdk %s: background thread failed; records stay queued and are not sent", self.name)
+
+    def _io_failed(self, phase: str, exc: OSError) -> None:
+        """Count and warn (once per kind) an I/O error that escaped a cycle, then back off for retry_s."""
+        self.io_errors += 1
+        self._in_hand = False  # what the cycle held is in the spool, in _pending or counted as dropped
+        self.warn(f"io:{phase}:{exc.errno}", "sdk %s: I/O error in the background thread (%s: %s); retrying every "
+                  "%.1fs, records stay queued meanwhile", self.name, phase, exc, self.retry_s)
+        self._wake.wait(self.retry_s)  # close() sets it: a stopping logger does not wait out the back-off
 
     def _cycle(self) -> None:
         self._ensure_producer()
@@ -638,7 +668,8 @@ class _Pipeline:
             _close_producer(producer, timeout=0.0)
 
     def _spool_pending(self) -> bool:
-        return self._spool is not None and len(self._spool) > 0
+        spool = self._spool  # read once: flush() calls this from the host's thread while _finish clears it
+        return spool is not None and len(spool) > 0
 
     # ---------------------------------------------------------------- spool
     def _open_existing_spool(self) -> None:
@@ -647,6 +678,7 @@ class _Pipeline:
         An orphan is a sibling `<spool>-<pid>[-<n>]` whose lock is free: the spool of a dead process
         (or a closed logger) that could not take the main one, or of a forked child.
         """
+        self._warn_old_path_spool()
         orphans = self._orphan_spools()
         if orphans or any(self._spool_dir.glob("*.seg")):
             self._open_spool()
@@ -664,7 +696,8 @@ class _Pipeline:
         base = self._spool_dir
         pattern = re.compile(re.escape(base.name) + r"-\d+(-\d+)?")
         try:
-            found = [d for d in base.parent.iterdir() if pattern.fullmatch(d.name) and d.is_dir()]
+            found = [d for d in base.parent.iterdir()
+                     if pattern.fullmatch(d.name) and d.is_dir() and self._may_adopt(d)]
         except OSError:  # no spool root yet: nothing left behind
             return []
 
@@ -675,6 +708,46 @@ class _Pipeline:
             return sorted(found, key=age)
         except OSError:  # vanished while we looked (its owner closed it): try them in name order
             return sorted(found)
+
+    def _owner(self) -> dict[str, str]:
+        return {"name": self.name, "topic": self.topic}
+
+    def _may_adopt(self, directory: Path) -> bool:
+        """Whether a sibling spool holds this logger's records: its owner marker says this name and topic.
+
+        `spool/x-2` may be another logger's (an OutcomeReporter's, replayed into the wrong topic). A sibling without
+        a marker (from a version before markers) is adopted only under the default layout, whose directory name
+        itself says the name and topic.
+        """
+        owner = read_owner(directory)
+        if owner is not None:
+            if owner != self._owner():
+                log.info("sdk %s: leaving spool %s alone: it belongs to %s, not %s", self.name, directory, owner,
+                         self._owner())
+            return owner == self._owner()
+        default = default_spool_dir(self.name, self.topic)
+        if directory.parent.resolve() == default.parent.resolve() and re.fullmatch(
+                re.escape(default.name) + r"-\d+(-\d+)?", directory.name):
+            log.info("sdk %s: adopting %s, a spool without an owner marker (an older version's), by its name",
+                     self.name, directory)
+            return True
+        self.warn(f"unmarked:{directory}", "sdk %s: spool %s has no owner marker and is not named for %s; not "
+                  "adopted (move its records yourself if they are this logger's)", self.name, directory, self._owner())
+        return False
+
+    def _warn_old_path_spool(self) -> None:
+        """Before spools were per topic they lived in var/spool/<name>: say so once if one still holds records."""
+        if not self._default_spool:
+            return
+        old = DEFAULT_SPOOL_ROOT / _name_component(self.name)
+        try:
+            records = any(p.stat().st_size > 0 for p in old.glob(f"*{SEGMENT_SUFFIX}"))
+        except OSError:
+            return
+        if records:
+            self.warn(f"old-path:{old}", "sdk %s: %s holds spooled records from an older SDK version (spools are now "
+                      "per topic, %s); they are not replayed: move them into that directory to replay them",
+                      self.name, old, default_spool_dir(self.name, self.topic))
 
     def _adopt(self, directory: Path) -> None:
         """Move an orphaned spool's records behind ours (fsynced before they leave it), then remove it."""
@@ -713,8 +786,14 @@ class _Pipeline:
         own = self._spool_dir.with_name(f"{self._spool_dir.name}-{os.getpid()}")
         candidates = [self._spool_dir, own, *(own.with_name(f"{own.name}-{n}") for n in range(1, 4))]
         for directory in candidates:
+            owner = read_owner(directory)
+            if owner is not None and owner != self._owner():  # the same spool_dir given to another logger
+                self.warn(f"spool-owner:{directory}", "sdk %s: spool %s belongs to %s; using a sibling", self.name,
+                          directory, owner)
+                continue
             try:
-                self._spool = Spool(directory, max_bytes=self.spool_max_bytes, segment_bytes=self._segment_bytes())
+                self._spool = Spool(directory, max_bytes=self.spool_max_bytes, segment_bytes=self._segment_bytes(),
+                                    owner=self._owner())
                 self._spool_dir = directory
                 return self._spool
             except SpoolLocked:
@@ -760,7 +839,7 @@ class _Pipeline:
                 return
             self._abandon_producer(f"{len(self._pending)} sends unresolved {waited:.1f}s after the broker answered"
                                    if not self._replace_producer else "it failed a replay")
-        self._ensure_producer()
+        self._ensure_producer(probed=True)
         if self._producer is None:
             return
         spool = self._spool
@@ -773,6 +852,8 @@ class _Pipeline:
     def _replay_spool(self, spool: Spool | None, chunk: int, ack_timeout_s: float) -> None:
         while spool is not None and len(spool) and not (self._stopping and time.monotonic() > self._stopping_deadline):
             records = spool.peek(chunk)
+            if not records:  # a head past the data (spool._load clamps it): never spin here holding the GIL
+                break
             futures = []
             for value in records:
                 if self._acked_copies and value in self._acked_copies:  # delivered late by the producer it left
@@ -825,18 +906,31 @@ class _Pipeline:
             elif time.monotonic() - progress > ack_timeout_s:
                 break
             if ok < len(futures):
-                # The host keeps logging while Kafka acknowledges: park a long queue behind the spool. Not a short
-                # one: a replay that spools what arrives during every wait would never end under steady load.
-                if len(self._queue) >= self.batch_max:
-                    self._drain_into_spool()
-                    self._in_hand = True
+                self._park_waiting_queue()
+                spool.maybe_sync()  # the spool's power-loss window holds during a long wait for acks too
                 time.sleep(0.01)
         return ok
+
+    def _park_waiting_queue(self) -> None:
+        """During a replay's wait for acks, move the host's queue behind the spool once it holds batch_max records
+        or its oldest record has waited PARK_AFTER_S: only in memory, a SIGKILL would lose it for as long as the
+        replay lasts. Not every short queue at once: a replay that spools what arrives during every brief wait
+        would never end under steady load."""
+        if not self._queue:
+            self._queued_since = None
+            return
+        now = time.monotonic()
+        if self._queued_since is None:
+            self._queued_since = now  # first seen (we look every 10 ms): its oldest record is at least this old
+        if len(self._queue) >= self.batch_max or now - self._queued_since >= PARK_AFTER_S:
+            self._drain_into_spool()
+            self._in_hand = True  # (_drain_into_spool clears it; the replay still holds its chunk)
 
     def _drain_into_spool(self) -> None:
         # New records keep arriving during a long replay: park them behind the spool to keep order
         # and keep the in-memory queue short.
         self._in_hand = True
+        self._queued_since = None
         batch = []
         while self._queue and len(batch) < 50_000:
             self.popped += 1
@@ -866,11 +960,12 @@ class _Pipeline:
         return False
 
     # ---------------------------------------------------------------- producer
-    def _ensure_producer(self) -> None:
+    def _ensure_producer(self, probed: bool = False) -> None:
+        """Create the producer if there is none (at most every retry_s); `probed`: the broker was just found listening."""
         if self._producer is not None or time.monotonic() - self._producer_tried < self.retry_s:
             return
         self._producer_tried = time.monotonic()
-        if not self._broker_reachable():  # fail in milliseconds instead of blocking for bootstrap_timeout_ms
+        if not probed and not self._broker_reachable():  # fail in milliseconds instead of blocking for bootstrap_timeout_ms
             self._mark_down("no broker listening")
             return
         try:
@@ -925,9 +1020,10 @@ class _Pipeline:
                 self._producer.flush(timeout=remaining)
             except Exception:
                 pass
-        self._respool_failures()
-        # Whatever Kafka has not acknowledged goes to disk: it may arrive twice, never zero times.
+        # Whatever Kafka has not acknowledged goes to disk: it may arrive twice, never zero times. Copy first, then
+        # respool: an errback that fires before the copy puts its record in _failed, which is read after it.
         self._copy_inflight_to_spool()
+        self._respool_failures()
         with self._cb_lock:
             self._pending.clear()
         if self._producer is not None:
@@ -1077,7 +1173,8 @@ _LIST_KINDS = {c.name: c.kind for c in schema.EVENT_COLUMNS if c.kind in ("ints"
 # The lake stores token ids as int32 (schema.arrow_type("ints")): packing them into a 32-bit array checks the
 # range in the same C pass that checks the type.
 _INT32 = next(code for code in "il" if array.array(code).itemsize == 4)
-_JSON_COLUMNS = tuple(c.name for c in schema.EVENT_COLUMNS if c.kind == "json")  # tags, sampling, arguments
+# Not schema.short_repr: that one is for error messages (50 characters); this one stores what a value looked
+# like in place of what lies too deep, so it keeps more of it.
 _SHORT_REPR = reprlib.Repr()  # bounded output, and no recursion past its maxlevel (a repr() of a deep value has both)
 _SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 200, 200
 

@@ -13,6 +13,8 @@ Layout of a spool directory:
     000000000001.seg  000000000002.seg ...   records, one per line (JSON text never holds a raw newline)
     head.json                                {"segment": N, "offset": BYTES}: the next record to replay
     lock                                     flock'ed by the one process that owns the directory
+    owner.json                               {"name": ..., "topic": ...}: whose records these are (written at
+                                             creation by the SDK; another logger never adopts them)
 
 Bounded: when the segments together exceed `max_bytes`, the OLDEST segment is deleted and its
 unreplayed records are counted as dropped (the caller logs and reports them); the newest data
@@ -22,9 +24,11 @@ Durability: every append is written into the OS (it survives a crash or SIGKILL 
 it is fsynced in batches, once `sync_records` records or `sync_interval_s` seconds have gathered
 since the last fsync (checked on each append and by `maybe_sync()`, which the SDK calls every
 cycle), and at close. A power loss therefore loses at most the last `sync_interval_s` seconds or
-`sync_records` records of spooled data. A new segment's directory entry is fsynced when it is
-created. head.json is written without fsync: after a power loss it may point earlier, which
-replays records again (duplicates, never a loss).
+`sync_records` records of spooled data (as long as the caller calls `maybe_sync()` at least that
+often). A new segment's directory entry is fsynced when it is created. head.json is written without
+fsync: after a power loss it may point earlier, which replays records again (duplicates, never a
+loss), or past the data that survived (it can reach the disk before the tail's fsync): the head is
+then clamped to the end of that segment, which holds only records replayed already.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ from flywheel.base.atomic import Durability, fsync_path, write_json
 SEGMENT_SUFFIX = ".seg"
 SYNC_INTERVAL_S = 0.5  # the power-loss window of spooled records, in time ...
 SYNC_RECORDS = 5000  # ... and in records (a burst reaches this long before the interval)
+OWNER_FILE = "owner.json"
+
+
+def read_owner(directory: str | Path) -> dict[str, str] | None:
+    """The owner marker of a spool directory ({"name", "topic"}), or None when it has none (or it is unreadable)."""
+    try:
+        owner = json.loads((Path(directory) / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return {str(k): str(v) for k, v in owner.items()} if isinstance(owner, dict) else None
 
 
 class SpoolLocked(RuntimeError):
@@ -59,7 +73,8 @@ class Spool:
     """A FIFO of byte records on disk. Single-threaded: the SDK's background thread owns it."""
 
     def __init__(self, directory: str | Path, max_bytes: int = 256 * 1024 * 1024, segment_bytes: int = 8 * 1024 * 1024,
-                 sync_interval_s: float = SYNC_INTERVAL_S, sync_records: int = SYNC_RECORDS) -> None:
+                 sync_interval_s: float = SYNC_INTERVAL_S, sync_records: int = SYNC_RECORDS,
+                 owner: dict[str, str] | None = None) -> None:
         assert segment_bytes * 2 <= max_bytes, f"segment_bytes {segment_bytes} must be at most half of max_bytes {max_bytes}"
         self.directory = Path(directory)
         self.max_bytes = max_bytes
@@ -76,6 +91,9 @@ class Spool:
         except OSError as exc:
             self._lock_fh.close()
             raise SpoolLocked(f"spool {self.directory} is owned by another process") from exc
+        if owner is not None and read_owner(self.directory) is None:
+            # fsynced with its directory entry: a marker lost to a power cut would leave a spool nobody adopts
+            write_json(self.directory / OWNER_FILE, owner, Durability.DURABLE_DIR)
         self._segments: list[_Segment] = []
         self._head_segment = 0
         self._head_offset = 0
@@ -107,8 +125,11 @@ class Spool:
         while self._segments and self._segments[0].index < self._head_segment:
             self._segments.pop(0).path.unlink(missing_ok=True)
         if self._segments and self._segments[0].index == self._head_segment:
-            head_path = self._segments[0].path
-            with open(head_path, "rb") as fh:
+            head = self._segments[0]
+            # head.json can reach the disk before the tail's fsync: after a power loss it may point past what
+            # survived. Everything that did survive before it was replayed already; appends go on from the end.
+            self._head_offset = min(self._head_offset, head.size)
+            with open(head.path, "rb") as fh:
                 self._head_consumed = fh.read(self._head_offset).count(b"\n")
         else:
             self._head_segment = self._segments[0].index if self._segments else 0
@@ -123,12 +144,13 @@ class Spool:
     # ---------------------------------------------------------------- queries
     def __len__(self) -> int:
         """Records not yet replayed."""
-        total = sum(s.records for s in self._segments)
-        return total - (self._head_consumed if self._segments and self._segments[0].index == self._head_segment else 0)
+        segments = self._segments  # read once: the host's metrics() calls this while close() may replace it
+        total = sum(s.records for s in segments)
+        return total - (self._head_consumed if segments and segments[0].index == self._head_segment else 0)
 
     @property
     def size_bytes(self) -> int:
-        return sum(s.size for s in self._segments)
+        return sum(s.size for s in list(self._segments))
 
     # ---------------------------------------------------------------- writing
     def append(self, records: list[bytes]) -> int:
@@ -255,6 +277,7 @@ class Spool:
                 segment.path.unlink(missing_ok=True)
             self._segments = []
             (self.directory / "head.json").unlink(missing_ok=True)
+            (self.directory / OWNER_FILE).unlink(missing_ok=True)
             (self.directory / "lock").unlink(missing_ok=True)
         fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
         self._lock_fh.close()
@@ -263,3 +286,15 @@ class Spool:
                 self.directory.rmdir()
             except OSError:
                 pass  # something else lives there
+
+
+    def release_inherited_lock(self) -> None:
+        """In a forked child: close its copy of the lock's descriptor, without LOCK_UN.
+
+        flock belongs to the open file, shared by fork: LOCK_UN here would unlock the parent's spool, while a
+        child that kept the descriptor would hold the lock after the parent died (a restarted parent would then
+        find its spool locked). Closing the child's copy does neither. The tail's writer is left open: closing
+        it would flush a buffer the parent may have been writing when it forked.
+        """
+        if not self._lock_fh.closed:
+            self._lock_fh.close()

@@ -340,3 +340,199 @@ def test_default_spool_is_stable_and_per_topic(tmp_path: Path, monkeypatch: pyte
     assert sorted(p.name for p in root.iterdir()) == ["same@flywheel.events", "same@flywheel.outcomes"]
     assert _spooled_names(root / "same@flywheel.events") == ["t"]
     assert str(os.getpid()) not in _default_name() and SessionLogger(None).name == _default_name()
+
+
+def _spill_then_close(spool_dir: Path, n: int, name: str = "rec") -> None:
+    first = _logger(_dead_bootstrap(), spool_dir, name=name)
+    s = first.attach("s")
+    for i in range(n):
+        s.tool_call("t", {"i": i})
+    _wait_for(lambda: first.metrics()["spilled"] == n, 5, f"{n} records spilling")
+    first.close(timeout=2)
+
+
+def test_an_io_error_does_not_end_the_background_thread(fakes: _Fakes, listening: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO or ENOSPC from the spool's fsync must not stop delivery for good: once the disk recovers it goes on."""
+    import errno
+
+    _spill_then_close(tmp_path / "spool", 5)
+    failing = threading.Event()
+    failing.set()
+    real_sync = Spool.maybe_sync
+
+    def maybe_sync(self: Spool) -> bool:
+        if failing.is_set():
+            raise OSError(errno.EIO, "Input/output error")
+        return real_sync(self)
+
+    monkeypatch.setattr(Spool, "maybe_sync", maybe_sync)
+    log = _logger(listening, tmp_path / "spool")
+    _wait_for(lambda: log.metrics()["io_errors"] >= 1, 5, "an I/O error in a cycle")
+    s = log.attach("s")
+    for i in range(5, 8):
+        s.tool_call("t", {"i": i})
+    time.sleep(0.3)
+    failing.clear()  # the disk recovers
+    delivered = log.flush(10)
+    m = log.metrics()
+    log.close(timeout=2)
+    assert delivered, f"nothing delivered after the disk recovered: {m}"
+    assert _indices(fakes.producers[0].sent) == list(range(8)), _indices(fakes.producers[0].sent)
+
+
+def test_a_send_failing_during_close_is_spooled(fakes: _Fakes, listening: str, tmp_path: Path) -> None:
+    """An errback between close()'s last respool and its copy of in-flight records must not lose the record."""
+    fakes.behaviours = [lambda i: "hang"]
+    log = _logger(listening, tmp_path / "spool", outage_after_s=30.0)
+    s = log.attach("s")
+    for i in range(10):
+        s.tool_call("t", {"i": i})
+    _wait_for(lambda: len(fakes.producers) == 1 and len(fakes.producers[0].sent) == 10, 5, "10 sends in flight")
+    pipe = log._pipe
+    assert pipe is not None
+    real_copy = pipe._copy_inflight_to_spool
+
+    def copy_after_an_errback() -> None:
+        if pipe._stopping and not fakes.producers[0].futures[0].is_done:
+            fakes.producers[0].futures[0].resolve(False, RuntimeError("broker went away"))  # lands in _failed
+        real_copy()
+
+    pipe._copy_inflight_to_spool = copy_after_an_errback  # type: ignore[method-assign]
+    log.close(timeout=0.5)
+    spooled = sorted(json.loads(r)["arguments"]["i"] for r in _spool_records(tmp_path / "spool"))
+    assert spooled == list(range(10)), f"spooled {spooled} of 10 unacknowledged records"
+
+
+def _spool_records(directory: Path) -> list[bytes]:
+    spool = Spool(directory)
+    records = spool.peek(100_000)
+    spool.close()
+    return records
+
+
+def test_flush_and_metrics_never_raise_while_the_spool_closes(tmp_path: Path) -> None:
+    log = _logger(_dead_bootstrap(), tmp_path / "spool")
+    log.attach("s").tool_call("t", {})
+    log.close(timeout=2)
+    pipe = log._pipe
+    assert pipe is not None
+    spool = Spool(tmp_path / "other")
+    spool.append([b'{"name":"t"}'])  # spooled and not delivered: flush() must answer False, not raise
+    reads = iter([spool])
+
+    class Closing(type(pipe)):  # type: ignore[misc]
+        @property
+        def _spool(self) -> Spool | None:  # the spool on the first read, None (closed by _finish) after
+            return next(reads, None)
+
+        @_spool.setter
+        def _spool(self, value: Spool | None) -> None:
+            pass
+
+    pipe.__class__ = Closing
+    try:
+        assert log.flush(0.05) is False
+        reads = iter([spool])
+        assert log.metrics()["spool_records"] == 1
+    finally:
+        pipe.__class__ = Closing.__mro__[1]
+        spool.close()
+
+
+FORKING = """
+import os, sys, time
+from flywheel import SessionLogger
+log = SessionLogger(sys.argv[1], name="forks", spool_dir=sys.argv[2], linger_s=0.01, retry_s=0.1)
+log.attach("s").tool_call("t", {})
+while log.metrics()["spilled"] < 1:
+    time.sleep(0.01)
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_forked_child_does_not_keep_the_parents_spool_locked(tmp_path: Path) -> None:
+    from flywheel.ingest.spool import SpoolLocked
+
+    spool_dir = tmp_path / "spool"
+    proc = subprocess.Popen([sys.executable, "-c", FORKING, _dead_bootstrap(), str(spool_dir)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = 0
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline().strip())
+        proc.send_signal(signal.SIGKILL)  # the parent dies; its forked child lives on
+        proc.wait(10)
+        try:
+            Spool(spool_dir).close()
+        except SpoolLocked:
+            pytest.fail("the SIGKILLed parent's spool is still locked by its forked child")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if child:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_long_replay_parks_the_hosts_queue_in_the_spool(fakes: _Fakes, listening: str, tmp_path: Path) -> None:
+    """While a replay waits for acks, a short queue must not stay only in memory (lost to a SIGKILL) for the
+    whole replay: once its oldest record waited ~100 ms it is parked behind the spool."""
+    _spill_then_close(tmp_path / "spool", 10)
+    released = threading.Event()
+    fakes.behaviours = [lambda i: "ack" if released.is_set() else "hang"]
+    log = _logger(listening, tmp_path / "spool")
+    _wait_for(lambda: len(fakes.producers) == 1 and len(fakes.producers[0].sent) == 10, 5, "the replay's sends")
+    s = log.attach("s")
+    for i in range(10, 15):
+        s.tool_call("t", {"i": i})
+    started = time.monotonic()
+    _wait_for(lambda: log.metrics()["queue_depth"] == 0 and log.metrics()["spool_records"] == 15, 2,
+              "5 queued records parked in the spool during the replay")
+    parked_after = time.monotonic() - started
+    released.set()
+    for future in list(fakes.producers[0].futures):
+        future.resolve(True)
+    assert log.flush(10), log.metrics()
+    log.close(timeout=2)
+    sent = [i for p in fakes.producers for i in _indices(p.sent)]
+    assert sent == list(range(15)), f"order after parking: {sent}"
+    assert parked_after < 1.0, f"parked after {parked_after:.2f}s"
+
+
+def test_adoption_refuses_another_loggers_or_topics_spool(tmp_path: Path) -> None:
+    dead = _dead_bootstrap()
+    for suffix, owner in (("1", {"name": "other", "topic": "flywheel.events"}),
+                          ("2", {"name": "rec", "topic": "flywheel.outcomes"}), ("3", None)):
+        sibling = Spool(tmp_path / f"spool-{suffix}", owner=owner)
+        sibling.append([b'{"name":"theirs"}'])
+        sibling.close()
+    log = _logger(dead, tmp_path / "spool")
+    log.attach("s").tool_call("mine", {})
+    log.close(timeout=2)
+    assert log.metrics()["adopted"] == 0, log.metrics()
+    for suffix in "123":
+        assert _spooled_names(tmp_path / f"spool-{suffix}") == ["theirs"], f"spool-{suffix} was touched"
+    assert _spooled_names(tmp_path / "spool") == ["mine"]
+
+
+def test_an_unmarked_sibling_is_adopted_only_under_the_default_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "var" / "spool"
+    for directory in (root / "rec@flywheel.events-999", root / "rec"):  # an older version's sibling; the old path
+        old = Spool(directory)
+        old.append([b'{"name":"old"}'])
+        old.close()
+    with caplog.at_level("INFO", logger="flywheel.ingest.sdk"):
+        log = SessionLogger(_dead_bootstrap(), name="rec", linger_s=0.01, retry_s=0.1)
+        log.attach("s").tool_call("new", {})
+        log.close(timeout=2)
+    assert log.metrics()["adopted"] == 1, log.metrics()
+    assert _spooled_names(root / "rec@flywheel.events") == ["old", "new"]
+    assert _spooled_names(root / "rec") == ["old"], "the old-path spool is left alone"
+    assert any("older SDK version" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -94,3 +94,59 @@ def test_appends_are_fsynced_in_batches_by_count_and_by_time(tmp_path: Path, mon
     assert not spool.maybe_sync(), "nothing left to fsync"
     spool.close()
     assert len(synced) >= 3, f"os.fsync called {len(synced)} times: the data twice, and the new segment's directory"
+
+
+def test_a_head_past_the_surviving_data_is_clamped(tmp_path: Path) -> None:
+    """After a power loss head.json (advisory, it may reach the disk before the tail's fsync) can point past
+    what survived. Everything before it was replayed; new appends must be replayed whole and all of them."""
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=1 << 18)
+    spool.append(_records(0, 5))
+    spool.close()
+    segment = sorted(tmp_path.glob("*.seg"))[0]
+    size = segment.stat().st_size
+    (tmp_path / "head.json").write_text(f'{{"segment": {int(segment.stem)}, "offset": {size + 500}}}')
+    reopened = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=1 << 18)
+    assert len(reopened) == 0 and reopened.peek(10) == [], f"{len(reopened)} records left of 5 replayed ones"
+    reopened.append(_records(100, 100))  # ~900 bytes: past the stale head offset of size + 500
+    got = reopened.peek(1000)
+    assert got == _records(100, 100), f"replayed {len(got)} records, first {got[:1]}: expected 100 whole ones"
+    reopened.commit(len(got))
+    assert len(reopened) == 0
+    reopened.close()
+
+
+def test_owner_marker_is_written_at_creation_and_removed_with_an_empty_spool(tmp_path: Path) -> None:
+    from flywheel.ingest.spool import read_owner
+
+    owner = {"name": "agent", "topic": "flywheel.events"}
+    spool = Spool(tmp_path / "s", owner=owner)
+    spool.append(_records(0, 1))
+    assert read_owner(tmp_path / "s") == owner
+    spool.close()
+    reopened = Spool(tmp_path / "s")  # an adopter does not rewrite it
+    assert read_owner(tmp_path / "s") == owner
+    reopened.commit(len(reopened.peek(10)))
+    reopened.close()
+    assert not (tmp_path / "s").exists(), f"an empty spool leaves nothing: {list((tmp_path / 's').glob('*'))}"
+
+
+def test_len_reads_the_segment_list_once(tmp_path: Path) -> None:
+    """metrics() (a host thread) calls len() while close() (the background thread) replaces the list."""
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=1 << 18)
+    spool.append(_records(0, 3))
+    segments = spool._segments
+    reads = iter([segments, segments])
+
+    class Racing(Spool):
+        @property  # type: ignore[override]
+        def _segments(self) -> list:  # the first reads see the list, later ones the one close() put there
+            return next(reads, [])
+
+        @_segments.setter
+        def _segments(self, value: list) -> None:
+            pass
+
+    spool.__class__ = Racing
+    assert len(spool) in (0, 3)
+    spool.__class__ = Spool
+    spool.close()
