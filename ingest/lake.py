@@ -195,29 +195,53 @@ def offsets_after(files: Iterable[LakeFile], source: str) -> dict[int, int]:
 
 def stream_tail(root: str, files: Iterable[LakeFile], column: str, n: int) -> list[Any]:
     """The `column` values of the last `n` rows of one stream (the files of one source and partition),
-    in offset order: how the lake writer rebuilds its de-duplication window after a restart.
+    in offset order: how the lake writer rebuilds its de-duplication window on every assignment.
 
-    Reads only that column and `_offset`, newest files first, and stops once it has n rows.
+    Reads only that column and `_offset`, newest files first, and stops once it has n rows, so its cost is
+    bounded by the window (plus any zero-row files among those), not by the stream's history. A file deleted
+    between the listing and the read (`flywheel compact` merged it into a covering file) makes it list the
+    stream again and start over, rather than fail the caller (the writer's rebalance).
     """
+    files = list(files)
+    assert len({(f.source, f.partition) for f in files}) <= 1, "stream_tail reads one stream"
+    for _attempt in range(_TAIL_ATTEMPTS):
+        tail = _read_tail(root, files, column, n)
+        if tail is not None:
+            return tail
+        f = files[0]
+        files = [g for g in list_files(root, f.table) if (g.source, g.partition) == (f.source, f.partition)]
+    raise RuntimeError(f"lake: the files of {files[0].key if files else '?'} kept disappearing while their last "
+                       f"{n} rows were read ({_TAIL_ATTEMPTS} listings); is a compaction deleting them in a loop?")
+
+
+_TAIL_ATTEMPTS = 5  # a compaction deletes each file once: a second listing already sees the covering file
+
+
+def _read_tail(root: str, files: list[LakeFile], column: str, n: int) -> list[Any] | None:
+    """stream_tail over one listing; None when a listed file is gone (list again)."""
     import pyarrow as pa
+    import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
     fs, _ = filesystem(root)
-    newest_first = sorted(files, key=lambda f: f.first, reverse=True)
-    assert len({(f.source, f.partition) for f in newest_first}) <= 1, "stream_tail reads one stream"
     parts: list[pa.Table] = []
     have = 0
-    for f in newest_first:
+    for f in sorted(files, key=lambda f: f.first, reverse=True):
         if have >= n:
             break
-        # one file at a time (a dataset would take a zero-row file's column types for all of them)
-        part = pq.read_table(f.path, columns=[column, "_offset"], filesystem=fs)
+        try:
+            # one file at a time (a dataset would take a zero-row file's column types for all of them)
+            part = pq.read_table(f.path, columns=[column, "_offset"], filesystem=fs)
+        except OSError:  # FileNotFoundError locally; object stores may raise a plain OSError: ask the store
+            if fs.get_file_info(f.path).type == pafs.FileType.NotFound:
+                return None
+            raise
         parts.append(part)
         have += part.num_rows
-    if not parts:
+    if not parts or n <= 0:
         return []
     tail = pa.concat_tables(parts, promote_options="permissive").sort_by("_offset")
-    return tail.column(column).to_pylist()[-n:] if n > 0 else []
+    return tail.slice(max(0, tail.num_rows - n)).column(column).to_pylist()
 
 
 def write_file(root: str, table: str, date: str, source: str, partition: int, first: int, last: int, data: "pa.Table",

@@ -350,33 +350,55 @@ class Stats:
 
 
 class IdWindow:
-    """The ids of the last `size` rows landed in one partition, oldest first.
+    """The ids of the last `size` rows landed in one partition: `x in window` means exactly "x is the id of one
+    of the partition's last `size` landed rows".
 
-    First in, first out, and a duplicate does not refresh its id (no LRU): the window is then a
-    function of the lake's rows alone, so a writer that takes a partition over rebuilds from the
-    lake's last files exactly the window its predecessor had, and a range redone after a crash drops
-    the same duplicates and keeps its identical rows.
+    A deque of those rows' ids (oldest first) with a count per id, so an id that landed twice (rows written
+    with de-duplication off, with another window size, or before it existed) stays in until its last copy
+    leaves; and a duplicate, which does not land, neither enters nor refreshes anything. The window is then a
+    function of the lake's rows alone: a writer that takes a partition over rebuilds from the lake's last
+    `size` rows exactly the window its predecessor had, and a range redone after a crash drops the same
+    duplicates and keeps its identical rows (given the same `size` on every writer).
     """
 
     def __init__(self, size: int, ids: Iterable[str] = ()) -> None:
+        assert size > 0, f"IdWindow size {size} must be > 0 (dedup_window 0 keeps no window)"
         self.size = size
-        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._rows: collections.deque[str] = collections.deque()
+        self._counts: collections.Counter[str] = collections.Counter()
         for item in ids:
             self.add(item)
 
     def __contains__(self, item: object) -> bool:
-        return item in self._ids
+        return item in self._counts
 
     def __len__(self) -> int:
-        return len(self._ids)
+        """Rows in the window (ids counted once per row)."""
+        return len(self._rows)
 
     def add(self, item: str) -> None:
-        self._ids[item] = None
-        if len(self._ids) > self.size:
-            self._ids.popitem(last=False)
+        """One more landed row with id `item`; the oldest row leaves once the window is full."""
+        self._rows.append(item)
+        self._counts[item] += 1
+        if len(self._rows) > self.size:
+            gone = self._rows.popleft()
+            self._counts[gone] -= 1
+            if not self._counts[gone]:
+                del self._counts[gone]  # membership is presence in the Counter
 
 
 Partition = tuple[str, int]
+
+
+def _kafka_date(kafka_ts_ms: float | None) -> str | None:
+    """The UTC date of a Kafka record timestamp; None for none (-1) or one outside the lake's dates (a producer
+    sending microseconds as milliseconds, NaN, inf): that range's date then comes from its rows or the publish
+    day. Never raises: it runs for every record that opens a file, the bad ones included."""
+    try:
+        when = dt.datetime.fromtimestamp(kafka_ts_ms / 1000, dt.timezone.utc)  # type: ignore[operator]
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None
+    return when.date().isoformat() if schema.MIN_TS <= when < schema.MAX_TS else None
 
 
 class LakeWriter:
@@ -575,8 +597,7 @@ class LakeWriter:
         first = offset if start is None else start
         topic, partition = tp
         buf = Buffer(topic, partition, self.tables[topic], first, opened_at=self.clock())
-        if kafka_ts_ms is not None and kafka_ts_ms >= 0:
-            buf.kafka_date = dt.datetime.fromtimestamp(kafka_ts_ms / 1000, dt.timezone.utc).date().isoformat()
+        buf.kafka_date = _kafka_date(kafka_ts_ms)
         buf.claim = lake.read_claim(self.cfg.lake_root, buf.table, topic, partition, first)
         if buf.claim is not None:
             log.info("claim: %s-%d@%d was claimed as ..%d (%s) by an earlier writer; following it",
@@ -928,20 +949,17 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
           status_name: str, stopped: Callable[[], bool]) -> None:
     """Poll -> writer (publishing, with its commit hints) -> heartbeat, until `stopped()`; then publish
     every open file."""
-    last_status = next_check = time.monotonic()
+    last_status = time.monotonic()
     last_stats = Stats()
+    failed_checks = 0
     while not stopped():
         batches = consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
         rebalance.raise_failure()
-        if writer.unchecked and time.monotonic() >= next_check:
-            # before any record of a new assignment is written: a recreated topic must not reach the lake
-            if _check_logs(consumer, writer, sorted(writer.unchecked), topic_ids=True) is None:
-                next_check = time.monotonic() + cfg.status_interval_s
-        for tp, messages in batches.items():
-            if (tp.topic, tp.partition) not in writer.next_offset:
-                continue  # revoked during this poll
-            for m in messages:
-                writer.add(tp.topic, tp.partition, m.offset, m.value, m.key, m.timestamp)
+        if writer.unchecked:
+            # at every poll until it runs: a recreated topic must not reach the lake (_take holds the records back)
+            found = _check_logs(consumer, writer, sorted(writer.unchecked), topic_ids=True, warn=not failed_checks)
+            failed_checks = 0 if found is not None else failed_checks + 1
+        _take(consumer, writer, batches)
         _pause_rewound(consumer, writer)
         writer.roll_due()
         now = time.monotonic()
@@ -951,6 +969,22 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
             last_status = now
     writer.flush_all()
     writer.dlq.flush()
+
+
+def _take(consumer: "KafkaConsumer", writer: LakeWriter, batches: dict["TopicPartition", list[Any]]) -> None:
+    """Hand polled records to the writer, except those of partitions revoked during the poll (the next owner
+    reads them) and of partitions whose log check has not run yet (after an assignment, while the broker does
+    not answer end_offsets): those are given back by seeking to their first offset, so they are read again
+    once the check passed and never written before it."""
+    for tp, messages in batches.items():
+        part = (tp.topic, tp.partition)
+        if part not in writer.next_offset or not messages:
+            continue
+        if part in writer.unchecked:
+            consumer.seek(tp, messages[0].offset)
+            continue
+        for m in messages:
+            writer.add(tp.topic, tp.partition, m.offset, m.value, m.key, m.timestamp)
 
 
 def _wait_for_topics(consumer: "KafkaConsumer", topics: list[str], timeout_s: float = 10.0) -> None:
@@ -971,16 +1005,22 @@ def _wait_for_topics(consumer: "KafkaConsumer", topics: list[str], timeout_s: fl
 
 
 def _check_logs(consumer: "KafkaConsumer", writer: LakeWriter, parts: list[Partition],
-                topic_ids: bool) -> dict[Partition, int] | None:
+                topic_ids: bool, warn: bool = True) -> dict[Partition, int] | None:
     """The log end offsets of `parts`, compared with the lake by `writer.check_logs` (with the topics' ids too
-    when `topic_ids`), rewound partitions paused; None when the broker did not answer."""
+    when `topic_ids`: the check after an assignment), rewound partitions paused; None when the broker did not
+    answer. A failed check after an assignment logs a warning when `warn` (the first of a run of failures)."""
     from kafka import TopicPartition
 
     try:
         ends = consumer.end_offsets([TopicPartition(t, p) for t, p in parts], timeout_ms=2000) if parts else {}
-    except Exception as exc:  # fail open: the next status refresh compares the offsets again
-        (log.warning if topic_ids else log.debug)(
-            "check: log end offsets of %d partitions unavailable (%s); compared again later", len(parts), exc)
+    except Exception as exc:
+        if topic_ids:  # the partitions stay unchecked: not written (see _take), checked again at the next poll
+            (log.warning if warn else log.debug)(
+                "check: log end offsets of %d newly assigned partitions unavailable (%s); their records are held "
+                "back until the check runs, retried at each poll", len(parts), exc)
+        else:  # the status refresh: lag unknown this time, the offsets compared again at the next refresh
+            log.debug("check: log end offsets of %d partitions unavailable (%s); compared again later",
+                      len(parts), exc)
         return None
     found = {(tp.topic, tp.partition): end for tp, end in ends.items()}
     writer.check_logs(found, {t: _topic_id(consumer, t) for t in sorted({t for t, _ in parts})} if topic_ids else None)

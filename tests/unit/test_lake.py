@@ -128,3 +128,32 @@ def test_stream_identity_keeps_the_first(tmp_path: Path) -> None:
     uri = f"file://{tmp_path}/remote"
     assert [lake.stream_identity(uri, "events", SRC, i) for i in ("c", "d")] == ["c", "c"], "object-store branch"
     assert lake.list_files(str(tmp_path), "events") == [], "identity files are not lake files"
+
+
+def test_stream_tail_reads_only_the_newest_files_it_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow.parquet as pq
+
+    files = [put(tmp_path, o, o) for o in range(200)]  # a quiet partition: one row per 1 s roll, long history
+    other = put(tmp_path, 0, 0, partition=1)
+    read: list[str] = []
+    real = pq.read_table
+
+    def counting(path: str, **kwargs: object) -> pa.Table:
+        read.append(path)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(pq, "read_table", counting)
+    assert lake.stream_tail(str(tmp_path), files, "x", 5) == [o * 10 for o in range(195, 200)]
+    assert read == [f.path for f in reversed(files[-5:])], f"read {len(read)} files for a window of 5 rows"
+    with pytest.raises(AssertionError, match="one stream"):
+        lake.stream_tail(str(tmp_path), [files[0], other], "x", 5)
+
+
+def test_stream_tail_lists_again_when_a_compaction_deletes_a_listed_file(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    listed = [put(tmp_path, 0, 4), put(tmp_path, 5, 9), put(tmp_path, 10, 11)]
+    # what `flywheel compact` does after the listing: publish the covering file, then delete the originals
+    lake.write_file(root, "events", "2026-11-30", SRC, 0, 5, 11, table(list(range(5, 12))))
+    lake.delete_files(root, listed[1:])
+    assert lake.stream_tail(root, listed, "x", 4) == [80, 90, 100, 110]
+    assert lake.stream_tail(root, listed, "x", 100) == [o * 10 for o in range(12)]

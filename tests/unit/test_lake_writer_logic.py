@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -269,8 +270,10 @@ class FakeConsumer:
         self.commits: list[dict] = []
         self.ends = ends  # log end offsets; None: the broker does not answer
         self.paused: list[tuple[str, int]] = []
+        self.end_offset_calls = 0
 
     def end_offsets(self, parts: list, timeout_ms: int) -> dict:
+        self.end_offset_calls += 1
         if self.ends is None:
             raise TimeoutError("no answer")
         return {t: self.ends.get((t.topic, t.partition), 0) for t in parts}
@@ -328,7 +331,7 @@ def test_a_failed_assignment_is_raised_by_the_loop(tmp_path: Path) -> None:
 
 def test_the_loop_writes_polled_records_and_publishes_open_files_on_stop(tmp_path: Path) -> None:
     consumer = FakeConsumer([{tp(0): messages(range(0, 4)), tp(1): messages(range(0, 2))},
-                             {tp(0): messages(range(4, 6))}])
+                             {tp(0): messages(range(4, 6))}], ends={(TOPIC, 0): 6, (TOPIC, 1): 2})
     w = make_writer(tmp_path, roll_max_records=4, status_interval_s=3600.0)
     w.on_published = functools.partial(_commit_hint, consumer)
     rebalance = _Rebalance(w, consumer)
@@ -661,3 +664,112 @@ def test_the_loop_checks_new_assignments_before_writing_and_pauses_rewound_ones(
     status = json.loads((tmp_path / "var" / "run" / "status" / "lake-writer-test.json").read_text())
     assert status["rewound_partitions"] == [f"{TOPIC}/0"], status
     assert (status["duplicates"], status["gaps"], status["behind"]) == (0, 0, 0), status
+
+
+def test_records_of_a_partition_whose_log_check_could_not_run_are_held_back_until_it_runs(tmp_path: Path) -> None:
+    first = make_writer(tmp_path)
+    first.assign([(TOPIC, 0)])
+    first.check_logs({(TOPIC, 0): 0}, {TOPIC: str(uuid.UUID(int=1))})  # the lake records the topic's id
+    for o in range(10):
+        first.add(TOPIC, 0, o, wire(event(o)))
+    first.flush_all()
+    before = snapshot(tmp_path)
+
+    class LateBroker(FakeConsumer):
+        """A recreated topic (another id) whose log already outgrew the lake's; end_offsets does not answer
+        for the first 3 polls."""
+
+        _client = SimpleNamespace(cluster=SimpleNamespace(topic_id=lambda topic: uuid.UUID(int=2)))
+
+        def poll(self, timeout_ms: int, max_records: int) -> dict:
+            if len(self.batches) == 1:
+                self.ends = {(TOPIC, 0): 15}
+            return super().poll(timeout_ms, max_records)
+
+    # the new log's records 10..14, delivered (and after each seek back, again) while the check cannot run
+    consumer = LateBroker([{tp(0): messages(range(10, 15))}] * 4)
+    w = make_writer(tmp_path, status_interval_s=3600.0)
+    rebalance = _Rebalance(w, consumer)
+    rebalance.on_partitions_assigned({tp(0)})
+    polls = iter(range(5))
+    _loop(w.cfg, consumer, w, rebalance, "lake-writer-test", lambda: next(polls, None) is None)
+    calls = consumer.end_offset_calls
+    assert calls == 4, f"the check must be retried at each poll until it runs, ran {calls} times in 4 polls"
+    assert consumer.seeks[(TOPIC, 0)] == 10, f"held-back records are given back to the consumer: {consumer.seeks}"
+    assert snapshot(tmp_path) == before, "nothing of a partition whose check has not run may be written"
+    assert (w.stats.records, list(w.rewound), consumer.paused) == (0, [(TOPIC, 0)], [(TOPIC, 0)]), \
+        (w.stats, w.rewound, consumer.paused)
+
+
+def test_a_checked_partition_takes_the_records_held_back_before(tmp_path: Path) -> None:
+    consumer = FakeConsumer([{tp(0): messages(range(0, 3))}, {tp(0): messages(range(0, 5))}])
+    w = make_writer(tmp_path, status_interval_s=3600.0)
+    rebalance = _Rebalance(w, consumer)
+    rebalance.on_partitions_assigned({tp(0)})
+    polls = iter(range(2))
+
+    def stopped() -> bool:
+        consumer.ends = {(TOPIC, 0): 5} if consumer.end_offset_calls else None  # answers from the second poll on
+        return next(polls, None) is None
+
+    _loop(w.cfg, consumer, w, rebalance, "lake-writer-test", stopped)
+    assert consumer.end_offset_calls == 2 and w.unchecked == set(), (consumer.end_offset_calls, w.unchecked)
+    assert lake_rows(tmp_path) == [0, 1, 2, 3, 4], f"the re-read records land once, in order: {lake_rows(tmp_path)}"
+    assert (w.stats.behind, w.stats.gaps) == (0, 0), w.stats
+
+
+# ---- the Kafka record timestamp: only the date of an all-bad range, never a reason to stop ------------------
+@pytest.mark.parametrize("kafka_ts_ms", [1_700_000_000_000_000, 253_402_300_800_000, 10**30, -5, -1, 0,
+                                         float("nan"), float("inf"), float("-inf")])
+def test_an_absurd_kafka_timestamp_neither_stops_the_writer_nor_names_a_date(tmp_path: Path,
+                                                                              kafka_ts_ms: float) -> None:
+    w = make_writer(tmp_path)
+    w.assign([(TOPIC, 0), (TOPIC, 1)])
+    w.add(TOPIC, 0, 0, b"nope", kafka_ts_ms=kafka_ts_ms)  # microseconds sent as ms, NaN, ...: a dead letter
+    w.add(TOPIC, 0, 1, wire(event(1)), kafka_ts_ms=kafka_ts_ms)
+    w.add(TOPIC, 1, 0, b"nope", kafka_ts_ms=kafka_ts_ms)  # an all-bad range: dated by the publish day
+    w.add(TOPIC, 1, 1, b"nope", kafka_ts_ms=1_764_460_800_000)
+    w.flush_all()
+    today = dt.datetime.now(dt.timezone.utc).date().isoformat()
+    files = [(f.partition, f.first, f.last, f.date) for f in lake.list_files(str(tmp_path), "events")]
+    assert files == [(0, 0, 1, "2026-11-30"), (1, 0, 1, today)], files
+    assert (w.stats.records, w.stats.dlq, sorted(lake_rows(tmp_path))) == (4, 3, [1]), w.stats
+
+
+# ---- the window means "among the last n landed rows", so every writer rebuilding it decides alike ---------
+def test_the_window_holds_exactly_the_ids_of_the_last_n_landed_rows() -> None:
+    from flywheel.ingest.lake_writer import IdWindow
+
+    rows = ["a", "x", "a", "y", "z"]  # "a" landed twice (written with de-duplication off)
+    window = IdWindow(3, rows[:3])
+    for row_id in rows[3:]:
+        window.add(row_id)
+    assert {i for i in "axyz" if i in window} == set(rows[-3:]) == {"a", "y", "z"}, \
+        "the second 'a' is among the last 3 rows, 'x' is not"
+    assert len(window) == 3
+    window.add("q")
+    assert "a" not in window and {"y", "z", "q"} == {i for i in "axyzq" if i in window}
+
+
+def test_a_writer_that_rebuilt_its_window_decides_like_the_one_that_kept_it(tmp_path: Path) -> None:
+    import shutil
+
+    old = make_writer(tmp_path / "live", roll_max_records=3, dedup_window=0)  # rows from before de-duplication
+    old.assign([(TOPIC, 0)])
+    for o, i in enumerate((1, 2, 1)):
+        old.add(TOPIC, 0, o, wire(event(i)))
+    live = make_writer(tmp_path / "live", roll_max_records=2, dedup_window=3)
+    live.assign([(TOPIC, 0)])  # window from the lake's tail 1, 2, 1
+    for o, i in ((3, 3), (4, 4)):
+        live.add(TOPIC, 0, o, wire(event(i)))  # publishes 3..4: the last 3 rows are now 1, 3, 4
+    shutil.copytree(tmp_path / "live", tmp_path / "rebuilt")
+    rebuilt = make_writer(tmp_path / "rebuilt", roll_max_records=2, dedup_window=3)
+    assert rebuilt.assign([(TOPIC, 0)]) == {(TOPIC, 0): 5}
+    following = [(5, 1), (6, 2), (7, 5), (8, 4)]  # 1 is among the last 3 rows, 2 is not; 4 still is at 8
+    for w in (live, rebuilt):
+        for o, i in following:
+            w.add(TOPIC, 0, o, wire(event(i)))
+        w.flush_all()
+    kept = {name: [r for r in ids_in_lake(tmp_path / name) if r[0] >= 5] for name in ("live", "rebuilt")}
+    assert kept["live"] == kept["rebuilt"] == [(6, "e00000002"), (7, "e00000005")], kept
+    assert (live.stats.duplicates, rebuilt.stats.duplicates) == (2, 2), (live.stats, rebuilt.stats)
