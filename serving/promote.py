@@ -281,6 +281,40 @@ def ensure_serving(version: int, registry: Registry, tier: TierConfig) -> None:
             log.error("promote: could not restore policy-v%d on %s: %s", version, server, exc)
 
 
+def stranded(held: dict[str, int], champion: int, registered: set[int]) -> list[str]:
+    """Full-weight servers left on a version no alias names: a gate killed between moving an alias
+    (reject, rollback) and reloading the servers leaves them there, and no later round repairs it.
+
+    `held`: server -> the full-weight version it holds; `registered`: the versions in the registry.
+    A held version that is not registered is a publish in flight (the publisher pushes, then
+    registers), so it is left alone; version 0 (the base) is always known.
+    """
+    return [server for server, version in sorted(held.items())
+            if version != champion and (version == 0 or version in registered)]
+
+
+def repair_serving(registry: Registry, tier: TierConfig) -> None:
+    """At start-up, with no challenger pending: put full-weight servers stranded on a refused version back on the champion."""
+    slots = registry.alias_versions()
+    if CHALLENGER in slots:
+        return  # the next round decides, and its apply() reloads what it must
+    champion = slots[CHAMPION].policy_version if CHAMPION in slots else 0
+    if champion != 0 and slots[CHAMPION].kind != "full":
+        return  # adapters are served by name: the router follows the aliases, nothing is stranded
+    held: dict[str, int] = {}
+    for server in tier.servers:
+        try:
+            held[server] = vllm_client.weight_version(server.rstrip("/"), tier.http_timeout_s)
+        except vllm_client.ServerError as exc:
+            log.warning("promote: start-up check of %s skipped (%s)", server, exc)
+    registered = {v for v in set(held.values()) if v != 0 and registry.find(v) is not None}
+    for server in stranded(held, champion, registered):
+        log.warning("promote: %s holds policy-v%d, which no alias names (a gate stopped mid-decision); "
+                    "serving the champion policy-v%d again", server, held[server], champion)
+    if stranded(held, champion, registered):
+        ensure_serving(champion, registry, tier)
+
+
 def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | None:
     """One MLflow run per decision (params, metrics, reason) plus tags on the challenger's model version."""
     from flywheel.base import tracking
@@ -387,6 +421,7 @@ def run(cfg: PromoteConfig) -> int:
     stop = threading.Event()
     if cfg.auto:
         stop_on_signals("finishing the current round, then exiting", stop, signals=(signal.SIGTERM,))
+    repair_serving(registry, cfg)
     rounds = 0
     while True:
         decisions = gate_once(cfg, registry)

@@ -120,3 +120,15 @@ def test_eval_task_sets_load_from_a_module_or_a_file(tmp_path: Path) -> None:
     assert len(load_tasks(f"{family}:tasks")) == 3
     with pytest.raises(ValueError, match="module:function"):
         load_tasks("flywheel.serving.evaluate")
+
+
+def test_start_up_finds_servers_stranded_on_a_version_no_alias_names() -> None:
+    from flywheel.serving.promote import stranded
+
+    # killed between clearing the challenger alias and reloading: the server still holds refused v5
+    assert stranded({"http://a": 5, "http://b": 3}, champion=3, registered={3, 5}) == ["http://a"]
+    # a full-weight push whose registration has not happened yet is a publish in flight: left alone
+    assert stranded({"http://a": 6}, champion=3, registered={3, 5}) == []
+    # the base is always known; a server on it while the champion is v3 is stranded
+    assert stranded({"http://a": 0}, champion=3, registered={3}) == ["http://a"]
+    assert stranded({"http://a": 0, "http://b": 0}, champion=0, registered=set()) == []
