@@ -308,10 +308,11 @@ def repair_serving(registry: Registry, tier: TierConfig) -> None:
         except vllm_client.ServerError as exc:
             log.warning("promote: start-up check of %s skipped (%s)", server, exc)
     registered = {v for v in set(held.values()) if v != 0 and registry.find(v) is not None}
-    for server in stranded(held, champion, registered):
+    servers = stranded(held, champion, registered)
+    for server in servers:
         log.warning("promote: %s holds policy-v%d, which no alias names (a gate stopped mid-decision); "
                     "serving the champion policy-v%d again", server, held[server], champion)
-    if stranded(held, champion, registered):
+    if servers:
         ensure_serving(champion, registry, tier)
 
 
