@@ -46,7 +46,10 @@ def test_follow_picks_up_new_files_and_stops_on_sigterm(tmp_path: Path) -> None:
             feed.write("outcomes", outcomes)
             expected += sum(e["type"] == "llm_call" for e in events)
             assert wait_for(lambda: rows() == expected, 30), f"{rows()} episode rows, expected {expected}"
-        status = json.loads((var / "run" / "status" / "episodes.json").read_text())
+        # the heartbeat is written after the pass that published the rows returns: give it that moment
+        status_path = var / "run" / "status" / "episodes.json"
+        wait_for(lambda: status_path.exists() and json.loads(status_path.read_text()).get("rows_total") == expected, 10)
+        status = json.loads(status_path.read_text())
         assert status["rows_total"] == expected and status["sessions_emitted"] == 10, status
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
