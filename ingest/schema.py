@@ -127,6 +127,7 @@ EVENT_FIELDS: dict[str, tuple[Col, ...]] = {
         Col("completion_text", "str", False, "optional completion text (redacted)"),
         Col("group_id", "str", False, "samples sharing a group id get group-relative advantages"),
         Col("request_id", "str", False, "the serving request id, for tracing"),
+        Col("arm", "str", False, "the router's arm for the session: control, champion or challenger (null: no router)"),
     ),
     "tool_call": (
         Col("call_id", "str", True, "pairs the call with its result"),

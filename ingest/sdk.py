@@ -1446,6 +1446,7 @@ class Session:
         completion_text: str | None = None,
         group_id: str | None = None,
         request_id: str | None = None,
+        arm: str | None = None,
         **extra: Any,
     ) -> None:
         """One model call with the exact token ids the server saw and sampled, and their behaviour logprobs.
@@ -1457,7 +1458,7 @@ class Session:
             "model": model, "policy_version": policy_version, "prompt_token_ids": prompt_token_ids,
             "completion_token_ids": completion_token_ids, "completion_logprobs": completion_logprobs,
             "finish_reason": finish_reason, "latency_s": latency_s, "sampling": sampling, "prompt_text": prompt_text,
-            "completion_text": completion_text, "group_id": group_id, "request_id": request_id,
+            "completion_text": completion_text, "group_id": group_id, "request_id": request_id, "arm": arm,
         }, extra)
 
     def tool_call(self, name: str | None = None, arguments: Any = None, call_id: str | None = None,

@@ -2,7 +2,8 @@
 
 The gate (serving/promote.py) judges each published version and moves the registry's champion
 and challenger aliases. The learner reads them (GateFollower, rank 0): while the newest version
-it published is champion or challenger it keeps training its own weights; once the gate rejected
+it published is champion or challenger it keeps training its own weights, and also when the gate let
+it expire undecided (the evidence ran out, which is not evidence that it is worse); once the gate rejected
 or rolled it back (`rebase_target`, a pure function) it continues from the champion's weights
 (`rebase_onto`, every rank) and drops the rows the abandoned versions served. `gate_ruled` tells
 publish_wait_for_gate whether the gate has decided on the newest version yet.
@@ -139,8 +140,11 @@ class GateFollower:
             return None
         try:
             # a version whose publish failed before it was registered was never judged: keep training it
-            if self.registry().find(self.state.published[-1]) is None:
+            newest = self.registry().find(self.state.published[-1])
+            if newest is None:
                 return None
+            if newest.tags.get("gate_decision") == "expire":
+                return None  # undecided at the gate's sample cap: not shown worse, so the line goes on (a new challenger follows)
             found = self.registry().find(target) if target != 0 else None
         except Exception as exc:  # MLflow unreachable: keep training; the next read decides
             log.warning("gate: registry %s unreadable (%s: %s); not following the gate this time",

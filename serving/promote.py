@@ -1,22 +1,25 @@
 """Promotion gate and rollback: `flywheel promote [--auto]`, `flywheel rollback`, the serving part of `flywheel status`.
 
 The gate compares the challenger with the champion on
-  (a) online outcome rewards of their own production sessions, read from the lake's episodes
-      (latest label of each episode, averaged per session, grouped by the policy_version that
-      served it) with a one-sided Welch t-test and a minimum number of sessions per side, and
-  (b) an offline set of verifiable tasks run through vLLM against both (two-proportion z-test;
-      the task set is pluggable, see serving/evaluate.py).
-It promotes only when neither shows a significant regression. Outcomes:
-  promote  the challenger becomes champion (the old one stays in the champion history);
-  reject   a significant regression: the challenger alias is cleared, so it stops getting traffic;
-  hold     too few sessions yet, or no offline score: nothing changes, the next round decides.
-With --auto it loops, and also rolls back a champion whose online reward has dropped significantly
-below the previous champion's. Every decision, its numbers and its reason go to MLflow (a run in
-experiment "flywheel-promotion" and tags on the challenger's model version) and to stdout.
+  (a) their production sessions served at the same time (the router's arms, logged on every
+      llm_call), mature and stratified by task type, with an always-valid sequential test (the
+      rule and why it is valid: serving/decision.py), and
+  (b) an offline set of verifiable tasks run through vLLM against both (two-proportion z-test at
+      alpha; the task set is pluggable, see serving/evaluate.py), a veto on a promotion.
+Outcomes:
+  promote  the challenger is significantly better (or non-inferior within the margin): it becomes champion;
+  reject   it is significantly worse online, or offline: the challenger alias is cleared;
+  expire   max_sessions without a decision: cleared too, tagged expire (the learner keeps its line);
+  hold     not decided yet: nothing changes, the next round looks again (which the test allows).
+With --auto it loops, and also rolls back a champion that is significantly worse than the
+concurrent control arm (same test, on sessions since its promotion). Every decision, its
+statistic, threshold and sample sizes go to MLflow (a run in experiment "flywheel-promotion" and
+tags on the challenger's model version) and to stdout.
 
-Rollback (`flywheel rollback`, or automatic) moves `champion` back to the previous champion; the
-router re-reads aliases every few seconds, and full-weight servers are reloaded with the restored
-champion's weights, since an alias alone cannot change what a server holds.
+Serving: champion, challenger and control are served at the same time. LoRA versions are
+adapters on every server; a full-weight version takes a server of its own (the publisher never
+replaces a live version's weights), so a promotion or rejection only moves aliases. A rollback to
+a version no server holds any more loads it onto a free server first.
 """
 
 from __future__ import annotations
@@ -29,93 +32,53 @@ import math
 import re
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flywheel.base import defaults
-from flywheel.base.config import ConfigError, setting
+from flywheel.base.config import setting
 from flywheel.base.stop import stop_on_signals
 from flywheel.serving import evaluate, publisher, vllm_client
+from flywheel.serving.decision import GateRule, Verdict, concurrent
+from flywheel.serving.decision import decide as decide_online
+from flywheel.serving.decision import decide_rollback as decide_online_rollback
 from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
-from flywheel.serving.stats import Comparison, mean_ci, two_proportions, welch
+from flywheel.serving.sessions import SessionRecord, read_sessions
+from flywheel.serving.stats import mean_ci, two_proportions
 from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class PromoteConfig(TierConfig):
-    """Champion/challenger gate over online rewards (lake) and an offline eval set (vLLM)."""
+class PromoteConfig(TierConfig, GateRule):
+    """Champion/challenger gate over concurrent production sessions (lake) and an offline eval set (vLLM)."""
 
-    lake_root: str = setting(defaults.LAKE_ROOT, "trajectory lake root (episodes are read from <root>/episodes)")
-    min_sessions: int = setting(30, "sessions each side needs before the online test may decide")
-    alpha: float = setting(0.05, "one-sided significance level for a regression (online and offline)")
-    max_drop: float = setting(float("inf"), "largest drop of the challenger's mean online reward below the champion's that may "
-                                            "still be promoted; a larger one is rejected even when not significant (inf: "
-                                            "only significant regressions are rejected)")
+    lake_root: str = setting(defaults.LAKE_ROOT, "trajectory lake root (sessions are read from <root>/events and /outcomes)")
     eval_tasks: str = setting("flywheel.serving.evaluate:arithmetic_tasks", "offline eval set: module:function returning EvalTasks")
     require_offline_eval: bool = setting(True, "hold the promotion when a side has no offline score")
     experiment: str = setting("flywheel-promotion", "MLflow experiment receiving one run per decision")
     auto: bool = setting(False, "loop: gate every interval_s and roll back a regressed champion")
-    auto_rollback: bool = setting(True, "with --auto, roll back when the champion is significantly worse than the previous")
+    auto_rollback: bool = setting(True, "with --auto, roll back a champion significantly worse than the control arm")
     interval_s: float = setting(30.0, "seconds between rounds with --auto")
     rounds: int = setting(0, "with --auto, stop after this many rounds (0: until SIGTERM)")
     var_dir: str = setting(defaults.VAR_DIR, "local state folder; the heartbeat goes to <var_dir>/run/status/promote.json")
 
     def check(self) -> None:
-        super().check()
-        if self.min_sessions < 2:
-            raise ConfigError(f"min_sessions: {self.min_sessions} < 2; a t-test needs two sessions per side")
-        if not 0.0 < self.alpha < 0.5:
-            raise ConfigError(f"alpha: {self.alpha} is not within (0, 0.5)")
-        if not self.max_drop >= 0.0:
-            raise ConfigError(f"max_drop: {self.max_drop} must be >= 0 (inf turns it off)")
+        TierConfig.check(self)
+        self.check_rule()
 
 
 @dataclass
 class Decision:
-    action: str  # promote | reject | hold | rollback | keep | none
+    action: str  # promote | reject | expire | hold | rollback | keep | none
     reason: str
     champion: int
     challenger: int | None
     numbers: dict[str, float] = field(default_factory=dict)
     ts: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat())
-
-
-# ---------------------------------------------------------------------------------------------
-# Online rewards from the lake
-# ---------------------------------------------------------------------------------------------
-def online_rewards(lake_root: str) -> dict[int, list[float]]:
-    """policy_version -> one reward per session it served (mean over the session's latest-labelled episodes)."""
-    import duckdb
-
-    from flywheel.ingest import lake
-
-    files = [f.path for f in lake.list_files(lake_root, "episodes")]
-    if not files:
-        return {}
-    if "://" not in lake_root:
-        files = [str(Path(p)) for p in files]
-    con = duckdb.connect()
-    try:
-        rows = con.execute(
-            """
-            WITH latest AS (
-                SELECT session_id, policy_version, reward
-                FROM read_parquet(?, union_by_name = true)
-                -- a later outcome appends a new label of the same episode: only the newest one counts
-                QUALIFY row_number() OVER (PARTITION BY episode_id ORDER BY label_version DESC) = 1
-            )
-            SELECT policy_version, avg(reward) FROM latest GROUP BY policy_version, session_id
-            """, [files]).fetchall()
-    finally:
-        con.close()
-    out: dict[int, list[float]] = {}
-    for version, reward in rows:
-        if reward is not None and math.isfinite(reward):
-            out.setdefault(int(version), []).append(float(reward))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,138 +145,119 @@ def offline_score(registry: Registry, version: int, kind: str, cfg: PromoteConfi
 # ---------------------------------------------------------------------------------------------
 # Decisions
 # ---------------------------------------------------------------------------------------------
-def _numbers(prefix: str, c: Comparison) -> dict[str, float]:
-    return {f"{prefix}_n_champion": c.n_a, f"{prefix}_n_challenger": c.n_b, f"{prefix}_champion": c.mean_a,
-            f"{prefix}_challenger": c.mean_b, f"{prefix}_diff": c.diff, f"{prefix}_p_worse": c.p_worse,
-            f"{prefix}_p_better": c.p_better}
-
-
-def decide(champion: int, challenger: int | None, rewards: dict[int, list[float]],
-           offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig) -> Decision:
-    """The gate as a pure function: `offline` is (champion score, challenger score), or why there is none."""
-    if challenger is None or challenger == champion:
-        return Decision("none", "no challenger", champion, None)
-    champ_r, chal_r = rewards.get(champion, []), rewards.get(challenger, [])
-    numbers: dict[str, float] = {"online_n_champion": len(champ_r), "online_n_challenger": len(chal_r)}
-    if len(champ_r) < cfg.min_sessions or len(chal_r) < cfg.min_sessions:
-        return Decision("hold", f"too few sessions: champion policy-v{champion} {len(champ_r)}, challenger "
-                        f"policy-v{challenger} {len(chal_r)}, need {cfg.min_sessions} each", champion, challenger, numbers)
-    online = welch(champ_r, chal_r)
-    numbers.update(_numbers("online", online))
-    if online.p_worse < cfg.alpha:
-        return Decision("reject", f"online reward regressed: {online.mean_b:.3f} vs {online.mean_a:.3f} "
-                        f"(p={online.p_worse:.4f} < {cfg.alpha})", champion, challenger, numbers)
-    if online.diff < -cfg.max_drop:
-        # "not significantly worse" is not "as good": with 100-300 sessions a side the gate promoted
-        # versions 6-9 points of success below their champion (p_worse 0.055-0.17), and the champion
-        # line drifted down from its best. Rejecting costs little: the learner continues from the champion.
-        return Decision("reject", f"online reward dropped {-online.diff:.4f} > max_drop {cfg.max_drop} "
-                        f"({online.mean_b:.3f} vs {online.mean_a:.3f}, p_worse={online.p_worse:.3f})",
-                        champion, challenger, numbers)
+def _offline_veto(offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig,
+                  numbers: dict[str, float]) -> tuple[str, str] | None:
+    """(action, reason) when the offline eval stops a promotion (a regression: reject; no score: hold), else None."""
     if isinstance(offline, tuple):
         champ_s, chal_s = offline
         off = two_proportions(champ_s.successes, champ_s.n, chal_s.successes, chal_s.n)
-        numbers.update(_numbers("offline", off))
+        numbers.update({"offline_champion": off.mean_a, "offline_challenger": off.mean_b, "offline_n_champion": off.n_a,
+                        "offline_n_challenger": off.n_b, "offline_p_worse": off.p_worse})
         if off.p_worse < cfg.alpha:
-            return Decision("reject", f"offline eval regressed: {chal_s.successes}/{chal_s.n} vs "
-                            f"{champ_s.successes}/{champ_s.n} (p={off.p_worse:.4f} < {cfg.alpha})",
-                            champion, challenger, numbers)
-        offline_text = f"offline {chal_s.successes}/{chal_s.n} vs {champ_s.successes}/{champ_s.n} (p_worse={off.p_worse:.3f})"
-    elif cfg.require_offline_eval:
-        return Decision("hold", f"no offline eval: {offline}", champion, challenger, numbers)
-    else:
-        offline_text = f"offline eval skipped ({offline})"
-    return Decision("promote", f"no significant regression: online {online.mean_b:.3f} vs {online.mean_a:.3f} "
-                    f"(p_worse={online.p_worse:.3f}), {offline_text}", champion, challenger, numbers)
+            return "reject", (f"offline eval regressed: {chal_s.successes}/{chal_s.n} vs {champ_s.successes}/{champ_s.n} "
+                              f"(p={off.p_worse:.4f} < {cfg.alpha})")
+        return None
+    if cfg.require_offline_eval:
+        return "hold", f"better online, but no offline eval: {offline}"
+    return None
 
 
-def decide_rollback(champion: int, previous: int | None, rewards: dict[int, list[float]],
-                    cfg: PromoteConfig) -> Decision:
-    """Roll back when the champion's sessions are significantly worse than the previous champion's."""
-    if previous is None:
-        return Decision("keep", "no previous champion", champion, None)
-    now, before = rewards.get(champion, []), rewards.get(previous, [])
-    numbers: dict[str, float] = {"online_n_champion": len(now), "online_n_previous": len(before)}
-    if len(now) < cfg.min_sessions or len(before) < cfg.min_sessions:
-        return Decision("keep", f"too few sessions to judge the champion ({len(now)} vs {len(before)}, need "
-                        f"{cfg.min_sessions})", champion, None, numbers)
-    c = welch(before, now)
-    numbers.update({"online_previous": c.mean_a, "online_champion": c.mean_b, "online_diff": c.diff,
-                    "online_p_worse": c.p_worse})
-    if c.p_worse < cfg.alpha:
-        return Decision("rollback", f"champion policy-v{champion} regressed below policy-v{previous}: "
-                        f"{c.mean_b:.3f} vs {c.mean_a:.3f} (p={c.p_worse:.4f} < {cfg.alpha})", champion, previous,
-                        numbers)
-    return Decision("keep", f"champion holds: {c.mean_b:.3f} vs previous {c.mean_a:.3f} (p_worse={c.p_worse:.3f})",
-                    champion, None, numbers)
+def decide(champion: int, challenger: int | None, records: list[SessionRecord],
+           offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig,
+           now: float | None = None) -> Decision:
+    """The gate as a pure function of the sessions: `offline` is (champion score, challenger score), or why there is none."""
+    if challenger is None or challenger == champion:
+        return Decision("none", "no challenger", champion, None)
+    ev = concurrent(records, (champion, "champion"), (challenger, "challenger"), time.time() if now is None else now, cfg)
+    verdict: Verdict = decide_online(ev, cfg)
+    numbers = {("online_" + k): v for k, v in verdict.numbers.items()}
+    if verdict.action == "promote":
+        veto = _offline_veto(offline, cfg, numbers)
+        if veto is not None:
+            return Decision(veto[0], veto[1], champion, challenger, numbers)
+    return Decision(verdict.action, verdict.reason, champion, challenger, numbers)
+
+
+def decide_rollback(champion: int, records: list[SessionRecord], cfg: PromoteConfig, promoted_at: float | None,
+                    now: float | None = None) -> Decision:
+    """Roll back a champion significantly worse than the concurrent control arm (sessions since its promotion)."""
+    if cfg.control_share <= 0:
+        return Decision("keep", "no control arm: nothing concurrent to judge the champion against", champion, None)
+    if champion == cfg.control_version:
+        return Decision("keep", "the champion is the control version", champion, None)
+    ev = concurrent(records, (cfg.control_version, "control"), (champion, "champion"),
+                    time.time() if now is None else now, cfg, since=promoted_at)
+    verdict = decide_online_rollback(ev, cfg)
+    numbers = {("online_" + k): v for k, v in verdict.numbers.items()}
+    return Decision(verdict.action, verdict.reason, champion, None, numbers)
 
 
 # ---------------------------------------------------------------------------------------------
 # Applying and recording decisions
 # ---------------------------------------------------------------------------------------------
-def ensure_serving(version: int, registry: Registry, tier: TierConfig) -> None:
-    """Make the tier serve a version again (after a rollback or reject): reload full weights, re-load an evicted adapter."""
-    if version == 0:
-        kind, source = "full", str(Path(tier.base_model).resolve())
-    else:
-        found = registry.find(version)
-        if found is None:
-            log.warning("promote: policy-v%d is not registered; cannot make the tier serve it", version)
-            return
-        kind, source = found.kind, found.source
-    if where_served(version, kind, tier) is not None and kind == "lora":
-        return
+def _held(tier: TierConfig) -> dict[str, int | None]:
+    held: dict[str, int | None] = {}
     for server in tier.servers:
         server = server.rstrip("/")
         try:
-            if kind == "lora":
+            held[server] = vllm_client.weight_version(server, tier.http_timeout_s)
+        except vllm_client.ServerError as exc:
+            log.warning("promote: %s unreachable (%s)", server, exc)
+            held[server] = None
+    return held
+
+
+def _source(version: int, registry: Registry, tier: TierConfig) -> tuple[str, str] | None:
+    """(kind, weights directory) of a version; None when it is not registered."""
+    if version == 0:
+        return "full", str(Path(tier.base_model).resolve())
+    found = registry.find(version)
+    if found is None:
+        log.warning("promote: policy-v%d is not registered; cannot make the tier serve it", version)
+        return None
+    return found.kind, publisher.local_source(found.source)
+
+
+def ensure_serving(version: int, registry: Registry, tier: TierConfig, live: set[int]) -> None:
+    """Make the tier serve a version (after a rollback, or at start-up): a LoRA adapter on every server that lost it,
+    full weights onto one free server when no server holds them. `live`: the versions that keep their servers."""
+    place = _source(version, registry, tier)
+    if place is None:
+        return
+    kind, source = place
+    try:
+        if kind == "lora":
+            for server in tier.servers:
+                server = server.rstrip("/")
                 if publisher.lora_name(version) not in vllm_client.served_models(server, tier.http_timeout_s):
                     vllm_client.load_lora_adapter(server, publisher.lora_name(version), source, tier.http_timeout_s)
-            else:
-                held = vllm_client.weight_version(server, tier.http_timeout_s)
-                if held == version:
-                    continue
-                held_found = registry.find(held) if held != 0 else None  # where to go back to if the reload fails
-                pv = publisher.PolicyVersion(Path(source), version, "full", {})
-                publisher.push_full_http(server, pv, tier, restore_dir=Path(held_found.source) if held_found else None)
-            log.info("promote: %s serves policy-v%d (%s) again", server, version, kind)
-        except vllm_client.ServerError as exc:
-            log.error("promote: could not restore policy-v%d on %s: %s", version, server, exc)
-
-
-def stranded(held: dict[str, int], champion: int, registered: set[int]) -> list[str]:
-    """Full-weight servers left on a version no alias names: a gate killed between moving an alias
-    (reject, rollback) and reloading the servers leaves them there, and no later round repairs it.
-
-    `held`: server -> the full-weight version it holds; `registered`: the versions in the registry.
-    A held version that is not registered is a publish in flight (the publisher pushes, then
-    registers), so it is left alone; version 0 (the base) is always known.
-    """
-    return [server for server, version in sorted(held.items())
-            if version != champion and (version == 0 or version in registered)]
+                    log.info("promote: %s serves policy-v%d (lora) again", server, version)
+            return
+        held = _held(tier)
+        if version in held.values():
+            return
+        free = publisher.full_targets(held, live - {version}, version)
+        if not free:
+            log.error("promote: no free server for policy-v%d (servers hold %s, live %s)", version, held, sorted(live))
+            return
+        server = free[0]
+        before = held[server]
+        restore = _source(before, registry, tier) if before is not None else None
+        publisher.push_full_http(server, publisher.PolicyVersion(Path(source), version, "full", {}), tier,
+                                 restore_dir=Path(restore[1]) if restore else None)
+        log.info("promote: %s serves policy-v%d (full) again, in place of policy-v%s", server, version, before)
+    except vllm_client.ServerError as exc:
+        log.error("promote: could not make the tier serve policy-v%d: %s", version, exc)
 
 
 def repair_serving(registry: Registry, tier: TierConfig) -> None:
-    """At start-up, with no challenger pending: put full-weight servers stranded on a refused version back on the champion."""
-    slots = registry.alias_versions()
-    if CHALLENGER in slots:
-        return  # the next round decides, and its apply() reloads what it must
-    champion = slots[CHAMPION].policy_version if CHAMPION in slots else 0
-    if champion != 0 and slots[CHAMPION].kind != "full":
-        return  # adapters are served by name: the router follows the aliases, nothing is stranded
-    held: dict[str, int] = {}
-    for server in tier.servers:
-        try:
-            held[server] = vllm_client.weight_version(server.rstrip("/"), tier.http_timeout_s)
-        except vllm_client.ServerError as exc:
-            log.warning("promote: start-up check of %s skipped (%s)", server, exc)
-    registered = {v for v in set(held.values()) if v != 0 and registry.find(v) is not None}
-    servers = stranded(held, champion, registered)
-    for server in servers:
-        log.warning("promote: %s holds policy-v%d, which no alias names (a gate stopped mid-decision); "
-                    "serving the champion policy-v%d again", server, held[server], champion)
-    if servers:
-        ensure_serving(champion, registry, tier)
+    """At start-up: the champion and the control are served (a gate killed between moving an alias and loading a
+    rolled-back champion leaves it on no server)."""
+    aliases = registry.aliases()
+    champion, challenger = aliases.get(CHAMPION, 0), aliases.get(CHALLENGER)
+    live = tier.live_versions(champion, challenger)
+    for version in sorted(live - ({challenger} if challenger is not None else set())):
+        ensure_serving(version, registry, tier, live)
 
 
 def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | None:
@@ -326,37 +270,42 @@ def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | 
     run = client.create_run(tracking.experiment_id(cfg.experiment, cfg.mlflow_tracking_uri),
                             run_name=f"{decision.action}-v{decision.challenger}-over-v{decision.champion}",
                             tags={"decision": decision.action, "reason": decision.reason[:4000],
-                                  "registered_model": registry.name})
+                                  "registered_model": registry.name, "test": "msprt-stratified"})
     run_id = run.info.run_id
     client.log_param(run_id, "champion", decision.champion)
     client.log_param(run_id, "challenger", decision.challenger)
-    for key in ("min_sessions", "alpha", "eval_tasks"):
+    for key in ("alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s", "outcome_kind", "eval_tasks",
+                "control_share", "control_version", "challenger_share"):
         client.log_param(run_id, key, getattr(cfg, key))
     for key, value in decision.numbers.items():
         if value is not None and math.isfinite(float(value)):
             client.log_metric(run_id, key, float(value))
     client.set_terminated(run_id)
-    if decision.challenger is not None and decision.action in ("promote", "reject", "hold"):
+    if decision.challenger is not None and decision.action in ("promote", "reject", "expire", "hold"):
         registry.tag_version(decision.challenger, {"gate_decision": decision.action, "gate_reason": decision.reason[:4000],
                                                    "gate_ts": decision.ts, "gate_run_id": run_id})
+    elif decision.action == "rollback":
+        registry.tag_version(decision.champion, {"gate_rollback_run_id": run_id, "gate_rollback_ts": decision.ts})
     return run_id
 
 
 def apply(decision: Decision, registry: Registry, tier: TierConfig) -> None:
+    """Move the aliases; only a rollback can need weights loaded (its target may be on no server any more)."""
     if decision.action == "promote" and decision.challenger is not None:
         registry.make_champion(decision.challenger)
-    elif decision.action == "reject":
+        registry.tag_version(decision.challenger, {"promoted_ts": f"{time.time():.3f}"})
+    elif decision.action in ("reject", "expire"):
         registry.clear_alias(CHALLENGER)
-        ensure_serving(decision.champion, registry, tier)  # a full-weight challenger still sits on the servers
     elif decision.action == "rollback":
         _, target = registry.rollback()
-        ensure_serving(target, registry, tier)
+        challenger = registry.aliases().get(CHALLENGER)
+        ensure_serving(target, registry, tier, tier.live_versions(target, challenger))
 
 
 def show(decision: Decision, console: Any) -> None:
     from rich.table import Table
 
-    colour = {"promote": "green", "reject": "red", "rollback": "red", "hold": "yellow"}.get(decision.action, "white")
+    colour = {"promote": "green", "reject": "red", "expire": "red", "rollback": "red", "hold": "yellow"}.get(decision.action, "white")
     table = Table(title=f"gate: [{colour}]{decision.action}[/{colour}]  champion policy-v{decision.champion}"
                         + (f", challenger policy-v{decision.challenger}" if decision.challenger is not None else ""))
     table.add_column("measure")
@@ -367,22 +316,15 @@ def show(decision: Decision, console: Any) -> None:
     console.print(f"{decision.action}: {decision.reason}")
 
 
-def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalTask] | None = None,
-              rewards: dict[int, list[float]] | None = None) -> list[Decision]:
-    """One round: the challenger gate, then (with auto_rollback) the champion's regression check."""
-    rewards = online_rewards(cfg.lake_root) if rewards is None else rewards
-    slots = registry.alias_versions()
-    champion = slots[CHAMPION].policy_version if CHAMPION in slots else 0
-    champion_kind = slots[CHAMPION].kind if CHAMPION in slots else "full"
-    decisions: list[Decision] = []
-    challenger = slots.get(CHALLENGER)
-    # Score both sides every round while they are served (cached once per version): a full-weight
-    # champion stops being served the moment a full-weight challenger is pushed, and its score from
-    # before is the only one the gate can ever compare against.
-    tasks = tasks if tasks is not None else evaluate.load_tasks(cfg.eval_tasks)
-    sides = [(champion, champion_kind)]
-    if challenger is not None and challenger.policy_version != champion:
-        sides.append((challenger.policy_version, challenger.kind))
+
+def _promoted_at(registry: Registry, champion: int) -> float | None:
+    found = registry.find(champion) if champion else None
+    text = found.tags.get("promoted_ts") if found else None
+    return float(text) if text else None
+
+
+def _offline_scores(cfg: PromoteConfig, registry: Registry, sides: list[tuple[int, str]],
+                    tasks: list[evaluate.EvalTask]) -> tuple[dict[int, evaluate.EvalScore], list[str]]:
     scores: dict[int, evaluate.EvalScore] = {}
     missing: list[str] = []
     for version, kind in sides:
@@ -390,21 +332,37 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
             scores[version] = offline_score(registry, version, kind, cfg, tasks)
         except evaluate.EvalUnavailable as exc:
             missing.append(str(exc))
+    return scores, missing
+
+
+def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalTask] | None = None,
+              records: list[SessionRecord] | None = None, now: float | None = None) -> list[Decision]:
+    """One round: the challenger gate, then (with auto_rollback) the champion against the control."""
+    records = read_sessions(cfg.lake_root, cfg.outcome_kind) if records is None else records
+    slots = registry.alias_versions()
+    champion = slots[CHAMPION].policy_version if CHAMPION in slots else 0
+    champion_kind = slots[CHAMPION].kind if CHAMPION in slots else "full"
+    challenger = slots.get(CHALLENGER)
+    tasks = tasks if tasks is not None else evaluate.load_tasks(cfg.eval_tasks)
+    sides = [(champion, champion_kind)]
+    if challenger is not None and challenger.policy_version != champion:
+        sides.append((challenger.policy_version, challenger.kind))
+    # scored while served (cached once per version), so a version keeps its score after it stops being served
+    scores, missing = _offline_scores(cfg, registry, sides, tasks)
     offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None = "; ".join(missing) or None
     if challenger is not None and not missing and len(scores) == 2:
         offline = (scores[champion], scores[challenger.policy_version])
-    decision = decide(champion, challenger.policy_version if challenger else None, rewards, offline, cfg)
+    decision = decide(champion, challenger.policy_version if challenger else None, records, offline, cfg, now)
     apply(decision, registry, cfg)
     record(decision, cfg, registry)
-    decisions.append(decision)
+    decisions = [decision]
     if cfg.auto_rollback and decision.action != "promote" and CHAMPION in slots:
-        back = decide_rollback(champion, registry.previous_champion(), rewards, cfg)
+        back = decide_rollback(champion, records, cfg, _promoted_at(registry, champion), now)
         if back.action == "rollback":
             apply(back, registry, cfg)
             record(back, cfg, registry)
         decisions.append(back)
     return decisions
-
 
 def run(cfg: PromoteConfig) -> int:
     from rich.console import Console
@@ -457,7 +415,7 @@ def rollback_main(argv: list[str] | None = None) -> int:
     except LookupError as exc:
         log.error("rollback: %s", exc)
         return 1
-    ensure_serving(target, registry, cfg)
+    ensure_serving(target, registry, cfg, cfg.live_versions(target, registry.aliases().get(CHALLENGER)))
     decision = Decision("rollback", "manual rollback (flywheel rollback)", current if current is not None else 0, target)
     record(decision, cfg, registry)
     Console().print(f"rollback: champion policy-v{current} -> policy-v{target}; the router follows within "
@@ -469,28 +427,36 @@ def rollback_main(argv: list[str] | None = None) -> int:
 # flywheel status
 # ---------------------------------------------------------------------------------------------
 def print_status(console: Any, cfg: PromoteConfig | None = None) -> None:
-    """Versions, aliases, traffic shares and per-version online reward with 95% intervals."""
+    """Versions, aliases, traffic shares and per-version success with 95% intervals (mature sessions)."""
     from rich.table import Table
+
+    from flywheel.serving.router import shares as arm_shares
+    from flywheel.serving.sessions import mature
 
     cfg = cfg or PromoteConfig()
     registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
     aliases = registry.aliases()
     champion = aliases.get(CHAMPION, 0)
-    challenger = aliases.get(CHALLENGER)
-    shares = {champion: 1.0} if challenger in (None, champion) else {
-        champion: 1.0 - cfg.challenger_share, challenger: cfg.challenger_share}
+    shares = arm_shares(cfg, champion, aliases.get(CHALLENGER))
     try:
-        rewards = online_rewards(cfg.lake_root)
+        counted = mature(read_sessions(cfg.lake_root, cfg.outcome_kind), time.time(), cfg.maturity_s,
+                         cfg.error_statuses).counted
     except Exception as exc:  # an empty or unreadable lake must not break the status view
         log.warning("status: lake %s unreadable (%s)", cfg.lake_root, exc)
-        rewards = {}
+        counted = []
+    rewards: dict[int, list[float]] = {}
+    for r in counted:
+        if r.version is not None:
+            rewards.setdefault(r.version, []).append(float(r.outcome))  # type: ignore[arg-type]
     versions = {v.policy_version: v for v in registry.versions()}
     table = Table(title=f"policy versions ({cfg.registered_model}; history {registry.champion_history()})")
-    for column in ("version", "kind", "alias", "share", "sessions", "reward", "95% CI", "gate"):
-        table.add_column(column, justify="right" if column in ("share", "sessions", "reward") else "left")
+    for column in ("version", "kind", "alias", "share", "sessions", cfg.outcome_kind, "95% CI", "gate"):
+        table.add_column(column, justify="right" if column in ("share", "sessions", cfg.outcome_kind) else "left")
     for version in sorted(set(versions) | set(rewards) | {champion}):
         rv = versions.get(version)
         alias = ",".join(a for a, v in aliases.items() if v == version) or ("champion (base)" if version == champion else "")
+        if cfg.control_share > 0 and version == cfg.control_version:
+            alias = ",".join(x for x in (alias, "control") if x)
         mean, low, high = mean_ci(rewards.get(version, []))
         table.add_row(f"policy-v{version}", rv.kind if rv else ("full" if version == 0 else "?"), alias,
                       f"{shares[version]:.0%}" if version in shares else "",

@@ -63,6 +63,7 @@ class Routed:
     policy_version: int
     server: str | None = None  # vLLM base URL; None: the configured upstream
     loaded_version: Callable[[], int] | None = None  # full weights: read the server's version (before/after check)
+    arm: str | None = None  # the router's arm (control, champion, challenger), logged on the llm_call
 
 
 RouteFn = Callable[[str], Routed]
@@ -122,7 +123,7 @@ def serving_route() -> RouteFn:
         chosen = router.route(session_id)
         server = chosen.server or None
         exact = (lambda: router.loaded_version(server)) if chosen.kind == "full" and server else None
-        return Routed(str(chosen.model), int(chosen.policy_version), server, exact)
+        return Routed(str(chosen.model), int(chosen.policy_version), server, exact, chosen.arm)
 
     return route
 
@@ -146,6 +147,7 @@ class _Call:
     parent_agent_id: str | None
     model: str
     policy_version: int
+    arm: str | None
     sampling: dict[str, Any]
     started: float
     wants_logprobs: bool
@@ -381,7 +383,7 @@ class CaptureProxy:
         model, version = routed.model, routed.policy_version
         call = _Call(
             kind=kind, session_id=session_id, agent_id=agent_id, parent_agent_id=h.get(H_PARENT) or None,
-            model=model, policy_version=version, started=started,
+            model=model, policy_version=version, arm=routed.arm, started=started,
             sampling={k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None},
             wants_logprobs=bool(body.get("logprobs")) if kind == "chat" else body.get("logprobs") is not None,
             wants_token_ids=bool(body.get("return_token_ids")), wants_prompt_text=bool(body.get("return_prompt_text")),
@@ -481,7 +483,7 @@ class CaptureProxy:
             session.llm_call(
                 model=call.model, policy_version=call.policy_version, prompt_token_ids=prompt,
                 completion_token_ids=completion, completion_logprobs=logprobs, finish_reason=call.finish.get(i),
-                latency_s=latency, sampling=call.sampling or None, group_id=group, request_id=call.response_id,
+                latency_s=latency, sampling=call.sampling or None, group_id=group, request_id=call.response_id, arm=call.arm,
                 prompt_text=call.prompt_text if self.cfg.log_prompt_text else None,
                 completion_text="".join(call.texts.get(i, [])) if self.cfg.log_completion_text else None,
             )

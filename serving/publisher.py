@@ -7,10 +7,15 @@ The learner hands over a finished directory (docs/CONTRIBUTING.md, "Policy versi
 `publish(version_dir)`:
 1. validates the directory before touching any server (a corrupt adapter or mismatched weights
    raise PublishError and nothing changes: the old version keeps serving);
-2. pushes it to every server of the tier:
-   - lora: POST /v1/load_lora_adapter under the served name policy-v<N>; adapters that are no
+2. pushes it to the servers of the tier:
+   - lora: every server; POST /v1/load_lora_adapter under the served name policy-v<N>; adapters that are no
      longer routed (neither champion, challenger nor among the newest few) are unloaded first so
      the server stays within --max-loras;
+   - full: a server holds one version, so a full version goes only to servers no live version
+     needs (`full_targets`): one server keeps each of the champion and the control (and a pending
+     challenger is replaced), so champion, challenger and control are served at the same time and
+     a publish never replaces the champion's weights. No free server: PublishError (or, with
+     `replace_live`, the old one-server behaviour).
    - full, transport "http": POST /pause?mode=wait (running requests finish on the old weights,
      new ones queue), /collective_rpc reload_weights from the directory, /reset_prefix_cache (vLLM
      keeps the old weights' cached KV otherwise), /update_weight_version, POST /resume. A failed
@@ -207,6 +212,15 @@ def version_dir_of(version: int, tier: TierConfig) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Pushing to one vLLM server
 # ---------------------------------------------------------------------------------------------
+def local_source(source: str) -> str:
+    """A registered version's source as a path a server on this host can read (file:// URIs become paths)."""
+    if source.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(source).path)
+    return source
+
+
 def lora_name(version: int) -> str:
     return version_name(version)
 
@@ -359,6 +373,7 @@ class RegistryView:
 
     registry: Any | None  # None: publishing without registering
     routed: set[int] = field(default_factory=set)  # champion and challenger: never unloaded
+    champion: int = 0  # the champion alias (0: none yet, the base serves)
     managed: set[int] = field(default_factory=set)  # versions of this registry: the only ones ever unloaded
     error: Exception | None = None  # the registry was unreadable: nothing unloaded, nothing registered
 
@@ -372,7 +387,9 @@ def read_registry(pv: PolicyVersion, tier: TierConfig, registry: Any | None, reg
         if view.registry is None and register:
             view.registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
         if view.registry is not None:
-            view.routed = {v for a, v in view.registry.aliases().items() if a in (CHAMPION, CHALLENGER)}
+            aliases = view.registry.aliases()
+            view.routed = {v for a, v in aliases.items() if a in (CHAMPION, CHALLENGER)}
+            view.champion = aliases.get(CHAMPION, 0)
             view.managed = {v.policy_version for v in view.registry.versions()}
     except Exception as exc:  # MLflow down: still push (unloading nothing, since routing is unknown), report below
         view.error = exc
@@ -421,9 +438,49 @@ def register_version(pv: PolicyVersion, tier: TierConfig, view: RegistryView, re
                            f"({type(exc).__name__}: {exc}); rerun `flywheel publish {pv.path}`") from exc
 
 
+def full_targets(held: dict[str, int | None], live: set[int], new: int) -> list[str]:
+    """The servers a new full-weight version goes to: every server but one holder of each live version.
+
+    held: server -> the version it holds (None: unreachable, never a target). A server already on
+    `new` is a target (a rerun after a partial publish finishes the job). The holder kept for a live
+    version is its first in tier order, so repeated publishes keep the same server for it.
+    """
+    keep: set[str] = set()
+    for version in sorted(live - {new}):
+        holders = [s for s, v in held.items() if v == version]
+        if holders:
+            keep.add(holders[0])
+    return [s for s, v in held.items() if v is not None and s not in keep]
+
+
+def _full_servers(pv: PolicyVersion, tier: TierConfig, view: RegistryView, result: PublishResult) -> list[str]:
+    """Where a full version goes (see full_targets); unreachable servers are recorded as failed."""
+    if view.error is not None:
+        raise PublishError(f"{pv.name}: registry unreadable ({view.error}), so which server holds the champion is "
+                           "unknown; a full-weight publish would risk replacing it. Nothing pushed")
+    held: dict[str, int | None] = {}
+    for server in tier.servers:
+        server = server.rstrip("/")
+        try:
+            held[server] = vllm_client.weight_version(server, tier.http_timeout_s)
+        except vllm_client.ServerError as exc:
+            held[server] = None
+            result.failed[server] = f"unreachable ({exc})"
+    live = tier.live_versions(view.champion, None)
+    targets = full_targets(held, live, pv.version)
+    if not targets and tier.replace_live:
+        targets = [s for s, v in held.items() if v is not None]
+    if not targets:
+        raise PublishError(f"{pv.name}: no server is free: the servers hold {held} and the live versions {sorted(live)} "
+                           "keep one each; a full-weight tier needs a server per live version (champion, challenger, "
+                           "control); add a server, or set replace_live for a one-server tier")
+    return targets
+
+
 def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register: bool = True,
             challenger: bool = True, registry: Any | None = None) -> PublishResult:
-    """Make every server of the tier serve `version_dir`, register it in MLflow and mark it challenger.
+    """Make the tier serve `version_dir` (every server for LoRA, the free ones for full weights), register it in
+    MLflow and mark it challenger.
 
     Raises PublishError when the directory is refused (nothing changed) or when any server failed
     (those servers keep their old version; the message lists them). Safe to call again.
@@ -433,13 +490,14 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
     pv = load_version(version_dir, tier)
     view = read_registry(pv, tier, registry, register)
     result = PublishResult(pv.version, pv.kind, served_name(pv.version, pv.kind, tier))
-    for server in tier.servers:
-        push_to(server.rstrip("/"), pv, tier, view, result)
+    servers = [s.rstrip("/") for s in tier.servers] if pv.kind == "lora" else _full_servers(pv, tier, view, result)
+    for server in servers:
+        push_to(server, pv, tier, view, result)
     if register and result.pushed:
         register_version(pv, tier, view, result, challenger)
     if result.failed:
         failures = "; ".join(f"{s}: {why}" for s, why in result.failed.items())
-        raise PublishError(f"{pv.name} failed on {len(result.failed)} of {len(tier.servers)} server(s), which keep "
+        raise PublishError(f"{pv.name} failed on {len(result.failed)} of {len(set(servers) | set(result.failed))} server(s), which keep "
                            f"their old version: {failures}")
     return result
 

@@ -1,8 +1,13 @@
 """Policy router: which policy version (and served model name, and server) answers a session.
 
-`Router(tier).route(session_id) -> Route`. The champion answers by default, the challenger a
-configured share of sessions; the split is sticky: a hash of session_id, so every call of one
-session goes to one version. Aliases are read from the MLflow registry and cached for
+`Router(tier).route(session_id) -> Route`. Three arms, sticky per session (a hash of session_id,
+so every call of one session goes to one version):
+  control     `control_share` of all sessions, always served by `control_version` (the base,
+              policy-v0, unless configured), for the whole run: the concurrent baseline;
+  challenger  `challenger_share` of all sessions while there is a challenger;
+  champion    the rest.
+The arm is logged on every llm_call (the capture proxy takes it from the Route), so the gate and the
+report compare versions only on sessions served at the same time. Aliases are read from the MLflow registry and cached for
 `alias_refresh_s` seconds, so a promotion or rollback re-routes within seconds. No champion yet
 means the base model, policy-v0. An unreadable registry keeps the last known aliases (the proxy in
 front of production traffic must not fail because MLflow hiccuped).
@@ -45,7 +50,7 @@ class Route:
     model: str  # model name to send to vLLM
     policy_version: int  # the version that answers: log this on the llm_call
     kind: str = "full"  # "lora" | "full" (version 0, the base, counts as full)
-    arm: str = "champion"  # "champion" | "challenger"
+    arm: str = "champion"  # "control" | "champion" | "challenger"
     server: str = ""  # base URL of the vLLM server to send it to
 
 
@@ -55,8 +60,19 @@ def bucket(session_id: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def arm_of(session_id: str, challenger_share: float, has_challenger: bool) -> str:
-    return "challenger" if has_challenger and bucket(session_id) < challenger_share else "champion"
+ARMS = ("control", "champion", "challenger")
+
+
+def arm_of(session_id: str, challenger_share: float, has_challenger: bool, control_share: float = 0.0) -> str:
+    """The session's arm: control for the first control_share of the hash range, then the challenger, then the champion.
+
+    The control's range does not depend on whether there is a challenger, so a session of the
+    control arm stays there for the whole run.
+    """
+    b = bucket(session_id)
+    if b < control_share:
+        return "control"
+    return "challenger" if has_challenger and b < control_share + challenger_share else "champion"
 
 
 @dataclass(frozen=True)
@@ -166,9 +182,21 @@ class Router:
         challenger = slots.get("challenger")
         if challenger is not None and challenger.version == champion.version:
             challenger = None
-        arm = arm_of(session_id, self.tier.challenger_share, challenger is not None)
-        slot = challenger if arm == "challenger" and challenger is not None else champion
+        arm = arm_of(session_id, self.tier.challenger_share, challenger is not None, self.tier.control_share)
+        if arm == "control":
+            slot = self._control_slot(slots)
+        else:
+            slot = challenger if arm == "challenger" and challenger is not None else champion
         return self._place(session_id, slot, arm)
+
+    def _control_slot(self, slots: dict[str, _Slot]) -> _Slot:
+        version = self.tier.control_version
+        if version == 0:
+            return _Slot(0, "full")
+        for slot in slots.values():  # a registered control version: its kind is known when an alias names it
+            if slot.version == version:
+                return slot
+        return _Slot(version, self.tier.control_kind)
 
     def _place(self, session_id: str, slot: _Slot, arm: str) -> Route:
         servers = list(self.tier.servers)
@@ -187,8 +215,16 @@ class Router:
     def shares(self) -> dict[int, float]:
         """policy version -> configured traffic share (for `flywheel status`)."""
         aliases = self.aliases()
-        champion = aliases.get("champion", 0)
-        challenger = aliases.get("challenger")
-        if challenger is None or challenger == champion:
-            return {champion: 1.0}
-        return {champion: 1.0 - self.tier.challenger_share, challenger: self.tier.challenger_share}
+        return shares(self.tier, aliases.get("champion", 0), aliases.get("challenger"))
+
+
+def shares(tier: TierConfig, champion: int, challenger: int | None) -> dict[int, float]:
+    """policy version -> the share of sessions its arms get (control and champion add up when they are one version)."""
+    out: dict[int, float] = {}
+    control = tier.control_share
+    has_challenger = challenger is not None and challenger != champion
+    out[tier.control_version] = out.get(tier.control_version, 0.0) + control
+    out[champion] = out.get(champion, 0.0) + 1.0 - control - (tier.challenger_share if has_challenger else 0.0)
+    if has_challenger:
+        out[challenger] = out.get(challenger, 0.0) + tier.challenger_share
+    return {v: s for v, s in out.items() if s > 0}

@@ -98,3 +98,142 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     # at p = 0 or 1 rounding can put the bound a hair past p; an interval must contain its estimate
     return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
+
+
+# ---------------------------------------------------------------------------------------------
+# The gate's sequential test: always valid, however often it looks
+# ---------------------------------------------------------------------------------------------
+# A session's reward variance never counts as smaller than this (rewards in [0, 1]): a stratum in
+# which every session so far failed has sample variance 0, and an estimate with variance 0 would
+# make the first success look like infinite evidence. 0.01 is a success rate of about 1%.
+VAR_FLOOR = 0.01
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Sufficient statistics of one arm in one stratum: count, sum and sum of squares of the rewards."""
+
+    n: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+
+    def add(self, value: float) -> "Moments":
+        return Moments(self.n + 1, self.total + value, self.squares + value * value)
+
+    @staticmethod
+    def of(values: list[float]) -> "Moments":
+        return Moments(len(values), float(sum(values)), float(sum(v * v for v in values)))
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else math.nan
+
+
+def _pooled_var(a: Moments, b: Moments) -> float:
+    """Sample variance of both arms' rewards together (equal under the null), floored at VAR_FLOOR."""
+    n = a.n + b.n
+    mean = (a.total + b.total) / n
+    var = max(0.0, (a.squares + b.squares - n * mean * mean) / max(n - 1, 1))
+    return max(var, VAR_FLOOR)
+
+
+@dataclass(frozen=True)
+class Stratified:
+    """B minus A, averaged over strata (task types) at fixed weights, with the variance of that difference."""
+
+    n_a: int
+    n_b: int
+    mean_a: float  # weighted over the strata used
+    mean_b: float
+    diff: float
+    var: float  # variance of diff
+    strata: int  # strata with at least 2 sessions on each side (the others are left out)
+
+
+def stratified(a: dict[str, Moments], b: dict[str, Moments], weights: dict[str, float] | None = None,
+               min_per_side: int = 2) -> Stratified | None:
+    """The stratified difference of means; None when no stratum has `min_per_side` sessions on both sides.
+
+    weights: stratum -> weight (a fixed task mix, renormalised over the strata present); None: each
+    stratum's share of both arms' sessions together, the same for both arms, so a different task mix
+    between arms cannot move the estimate.
+    """
+    used = [k for k in sorted(set(a) & set(b)) if a[k].n >= min_per_side and b[k].n >= min_per_side]
+    if weights is not None:
+        used = [k for k in used if weights.get(k, 0.0) > 0.0]
+    if not used:
+        return None
+    raw = {k: (weights[k] if weights is not None else float(a[k].n + b[k].n)) for k in used}
+    total = sum(raw.values())
+    diff = var = mean_a = mean_b = 0.0
+    for k in used:
+        w = raw[k] / total
+        v = _pooled_var(a[k], b[k])
+        mean_a += w * a[k].mean
+        mean_b += w * b[k].mean
+        diff += w * (b[k].mean - a[k].mean)
+        var += w * w * v * (1.0 / a[k].n + 1.0 / b[k].n)
+    return Stratified(sum(a[k].n for k in used), sum(b[k].n for k in used), mean_a, mean_b, diff, var, len(used))
+
+
+def msprt_log_lr(diff: float, var: float, theta0: float, tau: float) -> float:
+    """log of the mixture likelihood ratio for "the true difference exceeds theta0" (one-sided mSPRT).
+
+    The estimate diff ~ N(theta, var); the alternative theta = theta0 + delta mixes delta over a
+    half-normal of scale tau (delta > 0). Integrating the Gaussian likelihood ratio gives
+        Lambda = 2 sqrt(var / (var + tau^2)) Phi(x tau / sqrt(var (var + tau^2))) exp(tau^2 x^2 / (2 var (var + tau^2))),
+    x = diff - theta0. Seen as a process over the growing sample (information 1/var), every mixture
+    component is a non-negative martingale under theta = theta0 (a supermartingale below it), so by
+    Ville's inequality P(Lambda ever reaches 1/alpha) <= alpha: the test stays valid however often
+    the gate looks (Johari et al., "Always valid inference", 2017; Robbins 1970). The variance is
+    estimated (a plug-in), so the guarantee is asymptotic; `flywheel bench gate` measures it.
+    """
+    from scipy.special import log_ndtr
+
+    if var <= 0.0:
+        raise ValueError(f"msprt_log_lr: var must be > 0, got {var}")
+    x = diff - theta0
+    t2 = tau * tau
+    return (math.log(2.0) + 0.5 * math.log(var / (var + t2)) + float(log_ndtr(x * tau / math.sqrt(var * (var + t2))))
+            + t2 * x * x / (2.0 * var * (var + t2)))
+
+
+@dataclass(frozen=True)
+class SequentialDecision:
+    """One look of the gate's two one-sided mSPRTs on a stratified difference (B minus A)."""
+
+    estimate: Stratified
+    margin: float
+    log_lr_better: float  # evidence for diff > -margin (B better than A, or no worse than margin)
+    log_lr_worse: float  # evidence for diff < 0 (B worse than A)
+    threshold: float  # log(1 / alpha): a log LR at or above it decides
+
+    @property
+    def better(self) -> bool:
+        return self.log_lr_better >= self.threshold
+
+    @property
+    def worse(self) -> bool:
+        return self.log_lr_worse >= self.threshold
+
+    @property
+    def p_better(self) -> float:
+        """Always-valid p-value of this look for "no better" (1 / Lambda, capped at 1)."""
+        return min(1.0, math.exp(-self.log_lr_better))
+
+    @property
+    def p_worse(self) -> float:
+        return min(1.0, math.exp(-self.log_lr_worse))
+
+
+def sequential_test(a: dict[str, Moments], b: dict[str, Moments], alpha: float, tau: float, margin: float = 0.0,
+                    weights: dict[str, float] | None = None) -> SequentialDecision | None:
+    """Is B better than A (by more than -margin), or worse than A? Each direction errs with probability <= alpha.
+
+    None when no stratum has two sessions on each side yet.
+    """
+    est = stratified(a, b, weights)
+    if est is None:
+        return None
+    return SequentialDecision(est, margin, msprt_log_lr(est.diff, est.var, -margin, tau),
+                              msprt_log_lr(-est.diff, est.var, 0.0, tau), math.log(1.0 / alpha))

@@ -25,8 +25,15 @@ class TierConfig:
     keep_loras: int = setting(2, "newest LoRA versions kept resident besides champion and challenger")
     max_loras: int = setting(4, "LoRA slots per server (vLLM --max-loras); publish never exceeds it")
     max_lora_rank: int = setting(32, "largest LoRA rank the servers accept (vLLM --max-lora-rank)")
+    replace_live: bool = setting(False, "full weights only: let a publish replace a live version (champion, control) when no "
+                                        "server is free, as a one-server tier must; champion and challenger are then never "
+                                        "served at the same time, so the gate has no concurrent sessions to compare")
     transport: str = setting("http", "full-weight transport: http (reload_weights from a shared path) or nccl (GPU tier, untested here)")
-    challenger_share: float = setting(0.1, "share of sessions routed to the challenger (sticky per session)")
+    challenger_share: float = setting(0.1, "share of all sessions routed to the challenger while there is one (sticky per session)")
+    control_share: float = setting(0.0, "share of all sessions always served by control_version, for the whole run: the "
+                                        "concurrent baseline every version is compared with (0: no control arm)")
+    control_version: int = setting(0, "the fixed version the control arm serves (0: the base model, policy-v0)")
+    control_kind: str = setting("full", "lora or full: how a registered control_version is served (version 0 is always full)")
     alias_refresh_s: float = setting(2.0, "how often the router re-reads the aliases (a rollback re-routes within this)")
     http_timeout_s: float = setting(60.0, "timeout of one admin request to a server")
     pause_timeout_s: float = setting(600.0, "longest a full push waits for in-flight requests to finish (pause mode=wait)")
@@ -40,9 +47,23 @@ class TierConfig:
             raise ConfigError(f"transport: {self.transport!r} is not http or nccl")
         if not 0.0 <= self.challenger_share <= 1.0:
             raise ConfigError(f"challenger_share: {self.challenger_share} is not within [0, 1]")
+        if not 0.0 <= self.control_share < 1.0:
+            raise ConfigError(f"control_share: {self.control_share} is not within [0, 1)")
+        if self.control_share + self.challenger_share > 1.0:
+            raise ConfigError(f"control_share ({self.control_share}) + challenger_share ({self.challenger_share}) exceeds 1: "
+                              "the champion would get no sessions")
+        if self.control_kind not in ("lora", "full"):
+            raise ConfigError(f"control_kind: {self.control_kind!r} is not lora or full")
+        if self.control_version < 0:
+            raise ConfigError(f"control_version: {self.control_version} is not a version")
         if self.keep_loras + 2 > self.max_loras:
             raise ConfigError(
                 f"keep_loras ({self.keep_loras}) + champion + challenger exceeds max_loras ({self.max_loras})")
+
+    def live_versions(self, champion: int, challenger: int | None) -> set[int]:
+        """The versions that must stay served: the champion, the challenger and (with a control arm) the control."""
+        return {champion} | ({challenger} if challenger is not None else set()) | (
+            {self.control_version} if self.control_share > 0 else set())
 
     def with_changes(self, **changes: object) -> "TierConfig":
         cfg = dataclasses.replace(self, **changes)

@@ -81,9 +81,15 @@ def _convert(name: str, tp: Any, value: Any) -> Any:
             items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
             return [_convert(f"{name}[]", item, v.strip() if isinstance(v, str) else v) for v in items]
         if origin is dict:
+            if isinstance(value, str):  # a flag or an env var: key=value,key=value
+                pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+                if any(len(p) != 2 for p in pairs):
+                    raise ValueError("expected key=value,key=value")
+                value = {k.strip(): v.strip() for k, v in pairs}
             if not isinstance(value, dict):
                 raise ValueError("expected a table")
-            return dict(value)
+            item = (typing.get_args(base) or (str, str))[1]
+            return {str(k): _convert(f"{name}.{k}", item, v) for k, v in value.items()}
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: cannot read {value!r} as {getattr(base, '__name__', base)}: {exc}") from exc
     return value

@@ -1,104 +1,152 @@
-"""The promotion gate as pure decisions, and the online reward reader over a tmp lake (DuckDB, no services)."""
+"""The promotion gate as pure decisions over session records, and the session reader over a tmp lake (DuckDB, no services)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 from pathlib import Path
 
-from bench.fixtures.episodes import episode_row, write_sessions
+import pytest
+
+from bench.fixtures.sessions import LakeFeeder, SessionBuilder, outcome
 from flywheel.serving.evaluate import EvalScore, arithmetic_tasks
-from flywheel.serving.promote import (
-    PromoteConfig,
-    decide,
-    decide_rollback,
-    online_rewards,
-)
+from flywheel.serving.promote import PromoteConfig, decide, decide_rollback
+from flywheel.serving.sessions import SessionRecord, mature, read_sessions
 
-CFG = PromoteConfig(min_sessions=30, alpha=0.05)
+CFG = PromoteConfig(min_sessions=30, max_sessions=2000, alpha=0.05, maturity_s=10.0, control_share=0.2)
+NOW = 10_000.0
 
 
-def _binary(rate: float, n: int, seed: int) -> list[float]:
+def _sessions(version: int, arm: str, rate: float, n: int, seed: int, start: float = 1000.0,
+              task_types: tuple[str, ...] = ("t",), status: str = "ok") -> list[SessionRecord]:
     rng = random.Random(seed)
-    return [float(rng.random() < rate) for _ in range(n)]
+    out = []
+    for i in range(n):
+        t = start + i
+        out.append(SessionRecord(f"{arm}-{version}-{seed}-{i}", task_types[i % len(task_types)], version, arm, t, t + 5,
+                                 status, float(rng.random() < rate), t + 7))
+    return out
 
 
 def _scores(champ: int, chal: int, n: int = 64) -> tuple[EvalScore, EvalScore]:
     return EvalScore("t", n, champ), EvalScore("t", n, chal)
 
 
-def test_clearly_better_challenger_is_promoted() -> None:
-    rewards = {1: _binary(0.3, 80, 1), 2: _binary(0.7, 80, 2)}
-    d = decide(1, 2, rewards, _scores(20, 30), CFG)
+def test_clearly_better_challenger_is_promoted_with_its_statistic_and_threshold() -> None:
+    records = _sessions(1, "champion", 0.3, 300, 1) + _sessions(2, "challenger", 0.7, 300, 2)
+    d = decide(1, 2, records, _scores(20, 30), CFG, NOW)
     assert d.action == "promote", d.reason
-    assert d.numbers["online_p_better"] < 0.001, d.numbers
+    assert d.numbers["online_log_lr_better"] >= d.numbers["online_threshold_log_lr"], d.numbers
+    assert (d.numbers["online_n_a"], d.numbers["online_n_b"]) == (300, 300)
 
 
 def test_worse_challenger_is_rejected_online() -> None:
-    d = decide(1, 2, {1: _binary(0.7, 80, 3), 2: _binary(0.3, 80, 4)}, _scores(30, 30), CFG)
-    assert d.action == "reject" and "online" in d.reason, d.reason
+    records = _sessions(1, "champion", 0.7, 300, 3) + _sessions(2, "challenger", 0.3, 300, 4)
+    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    assert d.action == "reject" and "worse" in d.reason, d.reason
 
 
-def test_a_drop_beyond_max_drop_is_rejected_though_not_significant() -> None:
-    champ, chal = [1.0] * 35 + [0.0] * 65, [1.0] * 28 + [0.0] * 72  # 0.35 -> 0.28 over 100 sessions each
-    d = decide(1, 2, {1: champ, 2: chal}, _scores(30, 30), CFG)
-    assert d.action == "promote" and d.numbers["online_p_worse"] > 0.05, "not significant: the default promotes it"
-    strict = PromoteConfig(min_sessions=30, alpha=0.05, max_drop=0.02)
-    d = decide(1, 2, {1: champ, 2: chal}, _scores(30, 30), strict)
-    assert d.action == "reject" and "max_drop" in d.reason, d.reason
-    d = decide(1, 2, {1: champ, 2: [1.0] * 34 + [0.0] * 66}, _scores(30, 30), strict)
-    assert d.action == "promote", "a drop within max_drop still passes"
+def test_equal_versions_hold_then_expire_at_the_sample_cap() -> None:
+    records = _sessions(1, "champion", 0.3, 200, 5) + _sessions(2, "challenger", 0.3, 200, 6)
+    assert decide(1, 2, records, _scores(30, 30), CFG, NOW).action == "hold"
+    capped = PromoteConfig(min_sessions=30, max_sessions=150, maturity_s=10.0)
+    d = decide(1, 2, records, _scores(30, 30), capped, NOW)
+    assert d.action == "expire", d.reason
 
 
-def test_offline_regression_rejects_even_with_good_online_reward() -> None:
-    d = decide(1, 2, {1: _binary(0.5, 80, 5), 2: _binary(0.55, 80, 6)}, _scores(50, 20), CFG)
-    assert d.action == "reject" and "offline" in d.reason, d.reason
+def test_only_concurrent_sessions_count_for_the_champion() -> None:
+    # the champion served 500 sessions before the challenger existed: none of them may count
+    early = _sessions(1, "champion", 0.9, 500, 7, start=0.0)
+    records = early + _sessions(1, "champion", 0.3, 100, 8, start=1000.0) + _sessions(2, "challenger", 0.3, 100, 9, start=1000.0)
+    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    assert d.numbers["online_n_a"] == 100, d.numbers
+    assert d.action == "hold", "with the early 90% sessions the challenger would look worse and be rejected"
 
 
-def test_too_few_sessions_holds() -> None:
-    d = decide(1, 2, {1: _binary(0.3, 80, 7), 2: _binary(0.9, 29, 8)}, _scores(20, 30), CFG)
-    assert d.action == "hold" and "too few" in d.reason, d.reason
+def test_sessions_must_be_mature_and_infra_errors_are_excluded_and_counted() -> None:
+    records = (_sessions(1, "champion", 0.5, 100, 10) + _sessions(2, "challenger", 0.5, 100, 11)
+               + _sessions(2, "challenger", 0.0, 40, 12, start=1200.0, status="error"))
+    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    assert d.numbers["online_n_b"] == 100 and d.numbers["online_errored_b"] == 40, d.numbers
+    # at `now` = just after the sessions ended, their outcome windows are still open
+    young = decide(1, 2, records, _scores(30, 30), CFG, 1000.0 + 60)
+    assert young.numbers["online_n_b"] < 60 and young.numbers["online_open_b"] > 0, young.numbers
 
 
-def test_missing_offline_score_holds_unless_not_required() -> None:
-    rewards = {1: _binary(0.3, 80, 9), 2: _binary(0.7, 80, 10)}
-    assert decide(1, 2, rewards, "not served", CFG).action == "hold"
-    lenient = PromoteConfig(require_offline_eval=False)
-    assert decide(1, 2, rewards, "not served", lenient).action == "promote"
+def test_maturity_split() -> None:
+    recs = [SessionRecord("a", "t", 1, "champion", 0, 10, "ok", 1.0), SessionRecord("b", "t", 1, "champion", 0, 95, "ok", 1.0),
+            SessionRecord("c", "t", 1, "champion", 0, None, None, None), SessionRecord("d", "t", 1, "champion", 0, 10, "ok", None),
+            SessionRecord("e", "t", 1, "champion", 0, 10, "error", None)]
+    m = mature(recs, now=100.0, maturity_s=10.0)
+    assert [r.session_id for r in m.counted] == ["a"] and (m.open, m.unlabelled, m.errored) == (2, 1, 1)
 
 
-def test_no_challenger() -> None:
-    assert decide(3, None, {}, None, CFG).action == "none"
-    assert decide(3, 3, {}, None, CFG).action == "none"
+def test_stratification_removes_a_task_mix_difference_between_arms() -> None:
+    # both versions are equally good per task type; the challenger happens to get more easy tasks
+    def arm(version: int, name: str, easy: int, hard: int, seed: int) -> list[SessionRecord]:
+        return (_sessions(version, name, 0.8, easy, seed, task_types=("easy",))
+                + _sessions(version, name, 0.1, hard, seed + 1, start=1500.0, task_types=("hard",)))
+
+    records = arm(1, "champion", 100, 400, 13) + arm(2, "challenger", 400, 100, 15)
+    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    assert d.action == "hold", d.reason
+    assert abs(d.numbers["online_diff"]) < 0.06, d.numbers
+    raw = (0.8 * 400 + 0.1 * 100) / 500 - (0.8 * 100 + 0.1 * 400) / 500
+    assert raw > 0.3, "the unstratified difference would have promoted it"
 
 
-def test_rollback_only_on_significant_regression_with_enough_sessions() -> None:
-    assert decide_rollback(2, 1, {1: _binary(0.7, 80, 11), 2: _binary(0.3, 80, 12)}, CFG).action == "rollback"
-    assert decide_rollback(2, 1, {1: _binary(0.5, 80, 13), 2: _binary(0.5, 80, 14)}, CFG).action == "keep"
-    assert decide_rollback(2, 1, {1: _binary(0.7, 80, 15), 2: _binary(0.1, 10, 16)}, CFG).action == "keep"
-    assert decide_rollback(2, None, {}, CFG).action == "keep"
+def test_offline_regression_vetoes_a_promotion_and_missing_score_holds() -> None:
+    records = _sessions(1, "champion", 0.3, 300, 17) + _sessions(2, "challenger", 0.7, 300, 18)
+    assert decide(1, 2, records, _scores(50, 20), CFG, NOW).action == "reject"
+    assert decide(1, 2, records, "no score", CFG, NOW).action == "hold"
+    lax = PromoteConfig(min_sessions=30, maturity_s=10.0, require_offline_eval=False)
+    assert decide(1, 2, records, "no score", lax, NOW).action == "promote"
 
 
-def test_online_rewards_per_session_use_the_latest_label(tmp_path: Path) -> None:
-    import datetime as dt
+def test_no_challenger_and_too_few_sessions() -> None:
+    assert decide(1, None, [], None, CFG, NOW).action == "none"
+    records = _sessions(1, "champion", 0.3, 10, 19) + _sessions(2, "challenger", 0.7, 10, 20)
+    assert decide(1, 2, records, _scores(30, 30), CFG, NOW).action == "hold"
 
-    import pyarrow as pa
 
-    from flywheel.ingest import lake
-    from flywheel.ingest.schema import episode_arrow_schema
+def test_rollback_against_the_concurrent_control_since_the_promotion() -> None:
+    control = _sessions(0, "control", 0.5, 300, 21)
+    assert decide_rollback(2, control + _sessions(2, "champion", 0.2, 300, 22), CFG, None, NOW).action == "rollback"
+    assert decide_rollback(2, control + _sessions(2, "champion", 0.5, 300, 23), CFG, None, NOW).action == "keep"
+    # the bad sessions came before its promotion: they are the gate's old evidence, not the champion's record
+    bad_then_good = _sessions(2, "champion", 0.1, 300, 24, start=0.0) + _sessions(2, "champion", 0.5, 300, 25)
+    assert decide_rollback(2, control + bad_then_good, CFG, 1000.0, NOW).action == "keep"
+    assert decide_rollback(0, control, CFG, None, NOW).action == "keep"
+    no_control = PromoteConfig(min_sessions=30, maturity_s=10.0, control_share=0.0)
+    assert "no control arm" in decide_rollback(2, control, no_control, None, NOW).reason
 
+
+def test_read_sessions_takes_version_arm_end_and_latest_outcome(tmp_path: Path) -> None:
     root = str(tmp_path / "lake")
-    assert online_rewards(root) == {}
-    write_sessions(root, 4, [1.0, 0.0, 0.5], calls_per_session=3)
-    # a relabel: the same episode with label 2 replaces label 1's reward
-    relabel = {"session_id": "s-relabel", "policy_version": 5}
-    rows = [episode_row(**relabel, reward=0.0, label_version=1, episode_id="ep-1"),
-            episode_row(**relabel, reward=1.0, label_version=2, episode_id="ep-1"),
-            episode_row(**relabel, reward=0.5, label_version=1, episode_id="ep-2")]
-    lake.write_file(root, "episodes", dt.date.today().isoformat(), "other", 0, 0, 2,
-                    pa.Table.from_pylist(rows, schema=episode_arrow_schema()))
-    got = online_rewards(root)
-    assert sorted(got[4]) == [0.0, 0.5, 1.0], got
-    assert got[5] == [0.75], f"latest labels 1.0 and 0.5 average to 0.75, got {got[5]}"
+    assert read_sessions(root) == []
+    t0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+    feeder = LakeFeeder(root)
+    events, outcomes = [], []
+    for i, (version, arm, status) in enumerate([(1, "champion", "ok"), (2, "challenger", "ok"), (0, "control", "error")]):
+        b = SessionBuilder(f"s{i}", t0, task_type=f"type{i}").begin()
+        b.llm_call(version=version, arm=arm)
+        b.llm_call(version=version, arm=arm)
+        end = b.end(status)
+        events += b.events
+        outcomes += [outcome(f"s{i}", "task_success", 0.0, end), outcome(f"s{i}", "task_success", 1.0,
+                                                                         end + dt.timedelta(seconds=1))]
+    mixed = SessionBuilder("mixed", t0).begin()
+    mixed.llm_call(version=1, arm="champion")
+    mixed.llm_call(version=2, arm="champion")
+    events += mixed.events  # still running: no session_end
+    feeder.write("events", events)
+    feeder.write("outcomes", outcomes)
+    got = {r.session_id: r for r in read_sessions(root)}
+    assert (got["s0"].version, got["s0"].arm, got["s0"].task_type, got["s0"].status) == (1, "champion", "type0", "ok")
+    assert got["s1"].outcome == 1.0, "the newest outcome of the kind counts"
+    assert got["s2"].status == "error" and got["s2"].arm == "control"
+    assert got["mixed"].version is None and got["mixed"].ended is None
+    assert got["s0"].started == pytest.approx(t0.timestamp() + 1.0)
 
 
 def test_default_eval_tasks_are_deterministic_and_checkable() -> None:
@@ -120,15 +168,3 @@ def test_eval_task_sets_load_from_a_module_or_a_file(tmp_path: Path) -> None:
     assert len(load_tasks(f"{family}:tasks")) == 3
     with pytest.raises(ValueError, match="module:function"):
         load_tasks("flywheel.serving.evaluate")
-
-
-def test_start_up_finds_servers_stranded_on_a_version_no_alias_names() -> None:
-    from flywheel.serving.promote import stranded
-
-    # killed between clearing the challenger alias and reloading: the server still holds refused v5
-    assert stranded({"http://a": 5, "http://b": 3}, champion=3, registered={3, 5}) == ["http://a"]
-    # a full-weight push whose registration has not happened yet is a publish in flight: left alone
-    assert stranded({"http://a": 6}, champion=3, registered={3, 5}) == []
-    # the base is always known; a server on it while the champion is v3 is stranded
-    assert stranded({"http://a": 0}, champion=3, registered={3}) == ["http://a"]
-    assert stranded({"http://a": 0, "http://b": 0}, champion=0, registered=set()) == []

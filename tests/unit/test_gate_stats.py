@@ -47,3 +47,76 @@ def test_mean_ci_covers_mean() -> None:
     assert mean == 2.5 and low < 2.5 < high
     assert math.isclose(high - mean, sps.t.ppf(0.975, 3) * math.sqrt(1.6666666 / 4), rel_tol=1e-6)
     assert math.isnan(mean_ci([1.0])[1])
+
+
+def test_msprt_log_lr_is_the_half_normal_mixture_integral() -> None:
+    import math
+
+    from scipy import integrate
+
+    from flywheel.serving.stats import msprt_log_lr
+
+    for diff, var, theta0, tau in ((0.05, 0.001, 0.0, 0.1), (-0.02, 0.0004, -0.01, 0.05), (0.2, 0.01, 0.0, 0.3)):
+        def integrand(delta: float) -> float:
+            lr = math.exp((delta * (diff - theta0) - delta * delta / 2) / var)
+            return lr * 2 / (tau * math.sqrt(2 * math.pi)) * math.exp(-delta * delta / (2 * tau * tau))
+
+        numeric, _ = integrate.quad(integrand, 0, 10 * tau)
+        assert abs(msprt_log_lr(diff, var, theta0, tau) - math.log(numeric)) < 1e-6
+
+
+def _null_run(rng: random.Random, rate: float, looks: int, per_look: int, alpha: float) -> bool:
+    from flywheel.serving.stats import Moments, sequential_test
+
+    a: dict[str, Moments] = {}
+    b: dict[str, Moments] = {}
+    for _ in range(looks):
+        for _ in range(per_look):
+            for side in (a, b):
+                k = "x" if rng.random() < 0.5 else "y"
+                p = rate if k == "x" else rate / 2
+                side[k] = side.get(k, Moments()).add(float(rng.random() < p))
+        test = sequential_test(a, b, alpha, 0.1)
+        if test is not None and test.better:
+            return True
+    return False
+
+
+def test_sequential_test_keeps_its_error_rate_under_the_null_however_often_it_looks() -> None:
+    # 600 equal-version streams, each looked at 40 times: a fixed-alpha test re-run at every look
+    # would be fooled far more often than alpha; the mSPRT stays under it (plus 3 standard errors)
+    rng = random.Random(1234)
+    alpha, runs = 0.05, 600
+    promoted = sum(_null_run(rng, 0.3, 40, 15, alpha) for _ in range(runs))
+    assert promoted / runs <= alpha + 3 * (alpha * (1 - alpha) / runs) ** 0.5, promoted
+
+
+def test_a_fixed_alpha_test_repeated_at_every_look_is_fooled_more_often() -> None:
+    # the reason for the sequential test: the same streams with a z-test at every look
+    rng = random.Random(99)
+    fooled = 0
+    for _ in range(300):
+        a = b = 0
+        n = 0
+        for _ in range(40):
+            for _ in range(15):
+                a += rng.random() < 0.3
+                b += rng.random() < 0.3
+            n += 15
+            if two_proportions(a, n, b, n).p_better < 0.05:
+                fooled += 1
+                break
+    assert fooled / 300 > 0.12, fooled
+
+
+def test_stratified_weights_and_empty_strata() -> None:
+    from flywheel.serving.stats import Moments, stratified
+
+    a = {"x": Moments.of([0.0, 1.0, 0.0, 1.0]), "y": Moments.of([0.0, 0.0])}
+    b = {"x": Moments.of([1.0, 1.0, 1.0, 1.0]), "y": Moments.of([0.0, 0.0]), "z": Moments.of([1.0])}
+    est = stratified(a, b)
+    assert est is not None and est.strata == 2  # z has one session on one side: left out
+    assert abs(est.diff - 8 / 12 * 0.5) < 1e-9  # x has 8 of the 12 sessions, y (no difference) 4
+    fixed = stratified(a, b, {"x": 1.0, "y": 3.0})
+    assert fixed is not None and abs(fixed.diff - 0.25 * 0.5) < 1e-9
+    assert stratified({"x": Moments.of([1.0])}, b) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from flywheel.serving.registry import RegisteredVersion
 from flywheel.serving.router import Router, bucket, logged_version
 from flywheel.serving.tier import TierConfig
@@ -123,3 +125,35 @@ def test_background_refresh_never_blocks_route_after_the_first_read() -> None:
             break
         threading.Event().wait(0.02)
     assert router.route("s").policy_version == 2, "the background refresh never landed"
+
+
+def test_three_arms_control_challenger_champion_and_the_control_stays_put() -> None:
+    tier = TierConfig(servers=["http://a", "http://b", "http://c"], challenger_share=0.4, control_share=0.2,
+                      alias_refresh_s=2.0)
+    loaded = {"http://a": 0, "http://b": 3, "http://c": 4}
+    reg, clock = MemoryRegistry({"champion": (3, "full"), "challenger": (4, "full")}), Clock()
+    router = Router(tier, registry=reg, clock=clock, probe=lambda s: loaded[s], background=False)
+    ids = [f"session-{i}" for i in range(10_000)]
+    routes = {s: router.route(s) for s in ids}
+    for arm, share, version, server in (("control", 0.2, 0, "http://a"), ("challenger", 0.4, 4, "http://c"),
+                                        ("champion", 0.4, 3, "http://b")):
+        mine = [r for r in routes.values() if r.arm == arm]
+        assert abs(len(mine) / len(ids) - share) <= 0.02, (arm, len(mine))
+        assert {(r.policy_version, r.server) for r in mine} == {(version, server)}, arm
+    # no challenger (rejected, or the final window): its sessions go to the champion, the control keeps its own
+    reg.set({"champion": (3, "full")})
+    clock.now += 5
+    after = {s: router.route(s) for s in ids}
+    assert all(after[s].arm == "control" for s in ids if routes[s].arm == "control")
+    assert {r.arm for r in after.values()} == {"control", "champion"}
+    assert router.shares() == {0: 0.2, 3: 0.8}
+    reg.set({"champion": (3, "full"), "challenger": (4, "full")})
+    clock.now += 5
+    assert router.shares() == {0: 0.2, 3: pytest.approx(0.4), 4: 0.4}
+
+
+def test_control_and_challenger_shares_must_leave_the_champion_some() -> None:
+    from flywheel.base.config import ConfigError
+
+    with pytest.raises(ConfigError, match="exceeds 1"):
+        TierConfig(control_share=0.6, challenger_share=0.5).check()

@@ -1,0 +1,182 @@
+"""The promotion gate's decision rule, as pure functions: what it compares, and when the evidence suffices.
+
+serving/promote.py reads the lake and the registry, calls these, and applies the result;
+`flywheel bench gate` calls the same functions on simulated session streams to measure the
+rule's error rates, so what is measured is what runs.
+
+What is compared (`concurrent`): sessions served at the same time. The challenger's sessions
+(arm challenger, served by the challenger) against the champion's (arm champion) that started at
+or after the challenger's first session, both counted only once their outcome window has closed
+(`maturity_s` after the session ended), without sessions that ended in an infrastructure error
+or never got the outcome (both counted apart, in the decision's numbers). Rewards are the
+session's outcome (the verifier's task_success by default), grouped by task type.
+
+The test (`decide`): a stratified difference of means (task types weighted by their pooled share,
+or a fixed mix) with two one-sided mixture SPRTs (serving/stats.py): "the challenger is better
+than the champion by more than -margin" promotes, "the challenger is worse" rejects. An mSPRT is
+valid at every look, so the gate may look every few seconds for as long as it likes and each
+direction still errs with probability at most alpha; a fixed-sample test re-run every round
+would not be (with 17 challengers the old gate "found" a better champion in 9-11% of null runs).
+We chose mSPRT over group-sequential alpha spending because the gate has no planned sample size:
+traffic decides how many sessions arrive and when, and alpha spending needs the information
+fraction of each look. A challenger that reaches `max_sessions` without deciding expires (not
+promoted; its evidence was not enough, which is not evidence that it is worse).
+
+Rollback (`decide_rollback`) uses the same test on the champion's sessions since its promotion
+against the control arm's, concurrent: a champion significantly worse than the control is rolled back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from flywheel.base.config import ConfigError, setting
+from flywheel.serving.sessions import SessionRecord, mature
+from flywheel.serving.stats import Moments, SequentialDecision, sequential_test
+
+
+@dataclass
+class GateRule:
+    """The gate's statistical rule (shared by `flywheel promote` and `flywheel bench gate`)."""
+
+    alpha: float = setting(0.05, "error rate of each one-sided sequential test (false promotion, false rejection, false rollback)")
+    tau: float = setting(0.1, "scale of the mSPRT's mixture over effect sizes, in outcome units: the test is most "
+                              "sensitive to differences of about this size (0.1: ten points of success)")
+    margin: float = setting(0.0, "non-inferiority margin: promote when the challenger is better than the champion minus "
+                                 "this (0: it must be better)")
+    min_sessions: int = setting(30, "sessions each side needs before the first look (the normal approximation needs some)")
+    max_sessions: int = setting(1000, "challenger sessions after which an undecided challenger expires (not promoted)")
+    maturity_s: float = setting(60.0, "seconds after a session ends before it counts: its outcome window has closed")
+    outcome_kind: str = setting("task_success", "the outcome kind the gate compares (a session's latest value of it)")
+    error_statuses: list[str] = setting(["error"], "session_end statuses that mean an infrastructure error: excluded, counted apart")
+    strata_weights: dict[str, float] = setting({}, "fixed task-type mix, e.g. tool_use.add=0.3,tool_use.weather=0.7 "
+                                                   "(empty: each type's share of both arms' sessions)")
+
+    def check_rule(self) -> None:
+        if not 0.0 < self.alpha < 0.5:
+            raise ConfigError(f"alpha: {self.alpha} is not within (0, 0.5)")
+        if not self.tau > 0.0:
+            raise ConfigError(f"tau: {self.tau} must be > 0")
+        if not self.margin >= 0.0:
+            raise ConfigError(f"margin: {self.margin} must be >= 0")
+        if self.min_sessions < 2:
+            raise ConfigError(f"min_sessions: {self.min_sessions} < 2; a variance needs two sessions per side")
+        if self.max_sessions < self.min_sessions:
+            raise ConfigError(f"max_sessions ({self.max_sessions}) < min_sessions ({self.min_sessions})")
+        if self.maturity_s < 0:
+            raise ConfigError(f"maturity_s: {self.maturity_s} must be >= 0")
+        if any(w < 0 for w in self.strata_weights.values()):
+            raise ConfigError(f"strata_weights: negative weight in {self.strata_weights}")
+
+
+@dataclass
+class Evidence:
+    """Concurrent, mature sessions of a baseline side (a) and a tested side (b), per task type."""
+
+    a: dict[str, Moments] = field(default_factory=dict)
+    b: dict[str, Moments] = field(default_factory=dict)
+    since: float | None = None  # the concurrent window starts here (epoch seconds)
+    excluded: dict[str, int] = field(default_factory=dict)  # errored_a, unlabelled_b, open ...
+
+    @property
+    def n_a(self) -> int:
+        return sum(m.n for m in self.a.values())
+
+    @property
+    def n_b(self) -> int:
+        return sum(m.n for m in self.b.values())
+
+    def add(self, side: str, task_type: str, value: float) -> None:
+        table = self.a if side == "a" else self.b
+        table[task_type] = table.get(task_type, Moments()).add(value)
+
+
+@dataclass
+class Verdict:
+    """What the rule says: promote | reject | expire | hold (challenger), rollback | keep (champion)."""
+
+    action: str
+    reason: str
+    numbers: dict[str, float] = field(default_factory=dict)
+
+
+def _side(records: Iterable[SessionRecord], version: int, arm: str) -> list[SessionRecord]:
+    return [r for r in records if r.version == version and r.arm == arm]
+
+
+def concurrent(records: list[SessionRecord], a: tuple[int, str], b: tuple[int, str], now: float, rule: GateRule,
+               since: float | None = None) -> Evidence:
+    """Evidence for b against a: (version, arm) each; sessions that started at or after the later of
+    `since` and b's first session, whose outcome window has closed at `now`."""
+    side_a, side_b = _side(records, *a), _side(records, *b)
+    start = min((r.started for r in side_b), default=None)
+    if start is None:
+        return Evidence(since=since)
+    if since is not None:
+        start = max(start, since)
+    ev = Evidence(since=start)
+    for name, side in (("a", side_a), ("b", side_b)):
+        split = mature([r for r in side if r.started >= start], now, rule.maturity_s, rule.error_statuses)
+        for r in split.counted:
+            ev.add(name, r.task_type, float(r.outcome))  # type: ignore[arg-type]
+        ev.excluded.update({f"errored_{name}": split.errored, f"unlabelled_{name}": split.unlabelled,
+                            f"open_{name}": split.open})
+    return ev
+
+
+def _numbers(ev: Evidence, test: SequentialDecision | None, rule: GateRule) -> dict[str, float]:
+    out: dict[str, float] = {"n_a": ev.n_a, "n_b": ev.n_b, "alpha": rule.alpha, "tau": rule.tau, "margin": rule.margin,
+                             "threshold_log_lr": math.log(1.0 / rule.alpha), "min_sessions": rule.min_sessions,
+                             "max_sessions": rule.max_sessions}
+    out.update({k: float(v) for k, v in ev.excluded.items()})
+    if ev.since is not None:
+        out["window_since"] = ev.since
+    if test is not None:
+        e = test.estimate
+        out.update({"mean_a": e.mean_a, "mean_b": e.mean_b, "diff": e.diff, "se": math.sqrt(e.var), "strata": e.strata,
+                    "log_lr_better": test.log_lr_better, "log_lr_worse": test.log_lr_worse,
+                    "p_better": test.p_better, "p_worse": test.p_worse})
+    return out
+
+
+def decide(ev: Evidence, rule: GateRule) -> Verdict:
+    """The challenger (b) against the champion (a): promote, reject, expire or hold."""
+    weights = rule.strata_weights or None
+    if ev.n_a < rule.min_sessions or ev.n_b < rule.min_sessions:
+        return Verdict("hold", f"too few mature concurrent sessions: champion {ev.n_a}, challenger {ev.n_b}, need "
+                       f"{rule.min_sessions} each", _numbers(ev, None, rule))
+    test = sequential_test(ev.a, ev.b, rule.alpha, rule.tau, rule.margin, weights)
+    numbers = _numbers(ev, test, rule)
+    if test is None:
+        return Verdict("hold", "no task type has two sessions on both sides yet", numbers)
+    e = test.estimate
+    text = (f"challenger {e.mean_b:.3f} (n {e.n_b}) vs champion {e.mean_a:.3f} (n {e.n_a}), diff {e.diff:+.3f} "
+            f"+- {1.96 * math.sqrt(e.var):.3f}")
+    if test.worse:
+        return Verdict("reject", f"worse: {text}; log LR {test.log_lr_worse:.2f} >= {test.threshold:.2f}", numbers)
+    if test.better:
+        return Verdict("promote", f"better{'' if not rule.margin else f' than champion - {rule.margin}'}: {text}; "
+                       f"log LR {test.log_lr_better:.2f} >= {test.threshold:.2f}", numbers)
+    if ev.n_b >= rule.max_sessions:
+        return Verdict("expire", f"undecided after {ev.n_b} >= {rule.max_sessions} sessions: {text}", numbers)
+    return Verdict("hold", f"undecided: {text}; log LR {test.log_lr_better:.2f} (better) / {test.log_lr_worse:.2f} "
+                   f"(worse) < {test.threshold:.2f}", numbers)
+
+
+def decide_rollback(ev: Evidence, rule: GateRule) -> Verdict:
+    """The champion (b) against the concurrent control (a): rollback when it is significantly worse."""
+    if ev.n_a < rule.min_sessions or ev.n_b < rule.min_sessions:
+        return Verdict("keep", f"too few mature sessions since the promotion: control {ev.n_a}, champion {ev.n_b}",
+                       _numbers(ev, None, rule))
+    test = sequential_test(ev.a, ev.b, rule.alpha, rule.tau, 0.0, rule.strata_weights or None)
+    numbers = _numbers(ev, test, rule)
+    if test is None:
+        return Verdict("keep", "no task type has two sessions on both sides yet", numbers)
+    e = test.estimate
+    text = f"champion {e.mean_b:.3f} (n {e.n_b}) vs control {e.mean_a:.3f} (n {e.n_a})"
+    if test.worse:
+        return Verdict("rollback", f"worse than the control: {text}; log LR {test.log_lr_worse:.2f} >= "
+                       f"{test.threshold:.2f}", numbers)
+    return Verdict("keep", f"holds: {text}; log LR (worse) {test.log_lr_worse:.2f} < {test.threshold:.2f}", numbers)

@@ -1,0 +1,128 @@
+"""Production sessions as the gate and the report see them: one row per session, read from the lake.
+
+`read_sessions(lake_root)` -> list[SessionRecord]: when the session started and ended, its task
+type, the policy version and the router's arm that served it (from its llm_calls), how it ended,
+and the latest value of one outcome kind (the verifier's task_success by default). A session whose
+calls were served by more than one version (it straddled a reload) has version None and counts for
+nobody. Both the promotion gate (serving/promote.py) and the demo report read sessions through
+this one function, so they cannot disagree on what a session is.
+
+`mature(records, now, maturity_s, error_statuses)` splits sessions into those whose outcome window
+has closed (they count), those still open (not yet), those that ended in an infrastructure error
+and those whose window closed without the outcome (excluded and counted separately: an error the
+version did not cause must not count as its failure).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    task_type: str
+    version: int | None  # None: served by more than one version (or no llm_call)
+    arm: str | None  # control | champion | challenger; None: no router logged one
+    started: float  # epoch seconds of session_start (the first event when there is none)
+    ended: float | None  # epoch seconds of the main agent's session_end; None: still running
+    status: str | None  # the main agent's session_end status
+    outcome: float | None  # the latest value of the outcome kind; None: none arrived yet
+    outcome_ts: float | None = None
+
+
+@dataclass
+class Maturity:
+    """Sessions split by whether they may be counted now."""
+
+    counted: list[SessionRecord] = field(default_factory=list)
+    open: int = 0  # still running, or ended less than maturity_s ago
+    errored: int = 0  # ended in an infrastructure error: excluded
+    unlabelled: int = 0  # window closed without the outcome: excluded
+
+
+def _epoch(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, _dt.datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=_dt.timezone.utc)).timestamp()
+    return float(value)  # type: ignore[arg-type]
+
+
+def _sql_list(paths: list[str]) -> str:
+    """A SQL list literal of file paths (a view cannot take prepared parameters)."""
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+
+
+def read_sessions(lake_root: str, outcome_kind: str = "task_success") -> list[SessionRecord]:
+    """Every session in the lake's events, with its serving version and arm, end and latest outcome."""
+    import duckdb
+
+    from flywheel.ingest import lake
+
+    events = [f.path for f in lake.list_files(lake_root, "events")]
+    if not events:
+        return []
+    outcomes = [f.path for f in lake.list_files(lake_root, "outcomes")]
+    local = "://" not in lake_root
+    if local:
+        events, outcomes = [str(Path(p)) for p in events], [str(Path(p)) for p in outcomes]
+    con = duckdb.connect()
+    try:
+        con.execute("SET TimeZone='UTC'")
+        con.execute(f"CREATE VIEW ev AS SELECT * FROM read_parquet({_sql_list(events)}, union_by_name = true)")
+        has_arm = "arm" in {r[0] for r in con.execute("DESCRIBE ev").fetchall()}
+        arm = "min(arm)" if has_arm else "NULL"
+        if outcomes:
+            con.execute(f"CREATE VIEW oc AS SELECT session_id, kind, value, ts FROM read_parquet({_sql_list(outcomes)}, "
+                        "union_by_name = true)")
+        else:
+            con.execute("CREATE VIEW oc AS SELECT NULL::VARCHAR AS session_id, NULL::VARCHAR AS kind, "
+                        "NULL::DOUBLE AS value, NULL::TIMESTAMPTZ AS ts WHERE false")
+        rows = con.execute(
+            f"""
+            WITH firsts AS (SELECT session_id, min(ts) AS first_ts FROM ev GROUP BY 1),
+                 starts AS (SELECT session_id, min(ts) AS start_ts, arg_min(task_type, ts) AS task_type
+                            FROM ev WHERE type = 'session_start' AND parent_agent_id IS NULL GROUP BY 1),
+                 calls AS (SELECT session_id, min(policy_version) AS vmin, max(policy_version) AS vmax,
+                                  {arm} AS arm, count(DISTINCT {"arm" if has_arm else "NULL"}) AS arms
+                           FROM ev WHERE type = 'llm_call' GROUP BY 1),
+                 ends AS (SELECT session_id, max(ts) AS end_ts, arg_max(status, ts) AS status
+                          FROM ev WHERE type = 'session_end' AND parent_agent_id IS NULL GROUP BY 1),
+                 verdicts AS (SELECT session_id, arg_max(value, ts) AS value, max(ts) AS outcome_ts
+                              FROM oc WHERE kind = ? GROUP BY 1)
+            SELECT f.session_id, s.task_type, c.vmin, c.vmax, c.arm, c.arms, coalesce(s.start_ts, f.first_ts),
+                   e.end_ts, e.status, d.value, d.outcome_ts
+            FROM firsts f LEFT JOIN starts s USING (session_id) LEFT JOIN calls c USING (session_id)
+                 LEFT JOIN ends e USING (session_id) LEFT JOIN verdicts d USING (session_id)
+            """, [outcome_kind]).fetchall()
+    finally:
+        con.close()
+    out = []
+    for sid, task_type, vmin, vmax, arm_value, arms, start, end, status, value, outcome_ts in rows:
+        version = int(vmin) if vmin is not None and vmin == vmax else None
+        out.append(SessionRecord(str(sid), task_type or "unknown", version, arm_value if (arms or 0) <= 1 else None,
+                                 _epoch(start) or 0.0, _epoch(end), status,
+                                 float(value) if value is not None and math.isfinite(value) else None, _epoch(outcome_ts)))
+    return out
+
+
+def mature(records: Iterable[SessionRecord], now: float, maturity_s: float,
+           error_statuses: Iterable[str] = ("error",)) -> Maturity:
+    """Split sessions by whether their outcome window (maturity_s after the session ended) has closed at `now`."""
+    errors = set(error_statuses)
+    out = Maturity()
+    for r in records:
+        if r.ended is not None and r.status in errors:
+            out.errored += 1
+        elif r.ended is None or now - r.ended < maturity_s:
+            out.open += 1  # even with an outcome in: a later one of the same kind may still replace it
+        elif r.outcome is None:
+            out.unlabelled += 1
+        else:
+            out.counted.append(r)
+    return out
