@@ -46,6 +46,9 @@ class TrainerState:
     baseline: dict[str, float] = field(default_factory=dict)
     published: list[int] = field(default_factory=list)
     abandoned: list[int] = field(default_factory=list)  # published versions the gate refused; their rows are not trained
+    # the episodes trained since the current version (versions.episode_range): the next version's lineage, kept
+    # here so a restart between two publishes does not forget the steps before it
+    since_parent: dict[str, Any] = field(default_factory=dict)
 
 
 def save(run_dir: Path, state: TrainerState, weights: dict[str, torch.Tensor], optimizer: dict[str, Any],

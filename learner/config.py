@@ -72,6 +72,9 @@ class LearnerConfig:
     publish_every_steps: int = setting(10, "publish a policy version after this many steps (0: never by count)")
     publish_every_s: float = setting(0.0, "also publish when this many seconds passed since the last publish (0: never by time)")
     publish: bool = setting(True, "hand finished versions to serving.publisher.publish (off: only write the directories)")
+    publish_artifacts: bool = setting(False, "also log each version's directory as artifacts of the learner's MLflow run and "
+                                             "register that copy as the version's source (readable from other hosts; "
+                                             "costs a copy of the weights per publish)")
     policies_dir: str = setting(defaults.POLICIES_DIR, "where policy-v<N>/ directories are written")
     vllm_url: str = setting(defaults.VLLM_URL, "vLLM server the publisher pushes to and the parity check scores on")
     registered_model: str = setting(defaults.REGISTERED_MODEL, "MLflow registered model the publisher records versions in")
@@ -128,3 +131,5 @@ class LearnerConfig:
             raise ConfigError(f"cpu_threads: must be >= 0, got {self.cpu_threads}")
         if self.start_version < 0:
             raise ConfigError(f"start_version: must be >= 0, got {self.start_version}")
+        if self.publish_artifacts and not self.mlflow_tracking_uri:
+            raise ConfigError("publish_artifacts needs mlflow_tracking_uri: the artifacts go to the learner's MLflow run")

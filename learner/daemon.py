@@ -113,8 +113,12 @@ class Learner:
         return self.trainer.step(plan)
 
     def rebase(self, version: int, source: str | None) -> None:
-        """Continue from policy-v<version>'s weights (source: its directory; None for policy-v0)."""
-        rebase_onto(self.policy, self.optimizer, self.state, self.stream, version, source)
+        """Continue from policy-v<version>'s weights (source: its directory or the registry's file:// URI of it;
+        None for policy-v0)."""
+        from flywheel.serving.publisher import local_source
+
+        rebase_onto(self.policy, self.optimizer, self.state, self.stream, version,
+                    local_source(source) if source else None)
         self.versions.adopt(version)  # the champion's weights get their own steps before the next version
 
     # -- rank 0: data -------------------------------------------------------------------------
@@ -183,6 +187,7 @@ class Learner:
         assert self.stream is not None
         self.steps_this_run += 1
         self.stream.mark_trained(batch)
+        self.versions.trained(batch)
         checkpoint.append_trained(self.run_dir, self.state.step, self.state.policy_version,
                                   [e.episode_id for e in batch])
         aliases = self.gate.read_aliases() if self.cfg.publish_wait_for_gate else None
@@ -192,7 +197,7 @@ class Learner:
             self.follow_gate(aliases)
         published = self.publish_due(aliases)
         if published:
-            self.versions.write()
+            self.versions.write(tracker.run_id)
         self.save_checkpoint()
         self.last_batch = batch
         counters = self.stream.counters

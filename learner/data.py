@@ -21,6 +21,7 @@ old samples with corrected rewards is a replay question, left to a future replay
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 from collections import Counter
@@ -50,6 +51,7 @@ class Episode:
     behaviour_logprobs: tuple[float, ...]
     loss_mask: tuple[int, ...]
     reward: float
+    call_ts: str | None = None  # when the llm_call happened (ISO-8601 UTC): a version's lineage names its episode range
 
     @property
     def trained_tokens(self) -> int:
@@ -99,7 +101,17 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
         behaviour_logprobs=tuple(float(x) for x in logprobs),
         loss_mask=tuple(int(m) for m in mask),
         reward=float(reward),
+        call_ts=iso_ts(row.get("call_ts")),
     )
+
+
+def iso_ts(value: Any) -> str | None:
+    """A lake timestamp (a datetime from Parquet, or ISO text) as ISO-8601 UTC text, microseconds, so stamps sort as text."""
+    if value is None or isinstance(value, str):
+        return value
+    if value.tzinfo is None:  # the lake's timestamps are UTC; a naive one is UTC too
+        value = value.replace(tzinfo=datetime.timezone.utc)
+    return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass

@@ -17,7 +17,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from flywheel.base import defaults
 from flywheel.base.atomic import Durability, publish, temp_path
@@ -54,12 +54,44 @@ def next_version(policies_dir: str | Path, current: int) -> int:
 
 
 def version_meta(version: int, kind: str, base_model: str, state: TrainerState,
-                 data_window: dict[str, Any]) -> dict[str, Any]:
-    """policy.json of a new version; `state` is the learner's before the version becomes current."""
+                 data_window: dict[str, Any], learner_run_id: str | None = None) -> dict[str, Any]:
+    """policy.json of a new version; `state` is the learner's before the version becomes current.
+
+    Lineage: parent_version is the version these weights continued from (the one published before, or the
+    champion the learner rebased onto: both become state.policy_version through Versions.adopt);
+    data_window.since_parent is the range of episodes trained since then (episode_range); learner_run_id
+    is the MLflow run of the learner (None with tracking off).
+    """
     return {
         "policy_version": version, "kind": kind, "base_model": str(Path(base_model).resolve()),
         "created_ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "learner_step": state.step,
-        "data_window": data_window, "parent_version": state.policy_version,
+        "data_window": {**data_window, "since_parent": dict(state.since_parent)},
+        "parent_version": state.policy_version, "learner_run_id": learner_run_id,
+    }
+
+
+def episode_range(window: dict[str, Any], batch: Sequence[Episode], step: int) -> dict[str, Any]:
+    """`window` (episodes trained since the parent version; {} for none) with one more step's `batch` added.
+
+    Running counts and bounds, O(batch) per step: count, steps, first_step/last_step (the learner steps,
+    whose episode ids trained.jsonl lists), first_call_ts/last_call_ts (when the episodes were served) and
+    min/max_policy_version (which versions served them).
+    """
+    if not batch:
+        return dict(window)
+
+    def bound(pick: Callable[[list[Any]], Any], key: str, values: list[Any]) -> Any:
+        known = [*values, *([window[key]] if window.get(key) is not None else [])]
+        return pick(known) if known else None
+
+    stamps = [e.call_ts for e in batch if e.call_ts is not None]
+    served = [e.policy_version for e in batch]
+    return {
+        "count": window.get("count", 0) + len(batch), "steps": window.get("steps", 0) + 1,
+        "first_step": window.get("first_step", step), "last_step": step,
+        "first_call_ts": bound(min, "first_call_ts", stamps), "last_call_ts": bound(max, "last_call_ts", stamps),
+        "min_policy_version": bound(min, "min_policy_version", served),
+        "max_policy_version": bound(max, "max_policy_version", served),
     }
 
 
@@ -89,13 +121,22 @@ class Versions:
         return next_version(self.cfg.policies_dir, self.state.policy_version)
 
     def adopt(self, version: int) -> None:
-        """Make `version` current: the next version is due publish_every_steps / _s from now."""
+        """Make `version` current: the next version is due publish_every_steps / _s from now, and its episode
+        range starts empty (after a rebase too: the steps before it trained weights the learner left)."""
         self.state.policy_version = version
         self.state.last_published_step = self.state.step
+        self.state.since_parent = {}
         self.last_publish_time = time.monotonic()
 
-    def write(self) -> Path:
-        """Write policy-v<N>/ atomically (temp dir + rename) and make N the current version."""
+    def trained(self, batch: Sequence[Episode]) -> None:
+        """Add a finished step's batch to the episode range the next version records."""
+        self.state.since_parent = episode_range(self.state.since_parent, batch, self.state.step)
+
+    def write(self, learner_run_id: str | None = None) -> Path:
+        """Write policy-v<N>/ atomically (temp dir + rename) and make N the current version.
+
+        learner_run_id: the learner's MLflow run, recorded in policy.json (the registry links the version to it).
+        """
         assert self.stream is not None
         version = self.next_version()
         root = Path(self.cfg.policies_dir)
@@ -104,7 +145,7 @@ class Versions:
         tmp = temp_path(final)
         tmp.mkdir()
         kind = self.policy.save_weights(tmp)
-        meta = version_meta(version, kind, self.cfg.base_model, self.state, self.stream.data_window())
+        meta = version_meta(version, kind, self.cfg.base_model, self.state, self.stream.data_window(), learner_run_id)
         (tmp / "policy.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         publish(tmp, final, Durability.DURABLE)  # serving may read it from another host right away
         log.info("publish: wrote %s (%s, step %d, parent policy-v%d)", final, kind, self.state.step,
@@ -135,7 +176,11 @@ class Versions:
         start = time.perf_counter()
         try:
             # the one hand-off owned by serving: push to every vLLM server and register in MLflow
-            served = publisher.publish(self.version_dir, serving_tier(self.cfg)).served_name
+            result = publisher.publish(self.version_dir, serving_tier(self.cfg),
+                                       artifact_source=self.cfg.publish_artifacts)
+            served = result.served_name
+            # full weights go only to the free servers: score parity where the version is, not on vllm_url
+            server = result.pushed[0] if result.pushed else self.cfg.vllm_url
             out["publish_s"] = time.perf_counter() - start
             log.info("publish: policy-v%d handed to serving in %.2f s (served as %s)", self.state.policy_version,
                      out["publish_s"], served)
@@ -144,16 +189,16 @@ class Versions:
                       self.state.policy_version, type(exc).__name__, exc, self.version_dir)
             return out
         if served is not None and self.cfg.parity_samples > 0 and batch:
-            out.update(self.served_parity(batch, served))
+            out.update(self.served_parity(batch, served, server))
         return out
 
-    def served_parity(self, batch: list[Episode], served: str) -> dict[str, float]:
+    def served_parity(self, batch: list[Episode], served: str, server: str) -> dict[str, float]:
         """Learner vs vLLM logprobs of the served version on a sample of `batch` ({} when vLLM cannot score)."""
         from flywheel.learner.parity import served_gap
 
         sample = random.Random(self.state.step).sample(batch, min(self.cfg.parity_samples, len(batch)))
         try:
-            g = served_gap(self.policy, sample, self.cfg.vllm_url, served)
+            g = served_gap(self.policy, sample, server, served)
         except Exception as exc:
             log.warning("parity: vLLM scoring of %s failed (%s); mismatch not measured", served, exc)
             return {}

@@ -24,8 +24,11 @@ The learner hands over a finished directory (docs/CONTRIBUTING.md, "Policy versi
    - full, transport "nccl": vLLM's weight-transfer API (NCCL broadcast from this process),
      for a GPU tier started with a NCCL weight-transfer config. Built against vLLM 0.32's
      documented API; NOT tested here (no GPU on these machines).
-3. registers an MLflow model version (tags policy_version, kind, base_model, learner_step,
-   data_window) and points the `challenger` alias at it.
+3. registers an MLflow model version with its lineage: tags policy_version, kind, base_model,
+   learner_step, data_window, parent_version, learner_run_id and episodes_* (the range of episodes
+   trained since the parent); run_id = the learner run; source = the directory's file:// URI or,
+   with artifact_source, the learner run's artifact copy (a source another host can read). The gate
+   adds gate_run_id, the run of the decision. It then points the `challenger` alias at it.
 
 A server that fails keeps its old version; the others are still updated, and PublishError lists
 each failure. The requests themselves are flywheel.serving.vllm_client's. Run by hand: `flywheel publish var/policies/policy-v3`.
@@ -352,14 +355,42 @@ def push_full_nccl(server: str, pv: PolicyVersion, tier: TierConfig, master_port
 # publish
 # ---------------------------------------------------------------------------------------------
 def _registry_tags(pv: PolicyVersion) -> dict[str, str]:
+    """The model version's tags from policy.json, lineage included: learner_run_id, parent_version and the
+    episodes trained since the parent (data_window.since_parent) one tag each as episodes_<key>, so a search
+    can filter on them."""
     def text(value: Any) -> str:
         return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
     tags = {"kind": pv.kind}
-    for key in ("base_model", "learner_step", "data_window", "parent_version", "created_ts"):
+    for key in ("base_model", "learner_step", "data_window", "parent_version", "created_ts", "learner_run_id"):
         if pv.meta.get(key) is not None:
             tags[key] = text(pv.meta[key])
+    window = pv.meta.get("data_window")
+    since = window.get("since_parent") if isinstance(window, dict) else None
+    for key, value in sorted((since if isinstance(since, dict) else {}).items()):
+        if value is not None:
+            tags[f"episodes_{key}"] = text(value)
     return tags
+
+
+def version_source(pv: PolicyVersion, registry: Any, artifacts: bool) -> str:
+    """The source a version is registered with: its directory as a file:// URI (any host that mounts the same path
+    reads it; local_source turns it back into a path), or with `artifacts` a copy logged as artifacts of the
+    learner's run (<run artifact URI>/policy-v<N>), readable wherever the tracking store's artifacts are.
+
+    artifacts is off by default: the copy costs the weights' size (14 MB of full weights in the demo) on the
+    artifact store and its time on every publish. Without a learner run (tracking was off) there is nothing to
+    log to: file://. Already registered: nothing is copied again (register returns the existing version).
+    """
+    run_id = pv.meta.get("learner_run_id")
+    if not (artifacts and run_id) or registry.find(pv.version) is not None:
+        return pv.path.as_uri()
+    start = time.perf_counter()
+    registry.client.log_artifacts(run_id, str(pv.path), pv.name)
+    uri = f"{registry.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{pv.name}"
+    log.info("publish: %s logged to the artifacts of learner run %s in %.2f s (%s)", pv.name, run_id,
+             time.perf_counter() - start, uri)
+    return uri
 
 
 def served_name(version: int, kind: str, tier: TierConfig) -> str:
@@ -419,16 +450,19 @@ def push_to(server: str, pv: PolicyVersion, tier: TierConfig, view: RegistryView
 
 
 def register_version(pv: PolicyVersion, tier: TierConfig, view: RegistryView, result: PublishResult,
-                     challenger: bool) -> None:
-    """Record the pushed version in MLflow; the challenger alias moves only when every server took it."""
+                     challenger: bool, artifact_source: bool = False) -> None:
+    """Record the pushed version in MLflow, linked to the learner run that produced it (run_id, when policy.json
+    names one) with a source another host can read (version_source); the challenger alias moves only when every
+    server took it."""
     from flywheel.serving.registry import CHALLENGER
 
     try:
         if view.error is not None or view.registry is None:
             raise view.error or RuntimeError("no registry")
         reg = view.registry
-        registered = reg.register(pv.version, str(pv.path), _registry_tags(pv),
-                                  description=f"{pv.kind} policy version {pv.version} from {pv.path}")
+        registered = reg.register(pv.version, version_source(pv, reg, artifact_source), _registry_tags(pv),
+                                  description=f"{pv.kind} policy version {pv.version} from {pv.path}",
+                                  run_id=pv.meta.get("learner_run_id") or None)
         result.model_version = registered.model_version
         if challenger and not result.failed:
             reg.set_alias(CHALLENGER, pv.version)
@@ -478,7 +512,7 @@ def _full_servers(pv: PolicyVersion, tier: TierConfig, view: RegistryView, resul
 
 
 def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register: bool = True,
-            challenger: bool = True, registry: Any | None = None) -> PublishResult:
+            challenger: bool = True, registry: Any | None = None, artifact_source: bool = False) -> PublishResult:
     """Make the tier serve `version_dir` (every server for LoRA, the free ones for full weights), register it in
     MLflow and mark it challenger.
 
@@ -494,7 +528,7 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
     for server in servers:
         push_to(server, pv, tier, view, result)
     if register and result.pushed:
-        register_version(pv, tier, view, result, challenger)
+        register_version(pv, tier, view, result, challenger, artifact_source)
     if result.failed:
         failures = "; ".join(f"{s}: {why}" for s, why in result.failed.items())
         raise PublishError(f"{pv.name} failed on {len(result.failed)} of {len(set(servers) | set(result.failed))} server(s), which keep "
@@ -508,6 +542,9 @@ class PublishConfig(TierConfig):
 
     version_dir: str = setting("", "the policy-v<N> directory to publish (also accepted as the first argument)")
     register: bool = setting(True, "record an MLflow model version and point the challenger alias at it")
+    artifact_source: bool = setting(False, "log the directory as artifacts of the learner run policy.json names and "
+                                           "register that copy as the source (readable from other hosts; costs a "
+                                           "copy of the weights per publish); off: the directory's file:// URI")
 
     def check(self) -> None:
         super().check()
@@ -529,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     tier = TierConfig(**{k: getattr(cfg, k) for k in TierConfig.__dataclass_fields__})
     try:
-        result = publish(cfg.version_dir, tier, register=cfg.register)
+        result = publish(cfg.version_dir, tier, register=cfg.register, artifact_source=cfg.artifact_source)
     except PublishError as exc:
         log.error("publish: %s", exc)
         return 1

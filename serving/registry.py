@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 HISTORY_TAG = "champion_history"
-VERSION_TAGS = ("policy_version", "kind", "base_model", "learner_step", "data_window", "parent_version")
+VERSION_TAGS = ("policy_version", "kind", "base_model", "learner_step", "data_window", "parent_version", "learner_run_id")
 
 
 @dataclass(frozen=True)
@@ -75,14 +75,19 @@ class Registry:
         return out
 
     # -- versions -----------------------------------------------------------------------------
-    def register(self, policy_version: int, source: str, tags: dict[str, str], description: str = "") -> RegisteredVersion:
-        """Create the model version of a policy version, or return the existing one (publish is retryable)."""
+    def register(self, policy_version: int, source: str, tags: dict[str, str], description: str = "",
+                 run_id: str | None = None) -> RegisteredVersion:
+        """Create the model version of a policy version, or return the existing one (publish is retryable).
+
+        run_id: the MLflow run that produced the weights (the learner's), which MLflow links the version to.
+        """
         self.ensure_model()
         found = self.find(policy_version)
         if found is not None:
             return found
         tags = {**tags, "policy_version": str(policy_version)}
-        mv = self.client.create_model_version(self.name, source=source, tags=tags, description=description)
+        mv = self.client.create_model_version(self.name, source=source, run_id=run_id, tags=tags,
+                                              description=description)
         log.info("registry: %s version %s <- policy-v%d (%s)", self.name, mv.version, policy_version, source)
         return RegisteredVersion(policy_version, str(mv.version), tags.get("kind", ""), source, tags)
 

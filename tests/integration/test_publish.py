@@ -7,6 +7,7 @@ produces (7_000_000+), so it never touches another engineer's adapters. Full-wei
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import uuid
@@ -16,6 +17,7 @@ from typing import Iterator
 import pytest
 
 from bench.fixtures import models as synthetic
+from flywheel.base import tracking
 from flywheel.serving import publisher, vllm_client
 from flywheel.serving.publisher import PublishError
 from flywheel.serving.registry import Registry
@@ -33,8 +35,12 @@ def _version() -> int:
 
 @pytest.fixture
 def tier(vllm_url: str, mlflow_uri: str, base_model_dir: Path, tmp_path: Path) -> Iterator[TierConfig]:
+    # replace_live: these tests check the push mechanics on the one shared server, so a full version
+    # replaces the base there; that a live version keeps its server is tested with two servers
+    # (test_promote.py, tests/unit/test_publisher.py)
     cfg = TierConfig(servers=[vllm_url], mlflow_tracking_uri=mlflow_uri, base_model=str(base_model_dir),
-                     policies_dir=str(tmp_path), registered_model=f"test-publish-{uuid.uuid4().hex[:10]}")
+                     policies_dir=str(tmp_path), registered_model=f"test-publish-{uuid.uuid4().hex[:10]}",
+                     replace_live=True)
     yield cfg
     registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
     resident = set(vllm_client.served_models(vllm_url))
@@ -62,16 +68,30 @@ def test_lora_version_serves_its_weights_and_is_registered_as_challenger(tier: T
                                                                           base_model_dir: Path, tmp_path: Path) -> None:
     v = _version()
     vdir = synthetic.make_lora_version(base_model_dir, tmp_path / f"policy-v{v}", v, seed=11)
+    registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
+    learner_run = registry.client.create_run(tracking.experiment_id("test-publish", tier.mlflow_tracking_uri)).info.run_id
+    meta = json.loads((vdir / "policy.json").read_text())
+    since = {"count": 24, "steps": 3, "first_step": 4, "last_step": 6, "min_policy_version": 0, "max_policy_version": 0,
+             "first_call_ts": "2026-01-01T00:00:01.000000Z", "last_call_ts": "2026-01-01T00:02:00.000000Z"}
+    meta.update(learner_run_id=learner_run, data_window={**meta["data_window"], "since_parent": since})
+    (vdir / "policy.json").write_text(json.dumps(meta))
     result = publisher.publish(vdir, tier)
     assert result.pushed == [vllm_url] and result.served_name == f"policy-v{v}"
     gap = _max_gap(vllm_url, result.served_name, base_model_dir, vdir)
     assert gap < TOLERANCE, f"vLLM logprobs differ from peft fp32 by {gap:.2e} (limit {TOLERANCE})"
     base_gap = _max_gap(vllm_url, result.served_name, base_model_dir, None)
     assert base_gap > 1e-2, f"adapter changes nothing ({base_gap:.2e}); the comparison would prove nothing"
-    registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
     assert registry.aliases() == {"challenger": v}
-    tags = registry.find(v).tags
+    found = registry.find(v)
+    tags = found.tags
     assert tags["kind"] == "lora" and tags["policy_version"] == str(v) and "data_window" in tags, tags
+    assert (tags["parent_version"], tags["learner_run_id"]) == ("0", learner_run), tags
+    assert (tags["episodes_count"], tags["episodes_first_step"], tags["episodes_last_step"]) == ("24", "4", "6"), tags
+    assert tags["episodes_last_call_ts"] == since["last_call_ts"], tags
+    mv = registry.client.get_model_version(tier.registered_model, found.model_version)
+    assert mv.run_id == learner_run, f"model version linked to run {mv.run_id!r}, not the learner's {learner_run}"
+    assert found.source == vdir.resolve().as_uri(), f"source {found.source!r} is not the directory's file:// URI"
+    assert publisher.local_source(found.source) == str(vdir.resolve())
     assert publisher.publish(vdir, tier).pushed == [vllm_url], "publishing again is idempotent"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -48,12 +49,31 @@ def test_trains_every_episode_once_publishes_and_resumes(tmp_path: Path, model_d
     state, _ = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
     assert state.step == 3 and state.policy_version == 1 and state.cursor == {"synthetic/0": 2}
     assert (tmp_path / "run" / "learner-config.toml").is_file()
+    meta = json.loads((tmp_path / "policies" / "policy-v1" / "policy.json").read_text())
+    since = meta["data_window"]["since_parent"]
+    assert (meta["parent_version"], meta["learner_run_id"]) == (0, None), "tracking off: no learner run to link"
+    assert (since["count"], since["steps"], since["first_step"], since["last_step"]) == (16, 2, 1, 2), since
+    assert (since["min_policy_version"], since["max_policy_version"]) == (0, 0), since
+    assert since["first_call_ts"] <= since["last_call_ts"] and since["last_call_ts"].endswith("Z"), since
+    assert state.since_parent["count"] == 8 and state.since_parent["first_step"] == 3, \
+        f"step 3 came after policy-v1 and waits in the checkpoint for policy-v2: {state.since_parent}"
     # a restart with nothing new trains nothing again; new rows are picked up after the cursor
     write_episodes(tmp_path / "lake", random_rows(8, seed=9), seq=3)
     assert run(cfg) == 0
     log = checkpoint.read_trained(tmp_path / "run")
     assert [line["step"] for line in log] == [1, 2, 3, 4]
     assert len({i for line in log for i in line["episode_ids"]}) == 32
+
+
+def test_a_version_names_the_learner_run_that_produced_it(tmp_path: Path, model_dir: Path) -> None:
+    from flywheel.base import tracking
+
+    write_episodes(tmp_path / "lake", random_rows(16, seed=6, vocab_size=512), seq=0)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert run(_cfg(tmp_path, model_dir, mlflow_tracking_uri=uri, experiment="lineage")) == 0
+    meta = json.loads((tmp_path / "policies" / "policy-v1" / "policy.json").read_text())
+    runs = tracking.client(uri).search_runs([tracking.experiment_id("lineage", uri)])
+    assert [r.info.run_id for r in runs] == [meta["learner_run_id"]], (meta["learner_run_id"], runs)
 
 
 def test_empty_stream_waits_with_backoff_and_stops_on_request(tmp_path: Path, model_dir: Path,
@@ -195,7 +215,7 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
     learner.train_step(learner.plan(batch))
     assert any(not torch.equal(champion[k], v) for k, v in learner.policy.weights_state().items())
 
-    learner.rebase(1, str(tmp_path / "policies" / "policy-v1"))
+    learner.rebase(1, (tmp_path / "policies" / "policy-v1").resolve().as_uri())  # the source as the registry holds it
     now = learner.policy.weights_state()
     for key, value in champion.items():
         assert torch.allclose(now[key], value, atol=1e-6), f"{key} is not policy-v1's after the rebase"

@@ -3,6 +3,7 @@ version numbers and the publish clock, a step's metrics, the advantage helpers (
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections import Counter
 from pathlib import Path
@@ -12,11 +13,17 @@ import pytest
 
 from flywheel.learner.checkpoint import TrainerState
 from flywheel.learner.config import LearnerConfig
+from flywheel.learner.data import iso_ts
 from flywheel.learner.gate import abandoned_above, gate_ruled
 from flywheel.learner.loss import Baseline, group_means, scaled_by_std, task_means
 from flywheel.learner.metrics import step_metrics
 from flywheel.learner.trainer import StepResult, rows_worth_running, warmup_factor_at
-from flywheel.learner.versions import Versions, next_version, version_meta
+from flywheel.learner.versions import (
+    Versions,
+    episode_range,
+    next_version,
+    version_meta,
+)
 
 
 def test_warmup_is_linear_then_flat_and_off_at_zero_steps() -> None:
@@ -53,9 +60,38 @@ def test_version_numbers_pass_both_the_state_and_the_directories(tmp_path: Path)
         (tmp_path / name).mkdir()
     assert next_version(tmp_path, 4) == 8, "a crash may have left policy-v7 unrecorded"
     assert next_version(tmp_path, 9) == 10
-    meta = version_meta(8, "lora", str(tmp_path), TrainerState(step=12, policy_version=4), {"files": 3})
+    state = TrainerState(step=12, policy_version=4, since_parent={"count": 16, "steps": 2})
+    meta = version_meta(8, "lora", str(tmp_path), state, {"files": 3}, learner_run_id="run-1")
     assert (meta["policy_version"], meta["parent_version"], meta["learner_step"]) == (8, 4, 12)
-    assert meta["base_model"] == str(tmp_path.resolve()) and meta["data_window"] == {"files": 3}
+    assert meta["base_model"] == str(tmp_path.resolve()) and meta["learner_run_id"] == "run-1"
+    assert meta["data_window"] == {"files": 3, "since_parent": {"count": 16, "steps": 2}}, meta["data_window"]
+    assert version_meta(8, "lora", str(tmp_path), TrainerState(), {})["learner_run_id"] is None, "tracking off"
+
+
+def test_the_episode_range_since_the_parent_keeps_running_bounds() -> None:
+    def ep(version: int, ts: str | None) -> SimpleNamespace:
+        return SimpleNamespace(policy_version=version, call_ts=ts)
+
+    window = episode_range({}, [ep(3, "2026-01-01T00:00:05.000000Z"), ep(2, None)], step=7)  # type: ignore[list-item]
+    assert window == {"count": 2, "steps": 1, "first_step": 7, "last_step": 7,
+                      "first_call_ts": "2026-01-01T00:00:05.000000Z", "last_call_ts": "2026-01-01T00:00:05.000000Z",
+                      "min_policy_version": 2, "max_policy_version": 3}, window
+    window = episode_range(window, [ep(4, "2026-01-01T00:00:09.000000Z"), ep(3, "2026-01-01T00:00:01.000000Z")],
+                           step=8)  # type: ignore[list-item]
+    assert (window["count"], window["steps"], window["first_step"], window["last_step"]) == (4, 2, 7, 8), window
+    assert (window["first_call_ts"], window["last_call_ts"]) == ("2026-01-01T00:00:01.000000Z",
+                                                                 "2026-01-01T00:00:09.000000Z"), window
+    assert (window["min_policy_version"], window["max_policy_version"]) == (2, 4), window
+    assert episode_range(window, [], step=9) == window, "an empty batch changes nothing"
+    no_stamps = episode_range({}, [ep(1, None)], step=1)  # type: ignore[list-item]
+    assert (no_stamps["first_call_ts"], no_stamps["last_call_ts"]) == (None, None), no_stamps
+
+
+def test_lake_timestamps_become_utc_text_that_sorts_in_time_order() -> None:
+    paris = datetime.timezone(datetime.timedelta(hours=1))
+    assert iso_ts(datetime.datetime(2026, 3, 1, 12, 0, 0, 5, tzinfo=paris)) == "2026-03-01T11:00:00.000005Z"
+    assert iso_ts(datetime.datetime(2026, 3, 1, 9, 30)) == "2026-03-01T09:30:00.000000Z", "naive means UTC"
+    assert iso_ts(None) is None and iso_ts("2026-03-01T09:30:00Z") == "2026-03-01T09:30:00Z"
 
 
 def test_the_publish_clock_counts_steps_and_seconds_and_can_wait_for_the_gate() -> None:
@@ -68,8 +104,11 @@ def test_the_publish_clock_counts_steps_and_seconds_and_can_wait_for_the_gate() 
     assert not versions.due(gate_ruled=False), "the step count waits for the gate's verdict"
     versions.last_publish_time = time.monotonic() - 61.0
     assert versions.due(gate_ruled=False), "the time trigger publishes without a verdict"
+    versions.trained([SimpleNamespace(policy_version=1, call_ts=None)])  # type: ignore[list-item]
+    assert state.since_parent["count"] == 1 and state.since_parent["first_step"] == 6, state.since_parent
     versions.adopt(4)
     assert (state.policy_version, state.last_published_step) == (4, 6) and not versions.due(gate_ruled=True)
+    assert state.since_parent == {}, "the new version's range starts empty (after a publish or a rebase)"
 
 
 def test_step_metrics_report_reward_lag_and_drops() -> None:

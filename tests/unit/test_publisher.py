@@ -143,6 +143,7 @@ class FakeRegistry:
     def __init__(self, aliases: dict[str, int], managed: set[int], broken: bool = False) -> None:
         self._aliases, self.managed, self.broken = dict(aliases), managed, broken
         self.registered: list[int] = []
+        self.calls: list[dict] = []  # every register call's source, tags and run_id
 
     def aliases(self) -> dict[str, int]:
         if self.broken:
@@ -152,8 +153,10 @@ class FakeRegistry:
     def versions(self) -> list[RegisteredVersion]:
         return [RegisteredVersion(v, str(v), "lora", "", {}) for v in sorted(self.managed)]
 
-    def register(self, policy_version: int, source: str, tags: dict[str, str], description: str = "") -> RegisteredVersion:
+    def register(self, policy_version: int, source: str, tags: dict[str, str], description: str = "",
+                 run_id: str | None = None) -> RegisteredVersion:
         self.registered.append(policy_version)
+        self.calls.append({"source": source, "tags": tags, "run_id": run_id})
         return RegisteredVersion(policy_version, "7", tags["kind"], source, tags)
 
     def set_alias(self, alias: str, policy_version: int) -> None:
@@ -175,6 +178,62 @@ def test_publish_lora_unloads_only_unrouted_managed_adapters(lora_dir: Path, mon
     assert sorted(fake.models["http://a"]) == ["policy-v0", "policy-v1", "policy-v2", "policy-v3", "policy-v5",
                                                "policy-v9"]
     assert (result.model_version, reg.registered, reg.aliases()["challenger"]) == ("7", [3], 3)
+
+
+LINEAGE = {"learner_run_id": "0123abcd", "parent_version": 2, "learner_step": 40,
+           "data_window": {"cursor": {"episodes/0": 9}, "episodes_trained": 320,
+                           "since_parent": {"count": 32, "steps": 4, "first_step": 37, "last_step": 40,
+                                            "first_call_ts": "2026-01-01T00:00:01.000000Z",
+                                            "last_call_ts": "2026-01-01T00:05:00.000000Z",
+                                            "min_policy_version": 1, "max_policy_version": 2}}}
+
+
+def test_registry_tags_carry_the_lineage_of_a_version(tmp_path: Path) -> None:
+    tags = publisher._registry_tags(PolicyVersion(tmp_path, 3, "lora", {**LINEAGE, "created_ts": "t"}))
+    assert (tags["learner_run_id"], tags["parent_version"], tags["learner_step"]) == ("0123abcd", "2", "40"), tags
+    assert json.loads(tags["data_window"]) == LINEAGE["data_window"], "the whole window stays one JSON tag"
+    assert (tags["episodes_count"], tags["episodes_first_step"], tags["episodes_last_step"]) == ("32", "37", "40"), tags
+    assert (tags["episodes_first_call_ts"], tags["episodes_last_call_ts"]) == ("2026-01-01T00:00:01.000000Z",
+                                                                               "2026-01-01T00:05:00.000000Z"), tags
+    assert (tags["episodes_min_policy_version"], tags["episodes_max_policy_version"]) == ("1", "2"), tags
+    bare = publisher._registry_tags(PolicyVersion(tmp_path, 3, "lora", {"data_window": {"synthetic": True},
+                                                                         "learner_run_id": None}))
+    assert bare == {"kind": "lora", "data_window": '{"synthetic": true}'}, "no lineage recorded: no lineage tags"
+
+
+def test_publish_links_the_learner_run_and_registers_a_file_uri(lora_dir: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _copy(lora_dir, tmp_path / "policy-v3")
+    _edit_policy(d, **LINEAGE)
+    monkeypatch.setattr(vllm_client, "http", FakeVllm({"http://a": ["policy-v0"]}).http)
+    reg = FakeRegistry({}, managed=set())
+    publisher.publish(d, _lora_tier("http://a"), registry=reg)
+    [call] = reg.calls
+    assert call["run_id"] == "0123abcd" and call["tags"]["parent_version"] == "2", call
+    assert call["source"] == d.resolve().as_uri() and call["source"].startswith("file:///"), call["source"]
+    assert publisher.local_source(call["source"]) == str(d.resolve()), "the gate and the learner read it back as a path"
+    publisher.publish(lora_dir, _lora_tier("http://a"), registry=reg, artifact_source=True)
+    assert reg.calls[-1]["run_id"] is None and reg.calls[-1]["source"] == lora_dir.resolve().as_uri(), \
+        "no learner run (tracking was off): no link, and nothing to log artifacts to"
+
+
+def test_artifact_source_is_a_copy_under_the_learner_run(lora_dir: Path, tmp_path: Path) -> None:
+    from flywheel.base import tracking
+    from flywheel.serving.registry import Registry
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    registry = Registry(uri, "lineage")
+    run_id = registry.client.create_run(tracking.experiment_id("learner", uri)).info.run_id
+    pv = PolicyVersion(lora_dir, 3, "lora", {"learner_run_id": run_id})
+    source = publisher.version_source(pv, registry, artifacts=True)
+    assert source.startswith("file:///") and source.endswith(f"/{run_id}/artifacts/policy-v3"), source
+    copied = Path(publisher.local_source(source))
+    assert sorted(f.name for f in copied.iterdir()) == sorted(f.name for f in lora_dir.iterdir()), copied
+    assert publisher.version_source(pv, registry, artifacts=False) == lora_dir.as_uri()
+    registry.register(3, source, {"kind": "lora"}, run_id=run_id)
+    assert registry.client.get_model_version("lineage", "1").run_id == run_id
+    assert publisher.version_source(pv, registry, artifacts=True) == lora_dir.as_uri(), \
+        "registered already: register keeps the first source, so nothing is copied again"
 
 
 def test_publish_failed_server_keeps_old_version_and_challenger_stays(lora_dir: Path,
@@ -222,3 +281,42 @@ def test_weight_version_and_prefix_cache_refusal(monkeypatch: pytest.MonkeyPatch
     assert vllm_client.weight_version("http://a") == 0, "a server still on its start-up weights holds version 0"
     with pytest.raises(ServerError, match="refused"):
         vllm_client.reset_prefix_cache("http://a")
+
+
+def test_full_targets_keep_one_server_per_live_version() -> None:
+    held = {"http://a": 0, "http://b": 0, "http://c": 0}
+    # at the start every server holds the base, which is champion and control: one keeps it
+    assert publisher.full_targets(held, {0}, 1) == ["http://b", "http://c"]
+    # champion v1 on b and c, control v0 on a, a new challenger v2: one of the champion's servers frees up
+    assert publisher.full_targets({"http://a": 0, "http://b": 1, "http://c": 1}, {0, 1}, 2) == ["http://c"]
+    # the old challenger's server is free; an unreachable server is never a target
+    assert publisher.full_targets({"http://a": 0, "http://b": 1, "http://c": 2, "http://d": None}, {0, 1}, 3) == ["http://c"]
+    assert publisher.full_targets({"http://a": 0, "http://b": 1}, {0, 1}, 2) == []
+
+
+def test_full_publish_never_replaces_the_champion_or_the_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeVllm({"http://a": ["policy-v0"], "http://b": ["policy-v0"], "http://c": ["policy-v0"]})
+    fake.version.update({"http://a": 0, "http://b": 1, "http://c": 2})
+    monkeypatch.setattr(vllm_client, "http", fake.http)
+    monkeypatch.setattr(publisher, "load_version", lambda d, tier=None: PolicyVersion(Path(d), 3, "full", {}))
+    (tmp_path / "policy-v3").mkdir()
+    for name in publisher.FULL_FILES:  # only their sizes are read (the log line); validation is stubbed above
+        (tmp_path / "policy-v3" / name).write_text("{}")
+    tier = TierConfig(servers=["http://a", "http://b", "http://c"], control_share=0.2, policies_dir=str(tmp_path))
+    reg = FakeRegistry({"champion": 1, "challenger": 2}, managed={1, 2})
+    result = publisher.publish(tmp_path / "policy-v3", tier, registry=reg)
+    assert result.pushed == ["http://c"] and fake.version == {"http://a": 0, "http://b": 1, "http://c": 3}
+    assert reg.aliases()["challenger"] == 3
+    # two servers, champion v1 and control v0: nowhere to put a challenger
+    two = TierConfig(servers=["http://a", "http://b"], control_share=0.2, policies_dir=str(tmp_path))
+    with pytest.raises(PublishError, match="no server is free"):
+        publisher.publish(tmp_path / "policy-v3", two, registry=FakeRegistry({"champion": 1}, managed={1}))
+    assert fake.version["http://b"] == 1, "the champion's weights were replaced"
+    # a one-server tier may opt into replacing, as before
+    one = TierConfig(servers=["http://b"], replace_live=True, policies_dir=str(tmp_path))
+    assert publisher.publish(tmp_path / "policy-v3", one, registry=FakeRegistry({"champion": 1}, managed={1})).pushed == ["http://b"]
+    # an unreadable registry: which server holds the champion is unknown, so nothing is pushed
+    fake.version["http://c"] = 2
+    with pytest.raises(PublishError, match="registry unreadable"):
+        publisher.publish(tmp_path / "policy-v3", tier, registry=FakeRegistry({}, set(), broken=True))
+    assert fake.version["http://c"] == 2
