@@ -15,6 +15,8 @@ BENCHMARKS = {
     "learner": "learner step tokens/s vs a bare torch loop, step-to-served publish time",
     "weights": "LoRA and full-weight push into a running vLLM vs a plain file copy",
     "chaos": "the closed loop under SIGKILLs of every process and a broker outage: nothing lost, nothing twice",
+    "gate": "the promotion gate's false-promotion rate under the null and its power under a true lift, on simulated "
+            "session streams",
 }
 
 
