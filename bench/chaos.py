@@ -109,7 +109,9 @@ def demo_config(args: argparse.Namespace, run_dir: Path, run_id: str) -> DemoCon
     cfg = DemoConfig(minutes=args.minutes, var_dir=run_dir, base_model=_in_repo(args.base_model), warm_start=False,
                      concurrency=args.concurrency, multi_share=0.2, learner_batch=args.learner_batch,
                      publish_every_steps=2, publish_every_s=30.0, gate_interval_s=5.0, gate_min_sessions=5,
-                     base_sessions=0, measure_s=0.0, live=False, run_id=run_id)
+                     base_sessions=0, measure_s=0.0, live=False, run_id=run_id,
+                     # two servers (champion and challenger), no control arm: the chaos run checks data, not lift
+                     vllm_servers=2, control_share=0.0, challenger_share=0.5)
     cfg.check()
     return cfg
 
@@ -794,20 +796,23 @@ class ChaosRun:
              "schedule": [dataclasses.asdict(x) for x in self.faults]}, indent=1))
         self.say(f"run {self.plan.run_id} under {self.plan.run_dir}")
         ensure_models(self.cfg)
-        self.scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(self.cfg))
+        self.scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(self.cfg),
+                                         vllm_servers=self.cfg.vllm_servers)
         stack.init_mlflow_store(self.scfg)  # the processes use the sqlite store itself; the UI server is not needed
         self.stack_started = stack.ensure_up(self.scfg, ["vllm"])
         if not stack.vllm_serves_base(self.scfg):
             raise stack.StackError(f"vLLM at {self.scfg.vllm_url} does not serve {policy_v0(self.cfg)} as policy-v0")
         self._weights_lock = _lock(Path(self.scfg.var_dir) / "run" / "vllm-weights.lock")  # the learner reloads it
-        reload_full(self.scfg.vllm_url, policy_v0(self.cfg).resolve(), 0)  # start from exactly policy-v0
+        for url in self.scfg.vllm_urls:
+            reload_full(url, policy_v0(self.cfg).resolve(), 0)  # start from exactly policy-v0
         kcfg = stack.replace_config(self.scfg, var_dir=self.plan.run_dir / "stack", kafka_port=_free_port(),
                                     kafka_controller_port=_free_port(), kafka_topics=list(self.plan.topics.values()),
                                     kafka_partitions=4, kafka_heap="256m", parts=["kafka"])
         self.broker = Broker(kcfg, self.say)
         self.broker.start()
         self.ends = Endpoints(kafka_bootstrap=kcfg.kafka_bootstrap, vllm_url=self.scfg.vllm_url,
-                              tracking_uri=self.scfg.mlflow_tracking_uri, proxy_port=_free_port())
+                              tracking_uri=self.scfg.mlflow_tracking_uri, proxy_port=_free_port(),
+                              vllm_urls=list(self.scfg.vllm_urls))
         self.say(f"stack: vLLM {self.ends.vllm_url} (started here: {self.stack_started or 'none'}), "
                  f"private broker {self.ends.kafka_bootstrap}, MLflow {self.ends.tracking_uri}")
         cmds = commands(self.cfg, self.plan, self.ends, self.durable_timeout_s, self.args.seed)
@@ -939,8 +944,9 @@ class ChaosRun:
             if self.scfg is not None and stack.vllm_healthy(self.scfg):
                 from flywheel.serving.publisher import reload_full
 
-                _quietly(lambda: reload_full(self.scfg.vllm_url, policy_v0(self.cfg).resolve(), 0),
-                         "restoring policy-v0 on vLLM")
+                for url in self.scfg.vllm_urls:
+                    _quietly(lambda url=url: reload_full(url, policy_v0(self.cfg).resolve(), 0),
+                             f"restoring policy-v0 on {url}")
             if self._weights_lock is not None:
                 self._weights_lock.close()
             if self.ends is not None:  # the proxy's heartbeat goes to the shared var dir (it has no --var-dir)

@@ -3,8 +3,9 @@
 What it does, in order (each step logged):
 1. set-up: the tiny base model (`flywheel model init`) and its warm-started copy
    (`infra.warm_start`), unless they exist;
-2. the stack (`infra.stack`): Kafka, MLflow, and vLLM serving the WARM-STARTED model as
-   policy-v0 (a vLLM this stack started on another model is restarted);
+2. the stack (`infra.stack`): Kafka, MLflow, and one vLLM server per live version (control,
+   champion, challenger), each serving the WARM-STARTED model as policy-v0 (a vLLM this stack
+   started on another model is restarted);
 3. this run's own topics, consumer group, lake, registered model and policy folder (named by
    the run id), so a demo never reads another run's data;
 4. the loop as separate processes, each the ordinary `flywheel` sub-command: capture proxy
@@ -13,7 +14,10 @@ What it does, in order (each step logged):
    simulated agent;
 5. a live view (rich) from the processes' heartbeats and the lake: sessions/s, lake lag,
    episodes, learner step, served versions and traffic shares, success per version;
-6. after N minutes of traffic: the agent stops, the outcomes and the lake catch up, every
+6. the final window, the last measure_s seconds of traffic: the learner and the gate are stopped
+   and the challenger alias is cleared, so the champion and the control arm serve the same
+   sessions, none of which the gate saw (run_dir/final_window.json says since when);
+7. after N minutes of traffic: the agent stops, the outcomes and the lake catch up, every
    process it started is stopped (SIGTERM, then SIGKILL), the stack parts it started are
    stopped, and the report is written to var/report/ (report.md, PNGs, summary.json).
 
@@ -34,16 +38,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flywheel.base.atomic import Durability, write_json
 from flywheel.base.config import load_config, setup_logging, write_resolved
 from flywheel.base.heartbeat import read_statuses, status_dir
 from flywheel.base.versions import version_name
 from flywheel.demo.plan import (
+    CONTROL_VERSION,
     HEARTBEATS,
     DemoConfig,
     Endpoints,
     RunPlan,
     agent_sim_command,
     episodes_command,
+    gate_rule,
     lake_writer_command,
     learner_command,
     outcome_sim_command,
@@ -132,14 +139,15 @@ def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
     from flywheel import stack
     from flywheel.serving.publisher import reload_full
 
-    scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(cfg))
+    scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(cfg), vllm_servers=cfg.vllm_servers)
     started = stack.ensure_up(scfg)
     if not stack.vllm_serves_base(scfg):
-        raise stack.StackError(f"vLLM at {scfg.vllm_url} does not serve {policy_v0(cfg)} as {scfg.served_model_name}")
+        raise stack.StackError(f"vLLM at {scfg.vllm_urls} does not serve {policy_v0(cfg)} as {scfg.served_model_name}")
     # An earlier run may have left its trained weights in place (full reloads keep the served name):
-    # start from exactly policy-v0's weights, as the publisher does when it restores a version.
-    # (no pause: the demo's own traffic has not started yet)
-    reload_full(scfg.vllm_url, policy_v0(cfg).resolve(), 0)
+    # start every server from exactly policy-v0's weights, as the publisher does when it restores a
+    # version. (no pause: the demo's own traffic has not started yet)
+    for url in scfg.vllm_urls:
+        reload_full(url, policy_v0(cfg).resolve(), 0)
     stack.ensure_topics(stack.replace_config(scfg, kafka_topics=topics))
     return scfg, started
 
@@ -206,13 +214,15 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
 # ---------------------------------------------------------------------------------------------
 class Traffic:
     """The traffic phase: policy-v0 is measured first, then the learner and the gate run, and in the
-    last measure_s seconds the champion is measured; tick() moves between these, render() draws them."""
+    last measure_s seconds (the final window) the champion is measured against the control; tick()
+    moves between these, render() draws them."""
 
     def __init__(self, cfg: DemoConfig, plan: RunPlan, ends: Endpoints, procs: Processes, started_at: float) -> None:
         self.cfg, self.plan, self.ends, self.procs = cfg, plan, ends, procs
         self.started_at = started_at  # the live view counts the lake's sessions from here
         self.traffic_start = time.time()  # the agent has just started
         self.training = False
+        self.final_since: float | None = None  # the final window's start, once it began
         self._success: dict[int, tuple[int, int]] = {}
         self._success_at = 0.0
 
@@ -231,8 +241,28 @@ class Traffic:
             self._success, self._success_at = success_by_version(self.plan.lake_root, self.started_at), time.time()
         return self._success
 
+    def start_final_window(self) -> None:
+        """Stop the learner and the gate, then clear the challenger alias: every session outside the control
+        arm goes to the champion, so the two are compared on the same sessions, none of which the gate saw."""
+        from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
+        from flywheel.serving.tier import TierConfig
+
+        log.info("demo: %.0f s of traffic left; stopping the learner and the gate for the final window", self.cfg.measure_s)
+        self.procs.stop("learner")
+        self.procs.stop("promote")  # after the learner: its last round may still decide the last challenger
+        registry = Registry(self.ends.tracking_uri, self.plan.registered_model)
+        registry.clear_alias(CHALLENGER)
+        champion = registry.aliases().get(CHAMPION, 0)
+        # the proxy's router re-reads the aliases every alias_refresh_s: a session that starts before then
+        # may still be routed to the old challenger
+        self.final_since = time.time() + TierConfig().alias_refresh_s
+        write_json(self.plan.run_dir / "final_window.json", {"since": self.final_since, "champion": champion},
+                   Durability.ADVISORY)
+        log.info("demo: final window from %.0f: %s against the control %s", self.final_since, version_name(champion),
+                 version_name(CONTROL_VERSION))
+
     def phase(self) -> str:
-        return ("final measurement (learner stopped)" if "learner" in self.procs.stopped else
+        return ("final window (learner and gate stopped, champion vs control)" if self.final_since is not None else
                 "training" if self.training else "measuring the base")
 
     def render(self) -> Any:
@@ -248,11 +278,8 @@ class Traffic:
             if done >= cfg.base_sessions or self.elapsed() > traffic_s / 2:
                 log.info("demo: %d sessions served by policy-v0; starting the learner and the promotion gate", done)
                 self.start_training()
-        elif cfg.measure_s > 0 and "learner" not in procs.stopped and self.elapsed() >= traffic_s - cfg.measure_s:
-            # the final measurement: no new versions, so the gate's last decision stands and the
-            # champion serves the rest of the traffic
-            log.info("demo: %.0f s of traffic left; stopping the learner so the champion is measured", cfg.measure_s)
-            procs.stop("learner")
+        elif cfg.measure_s > 0 and self.final_since is None and self.elapsed() >= traffic_s - cfg.measure_s:
+            self.start_final_window()
         dead = [(n, rc) for n, rc in procs.dead() if n != "agent-sim"]
         if dead:
             name, rc = dead[0]
@@ -305,8 +332,8 @@ def start_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[Any, list[str], Endpoin
     """The stack with this run's topics; returns its config, the parts started here and where it all listens."""
     scfg, started = ensure_stack(cfg, list(plan.topics.values()))
     log.info("demo: stack up (started here: %s); vLLM serves %s as policy-v0", ", ".join(started) or "nothing", policy_v0(cfg))
-    ends = Endpoints(kafka_bootstrap=scfg.kafka_bootstrap, vllm_url=scfg.vllm_url,
-                     tracking_uri=scfg.mlflow_tracking_uri, proxy_port=_free_port())
+    ends = Endpoints(kafka_bootstrap=scfg.kafka_bootstrap, vllm_url=scfg.vllm_url, tracking_uri=scfg.mlflow_tracking_uri,
+                     proxy_port=_free_port(), vllm_urls=scfg.vllm_urls)
     return scfg, started, ends
 
 
@@ -348,6 +375,12 @@ def stop_everything(cfg: DemoConfig, procs: Processes, scfg: Any, stack_started:
         log.info("demo: stopped the stack parts it started: %s", ", ".join(stack_started))
 
 
+def final_since(plan: RunPlan) -> float | None:
+    """When the final window began (None: the run had none, or ended before it)."""
+    path = plan.run_dir / "final_window.json"
+    return float(json.loads(path.read_text())["since"]) if path.exists() else None
+
+
 def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, warm: dict[str, Any],
                t_setup: float, started_at: float) -> dict[str, Any]:
     """Write the report, show it, and print summary.json as the last line."""
@@ -357,7 +390,10 @@ def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, wa
                "ended": time.strftime("%H:%M:%S", time.gmtime()), "total_s": round(time.time() - t_setup, 1),
                "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}
     summary = report.write_report(cfg.report_dir, str(plan.lake_root), started_at, str(plan.learner_dir),
-                                  str(plan.policies_dir), ends.tracking_uri, plan.registered_model, context=context)
+                                  str(plan.policies_dir), ends.tracking_uri, plan.registered_model, context=context,
+                                  final_since=final_since(plan), control_version=CONTROL_VERSION, gate_rule=gate_rule(cfg),
+                                  gate_interval_s=cfg.gate_interval_s,
+                                  shares={"control": cfg.control_share, "challenger": cfg.challenger_share})
     console.print(Path(cfg.report_dir, "report.md").read_text())
     print(json.dumps(summary))
     return summary

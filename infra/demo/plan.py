@@ -9,11 +9,15 @@ each command is one the sub-command accepts and that it carries the demo's setti
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, setting
+from flywheel.serving.decision import GateRule
+
+# The control arm serves the base (policy-v0) for the whole run.
+CONTROL_VERSION = 0
 
 # The heartbeat names of the demo's processes: an earlier run's heartbeats under these names are
 # cleared, or they would show in this run's view.
@@ -48,19 +52,36 @@ class DemoConfig:
     learner_max_staleness: int = setting(2, "versions an episode may lag before the learner drops it (it takes the newest first)")
     learner_threads: int = setting(1, "the learner's torch CPU threads (1: its cores are shared with vLLM; 2 threads ran 5-20x slower)")
     publish_every_steps: int = setting(3, "learner steps between published versions")
-    publish_wait_for_gate: bool = setting(True, "a new version waits until the gate has ruled on the last (the server holds one "
-                                                "version: with a fast learner the gate judged only 4 of 41 versions before the next replaced them)")
-    publish_every_s: float = setting(120.0, "also publish after this many seconds")
-    challenger_share: float = setting(0.5, "share of sessions the challenger gets (for LoRA tiers; full weights serve one version)")
+    publish_wait_for_gate: bool = setting(True, "a new version waits until the gate has ruled on the last (a new challenger "
+                                                "replaces the last on the free server: with a fast learner the gate judged "
+                                                "only 4 of 41 versions before the next replaced them)")
+    publish_every_s: float = setting(0.0, "also publish after this many seconds, whatever the gate (0: never; a version "
+                                          "published by time replaces the challenger under test, and the gate needs "
+                                          "100-500 of its sessions to decide)")
+    vllm_servers: int = setting(3, "one vLLM server per live version: control, champion, challenger (full weights: a new "
+                              "version goes only to a server no live version holds)")
+    control_share: float = setting(0.2, "share of sessions always served by policy-v0, for the whole run: the concurrent "
+                                        "baseline the final champion is measured against")
+    challenger_share: float = setting(0.4, "share of sessions the challenger gets while there is one (the champion gets the "
+                                           "rest: 0.4)")
     gate_interval_s: float = setting(10.0, "seconds between promotion-gate rounds (each version waits for a verdict)")
-    gate_min_sessions: int = setting(100, "sessions the gate wants on each side (with 40 it promoted versions 6 points worse, "
-                                          "p_worse 0.23)")
-    gate_max_drop: float = setting(0.0, "the gate rejects a challenger whose mean online reward is below the champion's by more "
-                                        "than this, significant or not (inf: only significant drops; then the champion line "
-                                        "drifted from 34% to 28% success through promotions 6-9 points down, p_worse 0.055-0.17)")
+    gate_alpha: float = setting(0.05, "the gate's error rate per one-sided sequential test (false promotion, false "
+                                      "rejection, false rollback), valid however often it looks")
+    gate_tau: float = setting(0.1, "the gate's mSPRT mixture scale: most sensitive to differences of about this size "
+                                   "(ten points of success)")
+    gate_margin: float = setting(0.0, "non-inferiority margin (0: a challenger is promoted only when better than the champion)")
+    gate_min_sessions: int = setting(30, "mature concurrent sessions each side needs before the gate's first look")
+    gate_max_sessions: int = setting(500, "challenger sessions after which an undecided challenger expires (not promoted)")
+    gate_maturity_s: float = setting(10.0, "seconds after a session ends before the gate counts it (the demo's verifier "
+                                           "reports 2 s after a session)")
     base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
-    measure_s: float = setting(150.0, "the last seconds of traffic: the learner is stopped, the gate decides on its last "
-                                      "version, and the champion serves a few hundred sessions to be measured on")
+    # 300 s: at the 1.4+ sessions/s of earlier 20-minute runs (docs/experiments.md, run 12-01 m: 1,638
+    # sessions of two versions alone) that is 400+ sessions, ~330 champion and ~85 control (80/20 once the
+    # challenger alias is cleared). The final comparison against the control needs a few hundred: an
+    # 18-point lift (that run's 16% -> 34%) is then ~4 standard errors, p ~ 1e-4.
+    measure_s: float = setting(300.0, "the final window, the last seconds of traffic: the learner and the gate are stopped, "
+                                      "the challenger alias is cleared, and the champion and the control serve the "
+                                      "same sessions to be compared on")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
     keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop everything it started)")
     live: bool = setting(True, "show the rich live view (off: a log line every 30 s)")
@@ -73,6 +94,20 @@ class DemoConfig:
             raise ConfigError("concurrency: must be >= 1")
         if not 0 <= self.measure_s < self.minutes * 60:
             raise ConfigError(f"measure_s: must be >= 0 and shorter than the traffic ({self.minutes * 60:.0f} s), got {self.measure_s}")
+        if self.vllm_servers < 2:
+            raise ConfigError(f"vllm_servers: {self.vllm_servers}; full weights need a server per live version (the control and the "
+                              "champion share policy-v0's server until a promotion, a challenger needs another; with 2 "
+                              "servers publishing stops at the first promotion)")
+        if not 0 <= self.control_share < 1 or not 0 <= self.challenger_share <= 1 - self.control_share:
+            raise ConfigError(f"control_share ({self.control_share}) and challenger_share ({self.challenger_share}): each "
+                              "must be a share within [0, 1) and the two must sum to at most 1")
+        gate_rule(self).check_rule()
+
+
+def gate_rule(cfg: DemoConfig) -> GateRule:
+    """The demo's promotion rule: the one place it is built (the gate's flags and the report read it)."""
+    return GateRule(alpha=cfg.gate_alpha, tau=cfg.gate_tau, margin=cfg.gate_margin, min_sessions=cfg.gate_min_sessions,
+                    max_sessions=cfg.gate_max_sessions, maturity_s=cfg.gate_maturity_s)
 
 
 def policy_v0(cfg: DemoConfig) -> Path:
@@ -134,9 +169,15 @@ class Endpoints:
     """Where the stack and the capture proxy listen, known once the stack is up."""
 
     kafka_bootstrap: str
-    vllm_url: str
+    vllm_url: str  # the first server
     tracking_uri: str
     proxy_port: int
+    vllm_urls: list[str] = field(default_factory=list)  # every server, the first first (empty: vllm_url alone)
+
+    def __post_init__(self) -> None:
+        if not self.vllm_urls:
+            object.__setattr__(self, "vllm_urls", [self.vllm_url])
+        assert self.vllm_urls[0] == self.vllm_url, f"vllm_url {self.vllm_url} is not the first of {self.vllm_urls}"
 
     @property
     def proxy_url(self) -> str:
@@ -148,10 +189,12 @@ class Endpoints:
 # ---------------------------------------------------------------------------------------------
 def tier_env(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> dict[str, str]:
     """The serving tier's config for the router inside the proxy, which reads it from the environment
-    (serving/proxy.py); the learner gets it too."""
-    return {"FLYWHEEL_SERVERS": ends.vllm_url, "FLYWHEEL_REGISTERED_MODEL": run.registered_model,
+    (serving/proxy.py); the learner's publisher reads it too (learner/versions.py serving_tier), so it
+    knows every server and keeps the control's and the champion's."""
+    return {"FLYWHEEL_SERVERS": ",".join(ends.vllm_urls), "FLYWHEEL_REGISTERED_MODEL": run.registered_model,
             "FLYWHEEL_MLFLOW_TRACKING_URI": ends.tracking_uri, "FLYWHEEL_BASE_MODEL": str(policy_v0(cfg).resolve()),
-            "FLYWHEEL_POLICIES_DIR": str(run.policies_dir), "FLYWHEEL_CHALLENGER_SHARE": str(cfg.challenger_share)}
+            "FLYWHEEL_POLICIES_DIR": str(run.policies_dir), "FLYWHEEL_CONTROL_SHARE": str(cfg.control_share),
+            "FLYWHEEL_CONTROL_VERSION": str(CONTROL_VERSION), "FLYWHEEL_CHALLENGER_SHARE": str(cfg.challenger_share)}
 
 
 def lake_writer_command(run: RunPlan, ends: Endpoints) -> list[str]:
@@ -202,11 +245,17 @@ def learner_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]
             "--experiment", f"{run.run_id}-learner", "--var-dir", str(run.var_dir)]
 
 
+RULE_FLAGS = ("alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s")  # the GateRule fields the demo sets
+
+
 def promote_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]:
+    rule = gate_rule(cfg)
     return ["promote", "--auto", "--interval-s", str(cfg.gate_interval_s),
-            "--servers", ends.vllm_url, "--base-model", str(policy_v0(cfg).resolve()),
+            "--servers", ",".join(ends.vllm_urls), "--base-model", str(policy_v0(cfg).resolve()),
             "--policies-dir", str(run.policies_dir), "--registered-model", run.registered_model,
             "--mlflow-tracking-uri", ends.tracking_uri, "--lake-root", str(run.lake_root),
-            "--min-sessions", str(cfg.gate_min_sessions), "--max-drop", str(cfg.gate_max_drop),
+            "--control-share", str(cfg.control_share), "--control-version", str(CONTROL_VERSION),
+            "--challenger-share", str(cfg.challenger_share),
+            *[a for name in RULE_FLAGS for a in (f"--{name.replace('_', '-')}", str(getattr(rule, name)))],
             "--eval-tasks", "flywheel.demo.tasks:eval_tasks",
             "--experiment", f"{run.run_id}-promotion", "--var-dir", str(run.var_dir)]

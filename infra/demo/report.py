@@ -1,17 +1,24 @@
 """The demo report: what the online loop achieved, computed from the lake and the registry, never typed in.
 
-    flywheel demo ... (writes it at the end)      or      python -m infra.report --lake-root var/lake
+    flywheel demo ... (writes it at the end)      or      python -m flywheel.demo.report --lake-root var/lake
 
-Inputs: the lake's events (sessions, their llm_calls' policy versions, session ends), outcomes
-(the verifier's task_success) and episodes; the learner's trained-episode log and the policy
-version directories; the MLflow registry (published versions, gate decisions). Outputs under
-`out_dir` (default var/report): report.md, success_by_version.png, freshness.png,
-throughput.png and summary.json.
+Inputs: the lake's events (sessions, their llm_calls' policy versions and router arms, session ends),
+outcomes (the verifier's task_success) and episodes; the learner's trained-episode log and the policy
+version directories; the MLflow registry (published versions, gate decisions, the champion alias).
+Outputs under `out_dir` (default var/report): report.md, success_by_version.png, arms.png,
+freshness.png, throughput.png and summary.json.
 
-A session counts for the version that served ALL its llm_calls (a session that straddles a
-weight push is counted apart as mixed). Success is the verifier's task_success. The champion
-is the registry's `champion` alias at the end of the run; the test is a one-sided
-two-proportion z-test of champion > base.
+Sessions are read through `flywheel.serving.sessions.read_sessions`, the gate's own definition: a
+session counts for the version that served ALL its llm_calls (one that straddled a weight push
+counts for none), and for the router's arm (control, champion, challenger). A session that ended
+in an infrastructure error is excluded and counted apart; one without the verifier's task_success
+is unlabelled, not a failure. Success is task_success >= 0.5.
+
+The headline is the final window: the last measure_s seconds of traffic, with the learner and the
+gate stopped, so every non-control session goes to the final champion. Its sessions there (started
+after its promotion too) are compared with the control arm's in the same window, a sample the gate
+never saw when it chose the champion. The whole-run numbers (base_success, champion_success) are
+kept, with their definitions in report.md.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.base.versions import version_name
+from flywheel.serving.decision import GateRule
+from flywheel.serving.registry import CHAMPION, Registry
+from flywheel.serving.sessions import SessionRecord, mature, read_sessions
 from flywheel.serving.stats import p_better, wilson
 
 log = logging.getLogger(__name__)
@@ -39,15 +49,44 @@ def p95(values: list[float]) -> float | None:
     return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+ERROR_STATUSES = ("error",)  # session_end statuses of an infrastructure error (the gate's default)
+ARMS = ("control", "champion", "challenger")
+SIM_CHALLENGERS = 2000  # simulated null challengers behind gate_false_promotion_rate (simulation s.e. ~0.5 point)
+
+
 @dataclass
 class VersionStats:
     version: int
-    sessions: int = 0
+    sessions: int = 0  # counted: labelled, not errored
     successes: int = 0
+    errored: int = 0  # ended in an infrastructure error: excluded
+    unlabelled: int = 0  # ended without a task_success: excluded, not a failure
 
     @property
     def rate(self) -> float:
         return self.successes / self.sessions if self.sessions else 0.0
+
+
+@dataclass
+class Count:
+    """Sessions of one selection (a version, an arm, a window): counted ones and the ones excluded."""
+
+    n: int = 0  # labelled, not errored
+    successes: int = 0
+    errored: int = 0
+    unlabelled: int = 0
+    open: int = 0  # no session_end in the lake
+
+    @property
+    def rate(self) -> float | None:
+        return self.successes / self.n if self.n else None
+
+
+def count(records: list[SessionRecord], error_statuses: tuple[str, ...] = ERROR_STATUSES) -> Count:
+    """Counted and excluded sessions, split as the gate splits them (every outcome window closed: the run is over)."""
+    split = mature(records, math.inf, 0.0, error_statuses)
+    return Count(len(split.counted), sum(1 for r in split.counted if (r.outcome or 0.0) >= 0.5), split.errored,
+                 split.unlabelled, split.open)
 
 
 @dataclass
@@ -64,8 +103,10 @@ class Facts:
     session_end_times: list[float] = field(default_factory=list)  # epoch seconds
     versions_published: list[int] = field(default_factory=list)
     promotions: list[int] = field(default_factory=list)
-    champion: int | None = None
+    champion: int | None = None  # the champion alias at the end; 0 when none is set; None: registry unreadable
+    champion_promoted_at: float | None = None  # epoch seconds of the champion's promotion (registry tags)
     episodes: int = 0
+    sessions: list[SessionRecord] = field(default_factory=list)  # this run's sessions (read_sessions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +123,7 @@ def _epoch(value: Any) -> float:
     return float(value)
 
 
-def lake_facts(lake_root: str, since: float = 0.0) -> Facts:
+def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> Facts:
     """Per-version success and freshness from the lake's events, outcomes and episodes (sessions ending after `since`)."""
     import duckdb
 
@@ -90,7 +131,6 @@ def lake_facts(lake_root: str, since: float = 0.0) -> Facts:
     con = duckdb.connect()
     con.execute("SET TimeZone='UTC'")
     events = _glob(lake_root, "events")
-    outcomes = _glob(lake_root, "outcomes")
     if events is None:
         return facts
     src = f"read_parquet('{events}', hive_partitioning=true, union_by_name=true, filename=true)"
@@ -108,24 +148,10 @@ def lake_facts(lake_root: str, since: float = 0.0) -> Facts:
             # visible in the lake = the moment its file was published (atomic rename)
             facts.session_to_lake_s.append(max(0.0, mtimes[file] - end))
     facts.sessions_total = len(ends)
-    if outcomes is None:
-        return facts
-    con.execute(f"CREATE VIEW oc AS SELECT * FROM read_parquet('{outcomes}', hive_partitioning=true, union_by_name=true)")
-    rows = con.execute(
-        """
-        WITH ended AS (SELECT session_id FROM ev WHERE type='session_end' AND status='ok' AND epoch(ts) >= ? GROUP BY 1),
-             versions AS (SELECT session_id, min(policy_version) AS vmin, max(policy_version) AS vmax
-                          FROM ev WHERE type='llm_call' GROUP BY 1),
-             verdicts AS (SELECT session_id, arg_max(value, ts) AS value FROM oc WHERE kind='task_success' GROUP BY 1)
-        SELECT v.vmin, v.vmax, d.value FROM ended e JOIN versions v USING (session_id) JOIN verdicts d USING (session_id)
-        """, [since]).fetchall()
-    for vmin, vmax, value in rows:
-        if vmin != vmax:
-            facts.mixed_sessions += 1
-            continue
-        stats = facts.by_version.setdefault(int(vmin), VersionStats(int(vmin)))
-        stats.sessions += 1
-        stats.successes += int(value >= 0.5)
+    # a session still running has no end: it belongs to this run if it started in it
+    facts.sessions = [r for r in read_sessions(lake_root, "task_success")
+                      if (r.ended if r.ended is not None else r.started) >= since]
+    by_version(facts, error_statuses)
     episodes = _glob(lake_root, "episodes")
     if episodes is not None:
         rows = con.execute(
@@ -137,6 +163,19 @@ def lake_facts(lake_root: str, since: float = 0.0) -> Facts:
                 mtimes[file] = os.path.getmtime(file) if os.path.exists(file) else _epoch(emitted)
             facts.outcome_to_episode_s.append(max(0.0, mtimes[file] - _epoch(last_outcome)))
     return facts
+
+
+def by_version(facts: Facts, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> None:
+    """Counted sessions per serving version (all arms); sessions served by no single version are counted as mixed."""
+    groups: dict[int, list[SessionRecord]] = {}
+    for r in facts.sessions:
+        if r.version is None:
+            facts.mixed_sessions += int(r.ended is not None)
+        else:
+            groups.setdefault(r.version, []).append(r)
+    for version, records in sorted(groups.items()):
+        c = count(records, error_statuses)
+        facts.by_version[version] = VersionStats(version, c.n, c.successes, c.errored, c.unlabelled)
 
 
 def learner_facts(facts: Facts, lake_root: str, learner_run_dir: str | None, policies_dir: str, since: float) -> None:
@@ -177,12 +216,13 @@ def learner_facts(facts: Facts, lake_root: str, learner_run_dir: str | None, pol
                 facts.episode_to_trained_s.append(max(0.0, carrier["_created"] - float(emitted[episode_id])))
 
 
-def registry_facts(facts: Facts, tracking_uri: str, registered_model: str, policies_dir: str, since: float) -> None:
+def registry_facts(facts: Facts, tracking_uri: str, registered_model: str, policies_dir: str, since: float,
+                   client: Any | None = None) -> None:
     """Published versions (registered during the run), trained -> served delays, promotions and the champion."""
     try:
         from flywheel.base import tracking
 
-        client = tracking.client(tracking_uri)
+        client = client if client is not None else tracking.client(tracking_uri)
         versions = client.search_model_versions(f"name='{registered_model}'")
     except Exception as exc:  # a report without the registry still shows the lake's numbers
         log.warning("report: MLflow registry %s unreadable (%s); versions and promotions left empty", tracking_uri, exc)
@@ -208,22 +248,43 @@ def registry_facts(facts: Facts, tracking_uri: str, registered_model: str, polic
             facts.promotions.append(version)
     facts.versions_published.sort()
     facts.promotions.sort()
+    champion_facts(facts, Registry(tracking_uri, registered_model, client=client))
+
+
+def champion_facts(facts: Facts, registry: Registry) -> None:
+    """The champion at the end: the champion alias, or policy-v0 when none is set (before any promotion, or after
+    a rollback to v0, which clears the alias); never the last promoted version, which a rollback may have undone."""
     try:
-        champion = client.get_model_version_by_alias(registered_model, "champion")
-        facts.champion = int(dict(champion.tags or {}).get("policy_version", -1))
-    except Exception:
-        facts.champion = None
+        slots = registry.alias_versions()
+    except Exception as exc:  # the versions were readable a moment ago: say so rather than guess a champion
+        log.warning("report: champion alias of %s unreadable (%s); champion left unknown", registry.name, exc)
+        return
+    champion = slots.get(CHAMPION)
+    facts.champion = champion.policy_version if champion is not None else 0
+    facts.champion_promoted_at = promotion_time(champion.tags) if champion is not None else None
+
+
+def promotion_time(tags: dict[str, str]) -> float | None:
+    """When a version was promoted: its `promoted_ts` tag (epoch seconds), else its `gate_ts` (ISO), else None."""
+    try:
+        if tags.get("promoted_ts"):
+            return float(tags["promoted_ts"])
+        if tags.get("gate_ts"):
+            return _epoch(dt.datetime.fromisoformat(tags["gate_ts"].replace("Z", "+00:00")))
+    except ValueError:
+        log.warning("report: unreadable promotion tags %s", {k: tags.get(k) for k in ("promoted_ts", "gate_ts")})
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
 # summary, plots, markdown
 # ---------------------------------------------------------------------------------------------
-def summarize(facts: Facts, min_sessions: int = 300) -> dict[str, Any]:
+def summarize(facts: Facts, min_sessions: int = 300, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
+    """The whole run, per version: the base, the champion at the end and every version (defined in report.md)."""
     base = facts.by_version.get(0, VersionStats(0))
-    champion_version = facts.champion if facts.champion is not None and facts.champion > 0 else None
-    if champion_version is None and facts.promotions:
-        champion_version = facts.promotions[-1]
-    champ = facts.by_version.get(champion_version, VersionStats(champion_version or -1)) if champion_version else VersionStats(-1)
+    champion_version = facts.champion  # the alias, or 0 when none is set; None only when the registry was unreadable
+    champ = (facts.by_version.get(champion_version, VersionStats(champion_version)) if champion_version is not None
+             else VersionStats(-1))
     p_value = p_better(base.successes, base.sessions, champ.successes, champ.sessions)
     ratio = champ.rate / base.rate if base.rate > 0 else None
     return {
@@ -238,20 +299,150 @@ def summarize(facts: Facts, min_sessions: int = 300) -> dict[str, Any]:
         "promotions": len(facts.promotions),
         "promoted_versions": facts.promotions,
         "sessions": facts.sessions_total, "mixed_version_sessions": facts.mixed_sessions, "episodes": facts.episodes,
-        "per_version": {str(v): {"sessions": s.sessions, "success": round(s.rate, 4), "ci95": [round(x, 4) for x in wilson(s.successes, s.sessions)]}
+        "per_version": {str(v): {"sessions": s.sessions, "success": round(s.rate, 4),
+                                 "ci95": [round(x, 4) for x in wilson(s.successes, s.sessions)],
+                                 "errored": s.errored, "unlabelled": s.unlabelled}
                         for v, s in sorted(facts.by_version.items())},
+        "per_arm": per_arm(facts, error_statuses),
         "p95_session_to_lake_s": _round(p95(facts.session_to_lake_s)),
         "p95_outcome_to_episode_s": _round(p95(facts.outcome_to_episode_s)),
         "p95_episode_to_trained_s": _round(p95(facts.episode_to_trained_s)),
         "p95_trained_to_served_s": _round(p95(facts.trained_to_served_s)),
+        "freshness_n": {"session_to_lake": len(facts.session_to_lake_s), "outcome_to_episode": len(facts.outcome_to_episode_s),
+                        "episode_to_trained": len(facts.episode_to_trained_s),
+                        "trained_to_served": len(facts.trained_to_served_s)},
     }
+
+
+def select(facts: Facts, arm: str, version: int | None = None, since: float | None = None) -> list[SessionRecord]:
+    """Sessions of one arm served by one version (any single version when None) that started at or after `since`."""
+    return [r for r in facts.sessions if r.arm == arm and r.version is not None
+            and (version is None or r.version == version) and (since is None or r.started >= since)]
+
+
+def per_arm(facts: Facts, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, dict[str, Any]]:
+    """The whole run per router arm (any version): counted sessions, success with its interval, and the exclusions."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in ARMS:
+        c = count(select(facts, arm), error_statuses)
+        out[arm] = {"sessions": c.n, "success": _rate(c), "ci95": [round(x, 4) for x in wilson(c.successes, c.n)],
+                    "n_errored": c.errored, "n_unlabelled": c.unlabelled}
+    return out
+
+
+FINAL_FIELDS = ("champion_final_success", "n_champion_final", "n_champion_final_errored", "n_champion_final_unlabelled",
+                "control_final_success", "n_control_final", "n_control_final_errored", "n_control_final_unlabelled",
+                "lift_points", "lift_ci95", "lift_ci_method", "p_value_final")
+
+
+def measurement(facts: Facts, final_since: float | None, control_version: int = 0,
+                error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
+    """The control arm over the run, and the final window: the final champion against the concurrent control.
+
+    The window starts at the later of `final_since` and the champion's promotion, so none of its sessions
+    is one the gate saw when it chose the champion. Without a final window the final fields are None.
+    """
+    control = count(select(facts, "control", control_version), error_statuses)
+    out: dict[str, Any] = {"control_version": control_version, "control_success": _rate(control),
+                           "n_control": control.n, "n_control_errored": control.errored,
+                           "n_control_unlabelled": control.unlabelled, "final_since": final_since,
+                           "final_window_start": None, "champion_promoted_ts": facts.champion_promoted_at}
+    out.update(dict.fromkeys(FINAL_FIELDS))
+    if final_since is None or facts.champion is None:
+        return out
+    start = max(final_since, facts.champion_promoted_at if facts.champion_promoted_at is not None else final_since)
+    champ = count(select(facts, "champion", facts.champion, start), error_statuses)
+    ctrl = count(select(facts, "control", control_version, start), error_statuses)
+    out.update({"final_window_start": start,
+                "champion_final_success": _rate(champ), "n_champion_final": champ.n,
+                "n_champion_final_errored": champ.errored, "n_champion_final_unlabelled": champ.unlabelled,
+                "control_final_success": _rate(ctrl), "n_control_final": ctrl.n,
+                "n_control_final_errored": ctrl.errored, "n_control_final_unlabelled": ctrl.unlabelled})
+    interval = lift_ci(champ.successes, champ.n, ctrl.successes, ctrl.n)
+    if interval is not None:
+        out.update({"lift_points": round(100.0 * (champ.successes / champ.n - ctrl.successes / ctrl.n), 2),
+                    "lift_ci95": [round(100.0 * x, 2) for x in interval], "lift_ci_method": "newcombe-wilson",
+                    "p_value_final": p_better(ctrl.successes, ctrl.n, champ.successes, champ.n)})
+    return out
+
+
+def lift_ci(success_b: int, n_b: int, success_a: int, n_a: int) -> tuple[float, float] | None:
+    """95% interval of rate_b - rate_a: Newcombe's hybrid score interval (his method 10, Stat Med 1998), built from
+    the two Wilson intervals; unlike the Wald interval it stays sensible near 0 and 1 and at small n. None if a side is empty."""
+    if n_a == 0 or n_b == 0:
+        return None
+    p_a, p_b = success_a / n_a, success_b / n_b
+    lo_a, hi_a = wilson(success_a, n_a)
+    lo_b, hi_b = wilson(success_b, n_b)
+    diff = p_b - p_a
+    return (diff - math.sqrt((p_b - lo_b) ** 2 + (hi_a - p_a) ** 2),
+            diff + math.sqrt((hi_b - p_b) ** 2 + (p_a - lo_a) ** 2))
+
+
+def gate_scenario(facts: Facts, control_version: int, gate_interval_s: float, shares: dict[str, float] | None,
+                  error_statuses: tuple[str, ...] = ERROR_STATUSES) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """This run's traffic as a gate_sim.Scenario (its fields) under the null, and what it was estimated from.
+
+    Rates and mix: the control arm's counted sessions per task type. Sessions per look: each challenger's
+    counted challenger-arm sessions over the time from its first to its last (the arm only exists while a
+    challenger does), times the gate's interval. Champion sessions per challenger session: from the shares (1 without).
+    """
+    control = mature(select(facts, "control", control_version), math.inf, 0.0, error_statuses).counted
+    basis: dict[str, Any] = {"n_control": len(control), "gate_interval_s": gate_interval_s, "shares": shares,
+                             "challengers": SIM_CHALLENGERS, "seed": 0}
+    if not control:
+        return None, basis
+    by_type: dict[str, list[float]] = {}
+    for r in control:
+        by_type.setdefault(r.task_type, []).append(float((r.outcome or 0.0) >= 0.5))
+    challengers: dict[int, list[float]] = {}
+    for r in mature(select(facts, "challenger"), math.inf, 0.0, error_statuses).counted:
+        challengers.setdefault(r.version, []).append(r.started)  # type: ignore[arg-type]
+    spans = [(len(s), max(s) - min(s)) for s in challengers.values() if len(s) >= 2]
+    seconds = sum(span for _, span in spans)
+    per_s = sum(n for n, _ in spans) / seconds if seconds > 0 else None
+    challenger_share = (shares or {}).get("challenger", 0.0)
+    ratio = (1.0 - (shares or {}).get("control", 0.0) - challenger_share) / challenger_share if challenger_share > 0 else 1.0
+    basis.update({"challenger_sessions_per_s": _round(per_s), "n_challenger": sum(n for n, _ in spans),
+                  "challenger_seconds": round(seconds, 1)})
+    scenario = {"rates": {t: round(sum(v) / len(v), 4) for t, v in sorted(by_type.items())},
+                "mix": {t: round(len(v) / len(control), 4) for t, v in sorted(by_type.items())},
+                "lift": 0.0, "challenger_per_look": max(1, round(per_s * gate_interval_s)) if per_s else 1,
+                "champion_ratio": round(ratio, 4)}
+    return scenario, basis
+
+
+def gate_simulation(facts: Facts, rule: GateRule | None, control_version: int, gate_interval_s: float,
+                    shares: dict[str, float] | None, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
+    """The gate's false-promotion rate at this run's traffic: its own rule on 2,000 simulated null challengers."""
+    out: dict[str, Any] = {"gate_false_promotion_rate": None, "gate_sim_scenario": None, "gate_sim_basis": None,
+                           "gate_alpha": rule.alpha if rule is not None else None}
+    if rule is None:
+        return out
+    scenario, basis = gate_scenario(facts, control_version, gate_interval_s, shares, error_statuses)
+    out["gate_sim_basis"] = basis
+    if scenario is None or scenario["champion_ratio"] <= 0:
+        log.warning("report: gate false-promotion rate not simulated (%s)",
+                    "no counted control-arm session" if scenario is None else f"shares {shares} leave the champion none")
+        return out
+    from flywheel.serving import gate_sim
+
+    out["gate_false_promotion_rate"] = gate_sim.false_promotion_rate(rule, gate_sim.Scenario(**scenario),
+                                                                     challengers=SIM_CHALLENGERS, seed=0)
+    out["gate_sim_scenario"] = scenario
+    return out
+
+
+def _rate(c: Count) -> float | None:
+    return None if c.rate is None else round(c.rate, 4)
 
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def plots(facts: Facts, out_dir: Path) -> list[str]:
+def plots(facts: Facts, out_dir: Path, final_since: float | None = None,
+          error_statuses: tuple[str, ...] = ERROR_STATUSES) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a server
@@ -273,6 +464,8 @@ def plots(facts: Facts, out_dir: Path) -> list[str]:
         fig.savefig(out_dir / "success_by_version.png", dpi=110)
         plt.close(fig)
         written.append("success_by_version.png")
+    if arms_plot(facts, out_dir, final_since, error_statuses):
+        written.append("arms.png")
     series = [("session end -> lake", facts.session_to_lake_s), ("outcome -> episode", facts.outcome_to_episode_s),
               ("episode -> trained version", facts.episode_to_trained_s), ("trained -> served", facts.trained_to_served_s)]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -305,43 +498,190 @@ def plots(facts: Facts, out_dir: Path) -> list[str]:
     return written
 
 
+def arms_plot(facts: Facts, out_dir: Path, final_since: float | None,
+              error_statuses: tuple[str, ...] = ERROR_STATUSES, bins: int = 12) -> bool:
+    """arms.png: success per arm over the run (by session start, Wilson 95% intervals), the final window shaded."""
+    import matplotlib.pyplot as plt
+
+    counted = mature([r for r in facts.sessions if r.arm in ARMS and r.version is not None], math.inf, 0.0,
+                     error_statuses).counted
+    if not counted:
+        return False
+    t0 = min(r.started for r in counted)
+    width = max(1.0, (max(r.started for r in counted) - t0) / bins)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for k, (arm, colour) in enumerate(zip(ARMS, ("#888888", "#2a9d8f", "#e76f51"))):
+        cells: dict[int, list[int]] = {}
+        for r in counted:
+            if r.arm == arm:
+                cells.setdefault(min(bins - 1, int((r.started - t0) // width)), []).append(int((r.outcome or 0.0) >= 0.5))
+        xs = sorted(cells)
+        if not xs:
+            continue
+        rates = [sum(cells[x]) / len(cells[x]) for x in xs]
+        cis = [wilson(sum(cells[x]), len(cells[x])) for x in xs]
+        n = sum(len(v) for v in cells.values())
+        # arms side by side within a bin, so their error bars do not hide each other
+        ax.errorbar([((x + 0.35 + 0.15 * k) * width) / 60 for x in xs], rates,
+                    yerr=[[r - lo for r, (lo, _) in zip(rates, cis)], [hi - r for r, (_, hi) in zip(rates, cis)]],
+                    fmt="o-", capsize=3, color=colour, label=f"{arm} (n={n})")
+    if final_since is not None:
+        ax.axvspan((final_since - t0) / 60, bins * width / 60, color="#f4e285", alpha=0.4, label="final window")
+    ax.set_xlabel("minute of the run (session start)")
+    ax.set_ylabel("task success (95% CI)")
+    ax.set_title("Success per router arm over time")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "arms.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _clock(epoch: float | None) -> str:
+    return "?" if epoch is None else time.strftime("%H:%M:%S UTC", time.gmtime(epoch))
+
+
+def design_section(s: dict[str, Any]) -> list[str]:
+    """What the control arm is, what the final window is, and what the gate's test guarantees."""
+    share = f"{s['control_share']:.0%}" if s.get("control_share") is not None else "a fixed share"
+    lines = ["## Measurement design", "",
+             f"- **Control arm**: {share} of sessions, chosen by a sticky hash of the session id, are served by "
+             f"policy-v{s['control_version']} for the whole run, whatever the gate does: a baseline on the same "
+             "traffic, at the same time, with the same label delays.",
+             f"- **Final window**: from {_clock(s['final_since'])} to the end of traffic the learner and the gate are "
+             "stopped and the challenger alias is cleared, so every non-control session goes to the final champion. "
+             "The headline counts only sessions that started in this window and after the champion's promotion: "
+             "sessions the gate never saw when it chose the champion." if s["final_since"] is not None else
+             "- **Final window**: none in this run (measure_s = 0), so there is no measurement the gate did not see.",
+             "- **The gate's test**: two one-sided mixture SPRTs (mSPRT) on the task-type-stratified difference in "
+             "success between concurrent, mature challenger and champion sessions. An mSPRT is valid at every look, "
+             "so each challenger is promoted falsely with probability <= alpha"
+             + (f" = {s['gate_alpha']}" if s.get("gate_alpha") is not None else "")
+             + f" however often the gate looks (every {s.get('gate_interval_s', '?')} s)."]
+    scenario, basis = s.get("gate_sim_scenario"), s.get("gate_sim_basis") or {}
+    if s.get("gate_false_promotion_rate") is not None and scenario:
+        rate = s["gate_false_promotion_rate"]
+        se = math.sqrt(rate * (1.0 - rate) / basis.get("challengers", SIM_CHALLENGERS))
+        lines.append(f"  Simulated at this run's traffic ({scenario['challenger_per_look']} challenger sessions per "
+                     f"look, {scenario['champion_ratio']:.2f} champion sessions per challenger session, the control "
+                     f"arm's success and mix per task type ({len(scenario['rates'])}) from n = {basis.get('n_control')} "
+                     f"sessions): false-promotion rate **{rate:.3f}** (simulation s.e. {se:.3f}) over "
+                     f"{basis.get('challengers')} simulated challengers with no true lift.")
+    else:
+        lines.append("  (false-promotion rate not simulated for this run: no gate rule given or no control-arm session)")
+    lines += ["- **Exclusions**: sessions that ended in an infrastructure error are excluded and counted apart; "
+              "sessions without the verifier's task_success are unlabelled, not failures.", ""]
+    return lines
+
+
+def headline_section(s: dict[str, Any]) -> list[str]:
+    """The final champion against the concurrent control, with both sample sizes, the lift's interval and p."""
+    lines = ["## Headline: final champion vs concurrent control", ""]
+    if s["final_since"] is None or s["final_window_start"] is None:
+        why = "no final window in this run" if s["final_since"] is None else "the champion is unknown (registry unreadable)"
+        return lines + [f"Not measured: {why}; the final-window fields of summary.json are null. The whole-run numbers "
+                        "below include the sessions on which the gate chose the champion, so they flatter it.", ""]
+    lines += [f"Window: sessions started from {_clock(s['final_window_start'])} (the later of the final window's "
+              f"start and the champion's promotion at {_clock(s['champion_promoted_ts'])}).", "",
+              f"- final champion policy-v{s['champion_version']}: **{_pct(s['champion_final_success'])}** on "
+              f"n = {s['n_champion_final']} sessions",
+              f"- control policy-v{s['control_version']}: **{_pct(s['control_final_success'])}** on "
+              f"n = {s['n_control_final']} sessions, same window"]
+    if s["lift_points"] is not None:
+        lo, hi = s["lift_ci95"]
+        lines.append(f"- lift **{s['lift_points']:+.1f} points**, 95% CI [{lo:+.1f}, {hi:+.1f}] (Newcombe's hybrid "
+                     f"score interval from two Wilson intervals); one-sided p = {s['p_value_final']:.3g} "
+                     f"(two-proportion z-test, champion > control; n = {s['n_champion_final']} vs {s['n_control_final']})")
+    else:
+        lines.append("- lift: not computed, a side has no counted session in the window")
+    lines += [f"- excluded from the window: errored {s['n_champion_final_errored']} (champion) / "
+              f"{s['n_control_final_errored']} (control); unlabelled {s['n_champion_final_unlabelled']} / "
+              f"{s['n_control_final_unlabelled']}", ""]
+    return lines
+
+
+def whole_run_section(s: dict[str, Any]) -> list[str]:
+    """base_success and champion_success as computed, every version and every arm, each with its sample size."""
+    champion = s["champion_version"]
+    lines = ["## Whole run, per version", "",
+             "Definitions, exactly as computed: **base_success** is the task success of every session of the run "
+             "served entirely by policy-v0, in any arm (the control arm throughout, the base phase before the learner "
+             "started, and the champion arm before the first promotion or after a rollback to v0). "
+             "**champion_success** is the same for the champion at the end (the registry's champion alias; policy-v0 "
+             "when none is set) over the whole run, in any arm, including the challenger-arm sessions on which the "
+             "gate selected it, so it is biased upward by that selection. Both exclude errored and unlabelled "
+             "sessions; the test is a one-sided two-proportion z-test of champion > base.", "",
+             f"- base (policy-v0): **{s['base_success']:.1%}** success on n = {s['n_base']} sessions",
+             f"- champion (policy-v{champion}): **{s['champion_success']:.1%}** on n = {s['n_champion']} sessions"
+             if champion is not None else "- champion: unknown (the registry was unreadable)",
+             f"- ratio {s['success_ratio']}, one-sided p = {s['p_value']:.3g} "
+             f"({'significant' if s['significant'] else 'NOT significant'} at 95% with >= 300 sessions each; "
+             f"n = {s['n_champion']} vs {s['n_base']})",
+             f"- control arm (policy-v{s['control_version']}, whole run): {_pct(s['control_success'])} on "
+             f"n = {s['n_control']} sessions ({s['n_control_errored']} errored, {s['n_control_unlabelled']} "
+             "unlabelled, excluded)",
+             f"- versions published: {s['versions_published']} {s['versions']}; promotions by the gate: "
+             f"{s['promotions']} {s['promoted_versions']}",
+             "", "| version | sessions | success | 95% CI | errored | unlabelled |", "|---|---|---|---|---|---|"]
+    for version, row in s["per_version"].items():
+        lines.append(f"| policy-v{version} | {row['sessions']} | {row['success']:.1%} | {row['ci95'][0]:.1%} - "
+                     f"{row['ci95'][1]:.1%} | {row['errored']} | {row['unlabelled']} |")
+    lines += ["", "| arm | sessions | success | 95% CI | errored | unlabelled |", "|---|---|---|---|---|---|"]
+    for arm, row in s["per_arm"].items():
+        lines.append(f"| {arm} | {row['sessions']} | {_pct(row['success'])} | {row['ci95'][0]:.1%} - "
+                     f"{row['ci95'][1]:.1%} | {row['n_errored']} | {row['n_unlabelled']} |")
+    lines += ["", f"Sessions: {s['sessions']} ended ok; not counted for any version (a weight push mid-session, or no "
+              f"llm_call): {s['mixed_version_sessions']}; episodes: {s['episodes']}.", ""]
+    return lines
+
+
 def markdown(summary: dict[str, Any], images: list[str], context: dict[str, Any]) -> str:
     lines = ["# agent-flywheel demo report", "",
              f"Run: {context.get('started', '?')} to {context.get('ended', '?')} ({context.get('minutes', '?')} min of traffic). "
-             "Every number below is read from the lake (production sessions of the simulated agent) and the MLflow registry.", "",
-             "## Did the policy get better?", "",
-             f"- base (policy-v0): **{summary['base_success']:.1%}** success on n = {summary['n_base']} sessions",
-             f"- champion (policy-v{summary['champion_version']}): **{summary['champion_success']:.1%}** on n = {summary['n_champion']} sessions"
-             if summary["champion_version"] is not None else "- champion: no version was promoted during the run",
-             f"- ratio {summary['success_ratio']}, one-sided p = {summary['p_value']:.3g} "
-             f"({'significant at 95% with >= 300 sessions each' if summary['significant'] else 'NOT significant at 95% with >= 300 sessions each'})",
-             f"- versions published: {summary['versions_published']} {summary['versions']}; promotions by the gate: {summary['promotions']} {summary['promoted_versions']}",
-             "", "| version | sessions | success | 95% CI |", "|---|---|---|---|"]
-    for version, row in summary["per_version"].items():
-        lines.append(f"| policy-v{version} | {row['sessions']} | {row['success']:.1%} | {row['ci95'][0]:.1%} - {row['ci95'][1]:.1%} |")
-    lines += ["", f"Sessions: {summary['sessions']} ({summary['mixed_version_sessions']} straddled a weight push and are not counted for a version); episodes: {summary['episodes']}.",
-              "", "## Freshness (p95)", "",
-              f"- session end -> visible in the lake: {summary['p95_session_to_lake_s']} s (target < 10 s)",
-              f"- outcome arrival -> episode: {summary['p95_outcome_to_episode_s']} s (target < 30 s)",
-              f"- episode -> in a published version: {summary['p95_episode_to_trained_s']} s",
-              f"- trained -> served: {summary['p95_trained_to_served_s']} s", ""]
+             "Every number below is read from the lake (production sessions of the simulated agent) and the MLflow registry.", ""]
+    lines += design_section(summary) + headline_section(summary) + whole_run_section(summary)
+    n = summary.get("freshness_n") or {}
+    lines += ["## Freshness (p95)", "",
+              f"- session end -> visible in the lake: {summary['p95_session_to_lake_s']} s (target < 10 s; "
+              f"n = {n.get('session_to_lake', '?')} sessions)",
+              f"- outcome arrival -> episode: {summary['p95_outcome_to_episode_s']} s (target < 30 s; "
+              f"n = {n.get('outcome_to_episode', '?')} episodes)",
+              f"- episode -> in a published version: {summary['p95_episode_to_trained_s']} s "
+              f"(n = {n.get('episode_to_trained', '?')} episodes)",
+              f"- trained -> served: {summary['p95_trained_to_served_s']} s (n = {n.get('trained_to_served', '?')} versions)",
+              ""]
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
 
 
 def write_report(out_dir: str | Path, lake_root: str, since: float, learner_run_dir: str | None, policies_dir: str,
-                 tracking_uri: str, registered_model: str, context: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Gather, plot and write report.md + summary.json; returns the summary."""
+                 tracking_uri: str, registered_model: str, context: dict[str, Any] | None = None,
+                 final_since: float | None = None, control_version: int = 0, gate_rule: GateRule | None = None,
+                 gate_interval_s: float = 10.0, shares: dict[str, float] | None = None) -> dict[str, Any]:
+    """Gather, plot and write report.md + summary.json; returns the summary.
+
+    final_since: epoch seconds when the final window began (None: the run had none); shares: the router's
+    {"control": ..., "challenger": ...} shares; gate_rule and gate_interval_s: the gate's, for its simulation.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    facts = lake_facts(lake_root, since)
+    errors = tuple(gate_rule.error_statuses) if gate_rule is not None else ERROR_STATUSES
+    facts = lake_facts(lake_root, since, errors)
     learner_facts(facts, lake_root, learner_run_dir, policies_dir, since)
     registry_facts(facts, tracking_uri, registered_model, policies_dir, since)
-    summary = summarize(facts)
+    summary = summarize(facts, error_statuses=errors)
+    summary.update(measurement(facts, final_since, control_version, errors))
+    summary.update(gate_simulation(facts, gate_rule, control_version, gate_interval_s, shares, errors))
+    summary.update({"control_share": (shares or {}).get("control"), "challenger_share": (shares or {}).get("challenger"),
+                    "gate_interval_s": gate_interval_s})
     context = dict(context or {})
     summary["report_written"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     summary.update({k: v for k, v in context.items() if k not in summary})
-    images = plots(facts, out)
+    images = plots(facts, out, final_since, errors)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "report.md").write_text(markdown(summary, images, context))
     return summary
@@ -353,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     from flywheel.base import defaults
     from flywheel.base.config import setup_logging
 
-    parser = argparse.ArgumentParser(prog="python -m infra.report", description="write the demo report from the lake")
+    parser = argparse.ArgumentParser(prog="python -m flywheel.demo.report", description="write the demo report from the lake")
     parser.add_argument("--lake-root", default=defaults.LAKE_ROOT)
     parser.add_argument("--out", default="var/report")
     parser.add_argument("--since", type=float, default=0.0, help="only sessions ending after this epoch time")
@@ -361,10 +701,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies-dir", default=defaults.POLICIES_DIR)
     parser.add_argument("--mlflow-tracking-uri", default=defaults.MLFLOW_TRACKING_URI)
     parser.add_argument("--registered-model", default=defaults.REGISTERED_MODEL)
+    parser.add_argument("--final-since", type=float, default=None, help="epoch time the final window began (none: no window)")
+    parser.add_argument("--control-version", type=int, default=0, help="the control arm's policy version")
     args = parser.parse_args(argv)
     setup_logging()
     summary = write_report(args.out, args.lake_root, args.since, args.learner_run_dir, args.policies_dir,
-                           args.mlflow_tracking_uri, args.registered_model)
+                           args.mlflow_tracking_uri, args.registered_model, final_since=args.final_since,
+                           control_version=args.control_version)
     print(json.dumps(summary))
     return 0
 

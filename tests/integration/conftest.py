@@ -1,4 +1,6 @@
-"""Session fixtures for the real services: one Kafka broker, one MLflow store, one vLLM server.
+"""Session fixtures for the real services: one Kafka broker, one MLflow store, two vLLM servers
+(a full-weight tier serves champion and challenger on servers of their own, so the tests that
+serve two versions at once, and the demo loop, need two).
 
 They are started once per test session through infra.stack (the same code as `flywheel infra
 up`), reused when already running, and only what this session started is stopped at the end.
@@ -25,7 +27,7 @@ from flywheel import stack as stack_mod
 
 @pytest.fixture(scope="session")
 def stack() -> Iterator[stack_mod.StackConfig]:
-    cfg = stack_mod.load_stack_config([])
+    cfg = stack_mod.replace_config(stack_mod.load_stack_config([]), vllm_servers=2)
     started = stack_mod.ensure_up(cfg)
     yield cfg
     if os.environ.get("FLYWHEEL_KEEP_STACK") != "1":
@@ -39,7 +41,14 @@ def kafka_bootstrap(stack: stack_mod.StackConfig) -> str:
 
 @pytest.fixture(scope="session")
 def vllm_url(stack: stack_mod.StackConfig) -> str:
+    """The first server (the tests of one server use it)."""
     return stack.vllm_url
+
+
+@pytest.fixture(scope="session")
+def vllm_urls(stack: stack_mod.StackConfig) -> list[str]:
+    """Both servers, each on the base model at start."""
+    return stack.vllm_urls
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +85,7 @@ def new_topic(kafka_bootstrap: str) -> Callable[..., str]:
 
 @pytest.fixture
 def vllm_weights_lock(stack: stack_mod.StackConfig) -> Iterator[None]:
-    """Serialise tests (and test runs) that reload the shared vLLM server's full weights."""
+    """Serialise tests (and test runs) that reload the shared vLLM servers' full weights."""
     path = Path(stack.var_dir) / "run" / "vllm-weights.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:

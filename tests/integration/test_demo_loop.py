@@ -2,14 +2,18 @@
 
 Every process is the real sub-command (proxy, lake writer, episode builder, learner, promotion
 gate, outcome sources, agent). The test asserts that data flowed through every stage, sessions
-to lake to outcomes to episodes to learner steps, and that the learner's new version was
-published to and served by vLLM. It serves the plain tiny base (no warm start: that takes
-minutes), so it says nothing about learning; the demo's report does.
+to lake to outcomes to episodes to learner steps, that the learner's new version was
+published to and served by vLLM, and that every llm_call carries the router's arm. It runs on
+the test session's two servers: with the control arm on policy-v0, the first new version goes
+to the free server and the gate can judge it against the concurrent champion. It serves the
+plain tiny base (no warm start: that takes minutes), so it says nothing about learning; the
+demo's report does.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,30 +21,37 @@ import pytest
 from flywheel import stack as stack_mod
 from flywheel.demo import closed_loop as demo
 from flywheel.demo.report import lake_facts
+from flywheel.ingest import lake
+from flywheel.serving.sessions import read_sessions
 
 pytestmark = pytest.mark.slow
 
 
 def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
-        stack: stack_mod.StackConfig, base_model_dir: Path, vllm_url: str, tmp_path: Path, vllm_weights_lock: None) -> None:
+        stack: stack_mod.StackConfig, base_model_dir: Path, vllm_urls: list[str], tmp_path: Path,
+        vllm_weights_lock: None) -> None:
     from flywheel.serving.publisher import reload_full
 
-    cfg = demo.DemoConfig(minutes=1.5, var_dir=tmp_path / "var", report_dir=tmp_path / "report", base_model=base_model_dir,
+    assert len(vllm_urls) == 2, f"the test session's stack should run two vLLM servers: {vllm_urls}"
+    # 2.5 minutes: the final window (the last 40 s; stopping the learner and the gate takes up to ~20 s of it)
+    # starts after the learner has had ~110 s (~50 s of it starting up on 2 busy cores) to publish
+    cfg = demo.DemoConfig(minutes=2.5, var_dir=tmp_path / "var", report_dir=tmp_path / "report", base_model=base_model_dir,
                           warm_start=False, concurrency=6, learner_batch=16, publish_every_steps=2, publish_every_s=30.0,
-                          gate_interval_s=10.0, gate_min_sessions=5, base_sessions=30, measure_s=0.0, drain_s=15.0, keep_stack=True,
-                          live=False,
-                          run_id=f"demo-test-{tmp_path.name[-8:]}".replace("_", "-"))
+                          vllm_servers=2, gate_interval_s=10.0, gate_min_sessions=5, base_sessions=30, measure_s=40.0,
+                          drain_s=15.0, keep_stack=True, live=False,
+                          run_id=f"demo-test-{uuid.uuid4().hex[:8]}")  # unique: the MLflow store outlives a test run
+    cfg.check()
     try:
         assert demo.run(cfg) == 0
     finally:
-        # leave the shared server on the base weights for everyone else
-        reload_full(vllm_url, base_model_dir.resolve(), 0)
+        for url in vllm_urls:  # leave the shared servers on the base weights for everyone else
+            reload_full(url, base_model_dir.resolve(), 0)
     run_dir = tmp_path / "var" / "demo" / cfg.run_id
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     facts = lake_facts(str(run_dir / "lake"))
     handed_off = len((run_dir / "sessions.jsonl").read_text().splitlines())
 
-    assert handed_off >= 20, f"the agent finished only {handed_off} sessions in 90 s"
+    assert handed_off >= 20, f"the agent finished only {handed_off} sessions in 150 s"
     assert facts.sessions_total >= 0.8 * handed_off, \
         f"{facts.sessions_total} of {handed_off} finished sessions reached the lake"
     judged = sum(s.sessions for s in facts.by_version.values()) + facts.mixed_sessions
@@ -54,3 +65,23 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
     assert summary["p95_session_to_lake_s"] is not None and summary["p95_session_to_lake_s"] < 30, summary
     assert (tmp_path / "report" / "report.md").read_text().startswith("# agent-flywheel demo report")
     assert (tmp_path / "report" / "success_by_version.png").stat().st_size > 0
+    arms = _llm_call_arms(str(run_dir / "lake"))
+    assert arms and None not in arms and set(arms) <= {"control", "champion", "challenger"}, \
+        f"llm_calls per arm (None: no arm logged): {arms}"
+    assert "control" in arms, f"no llm_call was served by the control arm: {arms}"
+    final = json.loads((run_dir / "final_window.json").read_text())
+    in_window = [r for r in read_sessions(str(run_dir / "lake")) if r.started >= final["since"]]
+    assert in_window, f"no session started in the final window (from {final['since']:.0f})"
+    on_challenger = [r.session_id for r in in_window if r.arm == "challenger"]
+    assert not on_challenger, f"{len(on_challenger)} of {len(in_window)} final-window sessions went to a challenger"
+
+
+def _llm_call_arms(lake_root: str) -> dict[str | None, int]:
+    """{arm: llm_calls} over the lake's events."""
+    import duckdb
+
+    files = [f.path for f in lake.list_files(lake_root, "events")]
+    listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+    rows = duckdb.sql(f"SELECT arm, count(*) FROM read_parquet([{listed}], union_by_name = true) "
+                      "WHERE type = 'llm_call' GROUP BY 1").fetchall()
+    return {arm: int(n) for arm, n in rows}

@@ -1,12 +1,14 @@
 """The promotion gate, rollback and status against the real MLflow registry and vLLM (LoRA versions).
 
-Online rewards come from a tmp lake of synthetic episodes (the episode builder's exact schema and
-file layout); offline scores from a small arithmetic set run through vLLM. Each test has its own
+Online outcomes come from a tmp lake of synthetic sessions (events with the router's arm and the
+verifier's task_success, in the lake writer's exact schema and file layout); offline scores from a
+small arithmetic set run through vLLM. Each test has its own
 registered model, experiment and policy version numbers.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 import time
 import uuid
@@ -16,11 +18,11 @@ from typing import Iterator
 import pytest
 
 from bench.fixtures import models as synthetic
-from bench.fixtures.episodes import write_sessions
+from bench.fixtures.sessions import write_arm_sessions
 from flywheel.base import tracking
 from flywheel.serving import evaluate, promote, publisher, vllm_client
 from flywheel.serving.registry import Registry
-from flywheel.serving.router import Router
+from flywheel.serving.router import Router, bucket
 from flywheel.serving.vllm_client import http
 
 TASKS = evaluate.arithmetic_tasks(n=8)
@@ -51,6 +53,16 @@ def _rates(rate: float, n: int, seed: int) -> list[float]:
     return [float(rng.random() < rate) for _ in range(n)]
 
 
+def _served_gap(server: str, model: str, base: Path, version_dir: Path) -> float:
+    """Largest gap between the server's greedy-decoded logprobs and the version's own weights."""
+    prompt = [5, 17, 33, 60, 61, 62, 100, 7]
+    out = http("POST", f"{server}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                    "logprobs": 1, "return_token_ids": True, "ignore_eos": True})
+    choice = out["choices"][0]
+    ref = synthetic.reference_logprobs(synthetic.load_reference(base, version_dir), prompt, choice["token_ids"])
+    return max(abs(x - y) for x, y in zip(choice["logprobs"]["token_logprobs"], ref))
+
+
 def _runs(cfg: promote.PromoteConfig) -> list[dict[str, str]]:
     client = tracking.client(cfg.mlflow_tracking_uri)
     runs = client.search_runs([tracking.experiment_id(cfg.experiment, cfg.mlflow_tracking_uri)])
@@ -63,8 +75,8 @@ def test_gate_promotes_rejects_and_holds_with_decisions_in_mlflow(cfg: promote.P
     a = _publish(cfg, base_model_dir, tmp_path, 1)
     registry.make_champion(a)
     b = _publish(cfg, base_model_dir, tmp_path, 2)
-    write_sessions(cfg.lake_root, a, _rates(0.3, 60, 1))
-    write_sessions(cfg.lake_root, b, _rates(0.8, 60, 2))
+    write_arm_sessions(cfg.lake_root, a, "champion", _rates(0.3, 60, 1))
+    write_arm_sessions(cfg.lake_root, b, "challenger", _rates(0.8, 60, 2))
 
     decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
     assert decision.action == "promote", decision.reason
@@ -73,13 +85,17 @@ def test_gate_promotes_rejects_and_holds_with_decisions_in_mlflow(cfg: promote.P
     assert "offline_p_worse" in decision.numbers, "the offline eval ran through vLLM for both versions"
 
     c = _publish(cfg, base_model_dir, tmp_path, 3)  # clearly worse online
-    write_sessions(cfg.lake_root, c, _rates(0.2, 60, 3))
+    # b's sessions as champion, concurrent with c's (the sessions that promoted it were its challenger sessions)
+    write_arm_sessions(cfg.lake_root, b, "champion", _rates(0.8, 60, 31))
+    write_arm_sessions(cfg.lake_root, c, "challenger", _rates(0.2, 60, 3))
     decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
     assert decision.action == "reject" and decision.numbers["online_p_worse"] < cfg.alpha, decision
+    assert decision.numbers["online_log_lr_worse"] >= decision.numbers["online_threshold_log_lr"], decision.numbers
     assert registry.aliases() == {"champion": b}, "a rejected challenger must lose its traffic"
 
     d = _publish(cfg, base_model_dir, tmp_path, 4)  # clearly better but only 10 sessions
-    write_sessions(cfg.lake_root, d, [1.0] * 10)
+    write_arm_sessions(cfg.lake_root, d, "challenger", [1.0] * 10, start=dt.datetime.now(dt.timezone.utc)
+                       - dt.timedelta(minutes=30))
     decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
     assert decision.action == "hold" and "too few" in decision.reason, decision
     assert registry.aliases() == {"champion": b, "challenger": d}
@@ -87,7 +103,9 @@ def test_gate_promotes_rejects_and_holds_with_decisions_in_mlflow(cfg: promote.P
     runs = _runs(cfg)
     assert sorted(r["decision"] for r in runs) == ["hold", "promote", "reject"], runs
     promoted = next(r for r in runs if r["decision"] == "promote")
-    assert promoted["metrics"]["online_challenger"] > promoted["metrics"]["online_champion"], promoted
+    assert promoted["metrics"]["online_mean_b"] > promoted["metrics"]["online_mean_a"], promoted
+    for key in ("online_n_a", "online_n_b", "online_log_lr_better", "online_threshold_log_lr", "online_errored_b"):
+        assert key in promoted["metrics"], (key, sorted(promoted["metrics"]))
 
 
 def test_regressed_champion_is_rolled_back_and_router_follows_within_seconds(cfg: promote.PromoteConfig,
@@ -97,16 +115,18 @@ def test_regressed_champion_is_rolled_back_and_router_follows_within_seconds(cfg
     registry.make_champion(old)
     new = _publish(cfg, base_model_dir, tmp_path, 6)
     registry.make_champion(new)
+    cfg = cfg.with_changes(control_share=0.2)  # the rollback test compares the champion with the control arm
     router = Router(cfg)
-    assert router.route("session-x").policy_version == new
-    write_sessions(cfg.lake_root, old, _rates(0.8, 60, 5))
-    write_sessions(cfg.lake_root, new, _rates(0.2, 60, 6))
+    session = next(f"session-{i}" for i in range(100) if bucket(f"session-{i}") >= 0.2)  # not in the control arm
+    assert router.route(session).policy_version == new
+    write_arm_sessions(cfg.lake_root, 0, "control", _rates(0.8, 60, 5))
+    write_arm_sessions(cfg.lake_root, new, "champion", _rates(0.2, 60, 6))
 
     start = time.monotonic()
     decisions = promote.gate_once(cfg, registry, tasks=TASKS)
     assert [d.action for d in decisions] == ["none", "rollback"], [(d.action, d.reason) for d in decisions]
     assert registry.aliases()["champion"] == old
-    while router.route("session-x").policy_version != old:
+    while router.route(session).policy_version != old:
         assert time.monotonic() - start < 10, "router still routes to the rolled-back version after 10 s"
         time.sleep(0.2)
     assert registry.find(new).tags.get("rolled_back") == "true"
@@ -131,7 +151,7 @@ def test_manual_rollback_command_and_status(cfg: promote.PromoteConfig, base_mod
 
     from rich.console import Console
 
-    write_sessions(cfg.lake_root, first, _rates(0.5, 40, 9))
+    write_arm_sessions(cfg.lake_root, first, "champion", _rates(0.5, 40, 9))
     console = Console(record=True, width=200)
     promote.print_status(console, cfg)
     text = console.export_text()
@@ -139,32 +159,45 @@ def test_manual_rollback_command_and_status(cfg: promote.PromoteConfig, base_mod
     assert "[" in text, f"no confidence interval in the status table:\n{text}"
 
 
-def test_full_weight_versions_gate_on_cached_champion_score_and_reject_restores_champion_weights(
-        cfg: promote.PromoteConfig, vllm_url: str, base_model_dir: Path, tmp_path: Path, vllm_weights_lock: None) -> None:
+def test_full_weight_champion_and_challenger_are_served_at_once_and_a_reject_moves_no_weights(
+        cfg: promote.PromoteConfig, vllm_urls: list[str], base_model_dir: Path, tmp_path: Path,
+        vllm_weights_lock: None) -> None:
+    # two servers: a full-weight version takes a server of its own, the champion's is never replaced
+    cfg = cfg.with_changes(servers=list(vllm_urls))
+    first, second = vllm_urls
     registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
     versions = [random.randint(7_000_000, 7_999_999) for _ in range(3)]
     dirs = [synthetic.make_full_version(base_model_dir, tmp_path / f"policy-v{v}", v, seed=40 + i)
             for i, v in enumerate(versions)]
     a, b, c = versions
     try:
-        publisher.publish(dirs[0], cfg)
+        assert publisher.publish(dirs[0], cfg).pushed == [second], "the base (champion) keeps the first server"
         registry.make_champion(a)
-        assert promote.gate_once(cfg, registry, tasks=TASKS)[0].action == "none"  # scores A while it is served
-        publisher.publish(dirs[1], cfg)  # B replaces A's weights on the server
-        write_sessions(cfg.lake_root, a, _rates(0.3, 40, 41))
-        write_sessions(cfg.lake_root, b, _rates(0.8, 40, 42))
+        assert publisher.publish(dirs[1], cfg).pushed == [first], "A is champion: B takes the free server"
+        held = {u: vllm_client.weight_version(u) for u in vllm_urls}
+        assert held == {first: b, second: a}, held
+        router = Router(cfg)
+        routes = [router.route(f"s-{i}") for i in range(200)]
+        assert {(r.arm, r.policy_version, r.server) for r in routes} == {("champion", a, second), ("challenger", b, first)}
+        for server, vdir in ((second, dirs[0]), (first, dirs[1])):  # each arm's requests decode on its own weights
+            gap = _served_gap(server, cfg.base_served_name, base_model_dir, vdir)
+            assert gap < 1e-4, f"{server} differs from {vdir.name} by {gap:.2e}"
+        write_arm_sessions(cfg.lake_root, a, "champion", _rates(0.3, 60, 41))
+        write_arm_sessions(cfg.lake_root, b, "challenger", _rates(0.8, 60, 42))
         decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
         assert decision.action == "promote", decision.reason
-        assert "offline_p_worse" in decision.numbers, "A's offline score must come from the cache"
+        assert "offline_p_worse" in decision.numbers, "both versions were scored where they are served"
 
-        publisher.publish(dirs[2], cfg)
-        write_sessions(cfg.lake_root, c, _rates(0.1, 40, 43))
+        assert publisher.publish(dirs[2], cfg).pushed == [second], "C replaces the old champion A, not B"
+        write_arm_sessions(cfg.lake_root, b, "champion", _rates(0.8, 60, 43))
+        write_arm_sessions(cfg.lake_root, c, "challenger", _rates(0.1, 60, 44))
         decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
         assert decision.action == "reject", decision.reason
-        assert vllm_client.weight_version(vllm_url) == b, "after a reject the server must hold the champion's weights"
+        assert vllm_client.weight_version(first) == b, "the champion's server was touched"
         assert Router(cfg).route("s").policy_version == b
     finally:
-        publisher.reload_full(vllm_url, base_model_dir.resolve(), 0, cfg.http_timeout_s)
+        for url in vllm_urls:
+            publisher.reload_full(url, base_model_dir.resolve(), 0, cfg.http_timeout_s)
 
 
 def test_promote_auto_loop_from_the_command_line(cfg: promote.PromoteConfig, base_model_dir: Path,
@@ -173,8 +206,8 @@ def test_promote_auto_loop_from_the_command_line(cfg: promote.PromoteConfig, bas
     a = _publish(cfg, base_model_dir, tmp_path, 50)
     registry.make_champion(a)
     b = _publish(cfg, base_model_dir, tmp_path, 51)
-    write_sessions(cfg.lake_root, a, _rates(0.2, 40, 50))
-    write_sessions(cfg.lake_root, b, _rates(0.9, 40, 51))
+    write_arm_sessions(cfg.lake_root, a, "champion", _rates(0.2, 40, 50))
+    write_arm_sessions(cfg.lake_root, b, "challenger", _rates(0.9, 40, 51))
     argv = ["--auto", "--rounds", "2", "--var-dir", str(tmp_path / "var"), "--interval-s", "0.1", "--registered-model", cfg.registered_model,
             "--mlflow-tracking-uri", cfg.mlflow_tracking_uri, "--experiment", cfg.experiment,
             "--lake-root", cfg.lake_root, "--servers", cfg.servers[0], "--eval-tasks", f"{__file__}:small_tasks"]

@@ -1,5 +1,7 @@
-"""Through the capture proxy (--router serving): the challenger's share of sessions is served by its
-LoRA and logged with its version, and a promotion re-routes new requests within seconds."""
+"""Through the capture proxy (--router serving): control, champion and challenger are served at the same
+time on one server (the base and two LoRA adapters), each session entirely by its arm's version, the
+arm and the version logged on every llm_call; a promotion re-routes new requests within seconds and
+leaves the control arm where it was."""
 
 from __future__ import annotations
 
@@ -59,21 +61,27 @@ def test_proxy_logs_challenger_and_champion_versions_and_follows_a_promotion(
 
     topic = new_topic("promote-proxy")
     env = {"FLYWHEEL_REGISTERED_MODEL": name, "FLYWHEEL_SERVERS": vllm_url, "FLYWHEEL_MLFLOW_TRACKING_URI": mlflow_uri,
-           "FLYWHEEL_CHALLENGER_SHARE": "0.5", "FLYWHEEL_ALIAS_REFRESH_S": "1"}
+           "FLYWHEEL_CHALLENGER_SHARE": "0.4", "FLYWHEEL_CONTROL_SHARE": "0.2", "FLYWHEEL_ALIAS_REFRESH_S": "1"}
     log_path = tmp_path / "proxy.log"
     proc, url = start_proxy(["--router", "serving", "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
                               "--spool-name", f"test-pp-{uuid.uuid4().hex[:8]}"], log_path, env)
     try:
-        pool = [f"s-{uuid.uuid4().hex}" for _ in range(200)]
-        sessions = [s for s in pool if bucket(s) < 0.5][:6] + [s for s in pool if bucket(s) >= 0.5][:6]  # both arms
+        def arm(s: str) -> str:
+            return "control" if bucket(s) < 0.2 else "challenger" if bucket(s) < 0.6 else "champion"
+
+        pool = [f"s-{uuid.uuid4().hex}" for _ in range(300)]
+        sessions = [s for name in ("control", "challenger", "champion") for s in [p for p in pool if arm(p) == name][:5]]
         for s in sessions:
             _chat(url, s)
+            _chat(url, s)  # a second call of the session: the same version
         calls = _llm_calls(kafka_bootstrap, topic, len(sessions))
-        assert len(calls) == len(sessions), f"{len(calls)} of {len(sessions)} llm_calls arrived"
+        assert len(calls) == len(sessions), f"{len(calls)} of {len(sessions)} sessions' llm_calls arrived"
+        want_version = {"control": 0, "challenger": challenger, "champion": champion}
         for s in sessions:
-            want = challenger if bucket(s) < 0.5 else champion
             got: dict[str, Any] = calls[s]
-            assert (got["policy_version"], got["model"]) == (want, f"policy-v{want}"), (s, got["policy_version"], want)
+            want = want_version[arm(s)]
+            assert (got["policy_version"], got["arm"]) == (want, arm(s)), (s, got["policy_version"], got["arm"], want)
+            assert got["model"] == f"policy-v{want}", got["model"]
 
         registry.make_champion(challenger)  # promotion: every new session now goes to the new champion
         time.sleep(2.5)  # alias_refresh_s=1, refreshed in the background on the next request
@@ -83,7 +91,9 @@ def test_proxy_logs_challenger_and_champion_versions_and_follows_a_promotion(
         for s in later:
             _chat(url, s)
         calls = _llm_calls(kafka_bootstrap, topic, len(sessions) + len(later) + 1)
-        assert {calls[s]["policy_version"] for s in later} == {challenger}, {s: calls[s]["policy_version"] for s in later}
+        assert {calls[s]["policy_version"] for s in later if arm(s) != "control"} == {challenger}, \
+            {s: calls[s]["policy_version"] for s in later}
+        assert all(calls[s]["policy_version"] == 0 for s in later if arm(s) == "control"), "the control arm moved"
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import calendar
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from flywheel.base.config import build_parser, resolve
+from flywheel.base.config import ConfigError, build_parser, resolve
 from flywheel.cli import COMMANDS
 from flywheel.demo import plan as demo_plan
 from flywheel.demo.agent_sim import AgentSimConfig
@@ -17,13 +18,16 @@ from flywheel.demo.outcome_sim import OutcomeSimConfig
 from flywheel.demo.plan import DemoConfig, Endpoints, RunPlan
 from flywheel.ingest.lake_writer import LakeWriterConfig
 from flywheel.learner.config import LearnerConfig
+from flywheel.learner.versions import serving_tier
 from flywheel.rewards.builder import EpisodesConfig
+from flywheel.serving.decision import GateRule
 from flywheel.serving.promote import PromoteConfig
 from flywheel.serving.proxy import ProxyConfig
 from flywheel.serving.router import RouterConfig
 
-ENDS = Endpoints(kafka_bootstrap="127.0.0.1:19092", vllm_url="http://127.0.0.1:8000",
-                 tracking_uri="http://127.0.0.1:5000", proxy_port=8123)
+SERVERS = ["http://127.0.0.1:8000", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+ENDS = Endpoints(kafka_bootstrap="127.0.0.1:19092", vllm_url=SERVERS[0], tracking_uri="http://127.0.0.1:5000",
+                 proxy_port=8123, vllm_urls=SERVERS)
 
 
 def _parse(cls: type, argv: list[str]) -> Any:
@@ -69,8 +73,24 @@ def test_every_command_is_a_flywheel_sub_command_its_config_accepts(tmp_path: Pa
         assert all(isinstance(a, str) for a in argv), f"{argv[0]}: non-string arguments in {argv}"
         _parse(cls, argv[1:])
     router = resolve(RouterConfig, {}, demo_plan.tier_env(cfg, run, ENDS), {})
-    assert (router.servers, router.registered_model, router.policies_dir, router.challenger_share) == \
-        ([ENDS.vllm_url], run.registered_model, str(run.policies_dir), 0.5), router
+    assert (router.servers, router.registered_model, router.policies_dir) == \
+        (SERVERS, run.registered_model, str(run.policies_dir)), router
+    assert (router.control_share, router.control_version, router.challenger_share) == (0.2, 0, 0.4), router
+
+
+def test_the_learners_publisher_sees_the_same_tier_as_the_router_and_the_gate(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, run = _plan(tmp_path, control_share=0.15, challenger_share=0.35)
+    for key, value in demo_plan.tier_env(cfg, run, ENDS).items():
+        monkeypatch.setenv(key, value)  # the learner's environment (closed_loop starts it with tier_env)
+    learner = _parse(LearnerConfig, demo_plan.learner_command(cfg, run, ENDS)[1:])
+    tier = serving_tier(learner)
+    gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
+    seen = {name: (t.servers, t.control_share, t.control_version, t.challenger_share, t.registered_model)
+            for name, t in (("learner", tier), ("gate", gate))}
+    assert seen["learner"] == seen["gate"] == (SERVERS, 0.15, 0, 0.35, run.registered_model), seen
+    # with the control arm, the publisher keeps the control's server: policy-v0 stays live beside a champion
+    assert tier.live_versions(3, None) == {0, 3}, tier.live_versions(3, None)
 
 
 def test_the_pipeline_processes_share_this_runs_topics_lake_and_heartbeats(tmp_path: Path) -> None:
@@ -99,14 +119,44 @@ def test_the_learner_and_gate_carry_the_demos_measured_defaults(tmp_path: Path) 
     assert (learner.cpu_threads, learner.newest_first, learner.loss_agg, learner.kl_coef, learner.baseline) == \
         (1, True, "sequence", 0.0, "batch"), learner
     assert (learner.positive_only, learner.max_staleness, learner.epochs, learner.loss) == (True, 2, 1, "tis"), learner
-    assert (learner.publish_every_steps, learner.publish_wait_for_gate, learner.publish_every_s) == (3, True, 120.0), learner
+    assert (learner.publish_every_steps, learner.publish_wait_for_gate, learner.publish_every_s) == (3, True, 0.0), learner
     assert (learner.base_model, learner.lake_root, learner.policies_dir, learner.registered_model) == \
         (str((tmp_path / "warm").resolve()), str(run.lake_root), str(run.policies_dir), "flywheel-demo-t"), learner
     gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
-    assert (gate.auto, gate.interval_s, gate.min_sessions, gate.max_drop, gate.eval_tasks) == \
-        (True, 10.0, 100, 0.0, "flywheel.demo.tasks:eval_tasks"), gate
+    assert (gate.auto, gate.interval_s, gate.eval_tasks) == (True, 10.0, "flywheel.demo.tasks:eval_tasks"), gate
+    assert (gate.alpha, gate.tau, gate.margin, gate.min_sessions, gate.max_sessions, gate.maturity_s) == \
+        (0.05, 0.1, 0.0, 30, 500, 10.0), gate
     assert (gate.servers, gate.policies_dir, gate.registered_model, gate.lake_root) == \
-        ([ENDS.vllm_url], str(run.policies_dir), "flywheel-demo-t", str(run.lake_root)), gate
+        (SERVERS, str(run.policies_dir), "flywheel-demo-t", str(run.lake_root)), gate
+    assert (gate.control_share, gate.control_version, gate.challenger_share) == (0.2, 0, 0.4), gate
+
+
+def test_the_gate_runs_exactly_the_demos_rule(tmp_path: Path) -> None:
+    cfg, run = _plan(tmp_path, gate_alpha=0.01, gate_tau=0.2, gate_margin=0.02, gate_min_sessions=40,
+                     gate_max_sessions=700, gate_maturity_s=15.0)
+    rule = demo_plan.gate_rule(cfg)
+    gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
+    differ = {f.name: (getattr(gate, f.name), getattr(rule, f.name)) for f in dataclasses.fields(GateRule)
+              if getattr(gate, f.name) != getattr(rule, f.name)}
+    assert not differ, f"the gate's rule differs from the demo's (gate, demo): {differ}"
+    assert (rule.alpha, rule.tau, rule.margin, rule.min_sessions, rule.max_sessions, rule.maturity_s) == \
+        (0.01, 0.2, 0.02, 40, 700, 15.0), rule
+
+
+@pytest.mark.parametrize("changes, field", [({"vllm_servers": 1}, "vllm_servers"), ({"control_share": 0.7}, "control_share"),
+                                            ({"gate_alpha": 0.7}, "alpha"), ({"gate_max_sessions": 10}, "max_sessions")])
+def test_a_demo_config_that_cannot_run_is_refused_naming_the_field(tmp_path: Path, changes: dict[str, Any],
+                                                                   field: str) -> None:
+    cfg, _ = _plan(tmp_path, **changes)
+    with pytest.raises(ConfigError, match=field):
+        cfg.check()
+
+
+def test_endpoints_list_every_server_with_the_first_as_vllm_url() -> None:
+    one = Endpoints("127.0.0.1:1", "http://a", "sqlite:///x.db", 1)
+    assert one.vllm_urls == ["http://a"], one
+    with pytest.raises(AssertionError, match="not the first"):
+        Endpoints("127.0.0.1:1", "http://a", "sqlite:///x.db", 1, vllm_urls=["http://b", "http://a"])
 
 
 @pytest.mark.parametrize("epochs, loss", [(1, "tis"), (2, "ppo")])
