@@ -41,31 +41,6 @@ def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, flo
     return mean, mean - half, mean + half
 
 
-def welch(a: list[float], b: list[float]) -> Comparison:
-    """Welch's t-test (unequal variances) of mean(b) against mean(a), both one-sided p-values.
-
-    Two constant samples (zero variance) have no t statistic: equal means give p 0.5 both ways,
-    different means are treated as a certain difference.
-    """
-    from scipy import stats
-
-    n_a, n_b = len(a), len(b)
-    assert n_a >= 2 and n_b >= 2, f"welch needs 2+ samples per side, got {n_a} and {n_b}"
-    mean_a, mean_b = sum(a) / n_a, sum(b) / n_b
-    var_a = sum((x - mean_a) ** 2 for x in a) / (n_a - 1)
-    var_b = sum((x - mean_b) ** 2 for x in b) / (n_b - 1)
-    se2 = var_a / n_a + var_b / n_b
-    diff = mean_b - mean_a
-    if se2 == 0.0:
-        p_worse = 0.5 if diff == 0 else (0.0 if diff < 0 else 1.0)
-        return Comparison(n_a, n_b, mean_a, mean_b, diff, math.copysign(math.inf, diff) if diff else 0.0, p_worse,
-                          1.0 - p_worse if diff else 0.5, "welch-t")
-    t = diff / math.sqrt(se2)
-    df = se2**2 / ((var_a / n_a) ** 2 / max(n_a - 1, 1) + (var_b / n_b) ** 2 / max(n_b - 1, 1))
-    return Comparison(n_a, n_b, mean_a, mean_b, diff, t, float(stats.t.cdf(t, df)), float(stats.t.sf(t, df)),
-                      "welch-t")
-
-
 def two_proportions(success_a: int, n_a: int, success_b: int, n_b: int) -> Comparison:
     """Two-proportion z-test (pooled) of B's success rate against A's, both one-sided p-values."""
     assert n_a > 0 and n_b > 0, f"two_proportions needs samples on both sides, got {n_a} and {n_b}"
