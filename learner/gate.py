@@ -143,8 +143,11 @@ class GateFollower:
             newest = self.registry().find(self.state.published[-1])
             if newest is None:
                 return None
-            if newest.tags.get("gate_decision") == "expire":
-                return None  # undecided at the gate's sample cap: not shown worse, so the line goes on (a new challenger follows)
+            if newest.tags.get("gate_decision") == "expire" and self.state.policy_version - target <= cfg.max_staleness:
+                # undecided at the gate's sample cap: not shown worse, so the line goes on (a new challenger
+                # follows); but once it is more than max_staleness versions ahead of the champion, the
+                # champion's and the control's rows are all stale and only a rebase lets the learner step again
+                return None
             found = self.registry().find(target) if target != 0 else None
         except Exception as exc:  # MLflow unreachable: keep training; the next read decides
             log.warning("gate: registry %s unreadable (%s: %s); not following the gate this time",

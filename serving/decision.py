@@ -24,6 +24,11 @@ promoted; its evidence was not enough, which is not evidence that it is worse).
 
 Rollback (`decide_rollback`) uses the same test on the champion's sessions since its promotion
 against the control arm's, concurrent: a champion significantly worse than the control is rolled back.
+
+Excluding infrastructure errors from the comparison is not a blind spot: the same test runs on the
+share of sessions that ended in an error, and a challenger that errs significantly more is rejected.
+alpha is per challenger: over a run of k challengers the chance that at least one no-better
+challenger is promoted is up to 1 - (1 - alpha)^k.
 """
 
 from __future__ import annotations
@@ -141,16 +146,37 @@ def _numbers(ev: Evidence, test: SequentialDecision | None, rule: GateRule) -> d
     return out
 
 
+def _error_test(ev: Evidence, rule: GateRule) -> SequentialDecision | None:
+    """The same sequential test on "the session ended in an error" (b against a): excluding errored sessions from
+    the comparison must not let a version that causes them look good on the sessions it did not break."""
+    counts = []
+    for side in ("a", "b"):
+        errored = ev.excluded.get(f"errored_{side}", 0)
+        n = errored + (ev.n_a if side == "a" else ev.n_b)
+        counts.append(Moments(n, float(errored), float(errored)))  # an indicator is its own square
+    if min(m.n for m in counts) < rule.min_sessions:
+        return None
+    return sequential_test({"all": counts[0]}, {"all": counts[1]}, rule.alpha, rule.tau)
+
+
 def decide(ev: Evidence, rule: GateRule) -> Verdict:
     """The challenger (b) against the champion (a): promote, reject, expire or hold."""
     weights = rule.strata_weights or None
+    errors = _error_test(ev, rule)
+    if errors is not None and errors.better:  # "better" here: a higher error rate on the challenger's side
+        return Verdict("reject", f"more sessions ended in an error: challenger {ev.excluded.get('errored_b', 0)} of "
+                       f"{errors.estimate.n_b}, champion {ev.excluded.get('errored_a', 0)} of {errors.estimate.n_a}; log LR "
+                       f"{errors.log_lr_better:.2f} >= {errors.threshold:.2f}", _numbers(ev, None, rule))
     if ev.n_a < rule.min_sessions or ev.n_b < rule.min_sessions:
-        return Verdict("hold", f"too few mature concurrent sessions: champion {ev.n_a}, challenger {ev.n_b}, need "
+        # the cap first: a champion with no concurrent sessions must not keep a challenger on hold for ever
+        action = "expire" if ev.n_b >= rule.max_sessions else "hold"
+        return Verdict(action, f"too few mature concurrent sessions: champion {ev.n_a}, challenger {ev.n_b}, need "
                        f"{rule.min_sessions} each", _numbers(ev, None, rule))
     test = sequential_test(ev.a, ev.b, rule.alpha, rule.tau, rule.margin, weights)
     numbers = _numbers(ev, test, rule)
     if test is None:
-        return Verdict("hold", "no task type has two sessions on both sides yet", numbers)
+        action = "expire" if ev.n_b >= rule.max_sessions else "hold"
+        return Verdict(action, "no task type has enough sessions on both sides yet", numbers)
     e = test.estimate
     text = (f"challenger {e.mean_b:.3f} (n {e.n_b}) vs champion {e.mean_a:.3f} (n {e.n_a}), diff {e.diff:+.3f} "
             f"+- {1.96 * math.sqrt(e.var):.3f}")
@@ -173,7 +199,7 @@ def decide_rollback(ev: Evidence, rule: GateRule) -> Verdict:
     test = sequential_test(ev.a, ev.b, rule.alpha, rule.tau, 0.0, rule.strata_weights or None)
     numbers = _numbers(ev, test, rule)
     if test is None:
-        return Verdict("keep", "no task type has two sessions on both sides yet", numbers)
+        return Verdict("keep", "no task type has enough sessions on both sides yet", numbers)
     e = test.estimate
     text = f"champion {e.mean_b:.3f} (n {e.n_b}) vs control {e.mean_a:.3f} (n {e.n_a})"
     if test.worse:

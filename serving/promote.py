@@ -11,15 +11,16 @@ Outcomes:
   reject   it is significantly worse online, or offline: the challenger alias is cleared;
   expire   max_sessions without a decision: cleared too, tagged expire (the learner keeps its line);
   hold     not decided yet: nothing changes, the next round looks again (which the test allows).
-With --auto it loops, and also rolls back a champion that is significantly worse than the
-concurrent control arm (same test, on sessions since its promotion). Every decision, its
+Each round (with auto_rollback, the default) it also rolls back a champion that is significantly
+worse than the concurrent control arm (same test, on sessions since it became champion). With
+--auto it loops, and each round first makes sure the champion and the control are served. Every decision, its
 statistic, threshold and sample sizes go to MLflow (a run in experiment "flywheel-promotion" and
 tags on the challenger's model version) and to stdout.
 
 Serving: champion, challenger and control are served at the same time. LoRA versions are
 adapters on every server; a full-weight version takes a server of its own (the publisher never
 replaces a live version's weights), so a promotion or rejection only moves aliases. A rollback to
-a version no server holds any more loads it onto a free server first.
+a version no server holds any more loads it onto a free server first, and moves the alias after.
 """
 
 from __future__ import annotations
@@ -164,11 +165,13 @@ def _offline_veto(offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str |
 
 def decide(champion: int, challenger: int | None, records: list[SessionRecord],
            offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig,
-           now: float | None = None) -> Decision:
-    """The gate as a pure function of the sessions: `offline` is (champion score, challenger score), or why there is none."""
+           now: float | None = None, champion_since: float | None = None) -> Decision:
+    """The gate as a pure function of the sessions: `offline` is (champion score, challenger score), or why there is
+    none; `champion_since`: when the champion became champion (only sessions from then on are concurrent with it)."""
     if challenger is None or challenger == champion:
         return Decision("none", "no challenger", champion, None)
-    ev = concurrent(records, (champion, "champion"), (challenger, "challenger"), time.time() if now is None else now, cfg)
+    ev = concurrent(records, (champion, "champion"), (challenger, "challenger"), time.time() if now is None else now, cfg,
+                    since=champion_since)
     verdict: Verdict = decide_online(ev, cfg)
     numbers = {("online_" + k): v for k, v in verdict.numbers.items()}
     if verdict.action == "promote":
@@ -178,7 +181,7 @@ def decide(champion: int, challenger: int | None, records: list[SessionRecord],
     return Decision(verdict.action, verdict.reason, champion, challenger, numbers)
 
 
-def decide_rollback(champion: int, records: list[SessionRecord], cfg: PromoteConfig, promoted_at: float | None,
+def decide_rollback(champion: int, records: list[SessionRecord], cfg: PromoteConfig, champion_since: float | None,
                     now: float | None = None) -> Decision:
     """Roll back a champion significantly worse than the concurrent control arm (sessions since its promotion)."""
     if cfg.control_share <= 0:
@@ -186,7 +189,7 @@ def decide_rollback(champion: int, records: list[SessionRecord], cfg: PromoteCon
     if champion == cfg.control_version:
         return Decision("keep", "the champion is the control version", champion, None)
     ev = concurrent(records, (cfg.control_version, "control"), (champion, "champion"),
-                    time.time() if now is None else now, cfg, since=promoted_at)
+                    time.time() if now is None else now, cfg, since=champion_since)
     verdict = decide_online_rollback(ev, cfg)
     numbers = {("online_" + k): v for k, v in verdict.numbers.items()}
     return Decision(verdict.action, verdict.reason, champion, None, numbers)
@@ -218,12 +221,13 @@ def _source(version: int, registry: Registry, tier: TierConfig) -> tuple[str, st
     return found.kind, publisher.local_source(found.source)
 
 
-def ensure_serving(version: int, registry: Registry, tier: TierConfig, live: set[int]) -> None:
-    """Make the tier serve a version (after a rollback, or at start-up): a LoRA adapter on every server that lost it,
-    full weights onto one free server when no server holds them. `live`: the versions that keep their servers."""
+def ensure_serving(version: int, registry: Registry, tier: TierConfig, live: set[int]) -> bool:
+    """Make the tier serve a version (before a rollback moves the alias, and every round): a LoRA adapter on every
+    server that lost it, full weights onto one free server when no server holds them. `live`: the versions that
+    keep their servers. True when the version is served afterwards."""
     place = _source(version, registry, tier)
     if place is None:
-        return
+        return False
     kind, source = place
     try:
         if kind == "lora":
@@ -232,27 +236,30 @@ def ensure_serving(version: int, registry: Registry, tier: TierConfig, live: set
                 if publisher.lora_name(version) not in vllm_client.served_models(server, tier.http_timeout_s):
                     vllm_client.load_lora_adapter(server, publisher.lora_name(version), source, tier.http_timeout_s)
                     log.info("promote: %s serves policy-v%d (lora) again", server, version)
-            return
+            return True
         held = _held(tier)
         if version in held.values():
-            return
+            return True
         free = publisher.full_targets(held, live - {version}, version)
         if not free:
             log.error("promote: no free server for policy-v%d (servers hold %s, live %s)", version, held, sorted(live))
-            return
+            return False
         server = free[0]
         before = held[server]
         restore = _source(before, registry, tier) if before is not None else None
         publisher.push_full_http(server, publisher.PolicyVersion(Path(source), version, "full", {}), tier,
                                  restore_dir=Path(restore[1]) if restore else None)
         log.info("promote: %s serves policy-v%d (full) again, in place of policy-v%s", server, version, before)
+        return True
     except vllm_client.ServerError as exc:
         log.error("promote: could not make the tier serve policy-v%d: %s", version, exc)
+        return False
 
 
 def repair_serving(registry: Registry, tier: TierConfig) -> None:
-    """At start-up: the champion and the control are served (a gate killed between moving an alias and loading a
-    rolled-back champion leaves it on no server)."""
+    """Every round: the champion and the control are served. A gate killed between moving an alias and loading
+    weights, or a publish that raced a promotion onto the new champion's server, leaves one on no server; the
+    next round puts it back on a free server."""
     aliases = registry.aliases()
     champion, challenger = aliases.get(CHAMPION, 0), aliases.get(CHALLENGER)
     live = tier.live_versions(champion, challenger)
@@ -293,13 +300,33 @@ def apply(decision: Decision, registry: Registry, tier: TierConfig) -> None:
     """Move the aliases; only a rollback can need weights loaded (its target may be on no server any more)."""
     if decision.action == "promote" and decision.challenger is not None:
         registry.make_champion(decision.challenger)
-        registry.tag_version(decision.challenger, {"promoted_ts": f"{time.time():.3f}"})
+        now = f"{time.time():.3f}"
+        registry.tag_version(decision.challenger, {"promoted_ts": now, "champion_since_ts": now})
     elif decision.action in ("reject", "expire"):
         registry.clear_alias(CHALLENGER)
     elif decision.action == "rollback":
-        _, target = registry.rollback()
-        challenger = registry.aliases().get(CHALLENGER)
-        ensure_serving(target, registry, tier, tier.live_versions(target, challenger))
+        rollback_to_served(registry, tier)
+
+
+def rollback_to_served(registry: Registry, tier: TierConfig) -> int | None:
+    """Roll the champion alias back only once the target is served: the router must never follow an alias to a
+    version no server holds. With no free server the challenger's test is dropped and its server used: a champion
+    worse than the control matters more. Returns the new champion, or None when the alias did not move."""
+    aliases = registry.aliases()
+    current, challenger = aliases.get(CHAMPION), aliases.get(CHALLENGER)
+    target = registry.previous_champion()
+    target = 0 if target is None else target
+    keep = tier.live_versions(current if current is not None else 0, challenger) | {target}
+    if not ensure_serving(target, registry, tier, keep):
+        if challenger is None or not ensure_serving(target, registry, tier, keep - {challenger}):
+            log.error("promote: rollback to policy-v%d not done: it could not be served; policy-v%s stays champion",
+                      target, current)
+            return None
+        registry.clear_alias(CHALLENGER)
+    _, target = registry.rollback()
+    if target:
+        registry.tag_version(target, {"champion_since_ts": f"{time.time():.3f}"})
+    return target
 
 
 def show(decision: Decision, console: Any) -> None:
@@ -316,10 +343,10 @@ def show(decision: Decision, console: Any) -> None:
     console.print(f"{decision.action}: {decision.reason}")
 
 
-
-def _promoted_at(registry: Registry, champion: int) -> float | None:
+def _champion_since(registry: Registry, champion: int) -> float | None:
+    """When this version last became champion (a promotion or a rollback to it); None: set by hand, or the base."""
     found = registry.find(champion) if champion else None
-    text = found.tags.get("promoted_ts") if found else None
+    text = (found.tags.get("champion_since_ts") or found.tags.get("promoted_ts")) if found else None
     return float(text) if text else None
 
 
@@ -338,7 +365,7 @@ def _offline_scores(cfg: PromoteConfig, registry: Registry, sides: list[tuple[in
 def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalTask] | None = None,
               records: list[SessionRecord] | None = None, now: float | None = None) -> list[Decision]:
     """One round: the challenger gate, then (with auto_rollback) the champion against the control."""
-    records = read_sessions(cfg.lake_root, cfg.outcome_kind) if records is None else records
+    records = read_sessions(cfg.lake_root, cfg.outcome_kind, cfg.maturity_s) if records is None else records
     slots = registry.alias_versions()
     champion = slots[CHAMPION].policy_version if CHAMPION in slots else 0
     champion_kind = slots[CHAMPION].kind if CHAMPION in slots else "full"
@@ -352,12 +379,13 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
     offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None = "; ".join(missing) or None
     if challenger is not None and not missing and len(scores) == 2:
         offline = (scores[champion], scores[challenger.policy_version])
-    decision = decide(champion, challenger.policy_version if challenger else None, records, offline, cfg, now)
+    since = _champion_since(registry, champion)
+    decision = decide(champion, challenger.policy_version if challenger else None, records, offline, cfg, now, since)
     apply(decision, registry, cfg)
     record(decision, cfg, registry)
     decisions = [decision]
     if cfg.auto_rollback and decision.action != "promote" and CHAMPION in slots:
-        back = decide_rollback(champion, records, cfg, _promoted_at(registry, champion), now)
+        back = decide_rollback(champion, records, cfg, since, now)
         if back.action == "rollback":
             apply(back, registry, cfg)
             record(back, cfg, registry)
@@ -380,10 +408,16 @@ def run(cfg: PromoteConfig) -> int:
     stop = threading.Event()
     if cfg.auto:
         stop_on_signals("finishing the current round, then exiting", stop, signals=(signal.SIGTERM,))
-    repair_serving(registry, cfg)
     rounds = 0
     while True:
-        decisions = gate_once(cfg, registry)
+        try:
+            repair_serving(registry, cfg)
+            decisions = gate_once(cfg, registry)
+        except Exception as exc:  # MLflow or a server hiccup: no decision this round, the next one tries again
+            if not cfg.auto:
+                raise
+            log.error("promote: round failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc, cfg.interval_s)
+            decisions = [Decision("none", f"round failed: {exc}", -1, None)]
         for d in decisions:
             show(d, console)
         rounds += 1
@@ -410,12 +444,13 @@ def rollback_main(argv: list[str] | None = None) -> int:
     cfg = load_config(PromoteConfig, argv, "flywheel rollback")
     setup_logging()
     registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
-    try:
-        current, target = registry.rollback()
-    except LookupError as exc:
-        log.error("rollback: %s", exc)
+    current = registry.aliases().get(CHAMPION)
+    if current is None and not registry.champion_history():
+        log.error("rollback: %s: no champion to roll back", registry.name)
         return 1
-    ensure_serving(target, registry, cfg, cfg.live_versions(target, registry.aliases().get(CHALLENGER)))
+    target = rollback_to_served(registry, cfg)
+    if target is None:
+        return 1
     decision = Decision("rollback", "manual rollback (flywheel rollback)", current if current is not None else 0, target)
     record(decision, cfg, registry)
     Console().print(f"rollback: champion policy-v{current} -> policy-v{target}; the router follows within "

@@ -216,11 +216,16 @@ def version_dir_of(version: int, tier: TierConfig) -> Path:
 # Pushing to one vLLM server
 # ---------------------------------------------------------------------------------------------
 def local_source(source: str) -> str:
-    """A registered version's source as a path a server on this host can read (file:// URIs become paths)."""
+    """A registered version's source as a path a server on this host can read: file:// URIs become paths, other
+    URIs (an MLflow artifact store: mlflow-artifacts:/, s3://, runs:/) are downloaded to a local folder first."""
     if source.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
         return unquote(urlparse(source).path)
+    if "://" in source or source.startswith(("runs:/", "models:/", "mlflow-artifacts:/")):
+        import mlflow
+
+        return str(mlflow.artifacts.download_artifacts(artifact_uri=source))
     return source
 
 
@@ -419,8 +424,10 @@ def read_registry(pv: PolicyVersion, tier: TierConfig, registry: Any | None, reg
             view.registry = Registry(tier.mlflow_tracking_uri, tier.registered_model)
         if view.registry is not None:
             aliases = view.registry.aliases()
-            view.routed = {v for a, v in aliases.items() if a in (CHAMPION, CHALLENGER)}
             view.champion = aliases.get(CHAMPION, 0)
+            # a registered control version is routed too (its arm serves it all run): never unloaded
+            view.routed = tier.live_versions(view.champion, aliases.get(CHALLENGER)) - {0} | {
+                v for a, v in aliases.items() if a in (CHAMPION, CHALLENGER)}
             view.managed = {v.policy_version for v in view.registry.versions()}
     except Exception as exc:  # MLflow down: still push (unloading nothing, since routing is unknown), report below
         view.error = exc
@@ -499,7 +506,9 @@ def _full_servers(pv: PolicyVersion, tier: TierConfig, view: RegistryView, resul
             held[server] = vllm_client.weight_version(server, tier.http_timeout_s)
         except vllm_client.ServerError as exc:
             held[server] = None
-            result.failed[server] = f"unreachable ({exc})"
+            # not a failure of this publish: an unreachable server is no target, and the router routes
+            # around it; counting it would keep the challenger alias from moving although every target took it
+            log.warning("publish: %s unreachable (%s); %s goes to the other free servers", server, exc, pv.name)
     live = tier.live_versions(view.champion, None)
     targets = full_targets(held, live, pv.version)
     if not targets and tier.replace_live:

@@ -187,7 +187,7 @@ class Router:
             slot = self._control_slot(slots)
         else:
             slot = challenger if arm == "challenger" and challenger is not None else champion
-        return self._place(session_id, slot, arm)
+        return self._place(session_id, slot, arm, fallback=(champion.version, self.tier.control_version))
 
     def _control_slot(self, slots: dict[str, _Slot]) -> _Slot:
         version = self.tier.control_version
@@ -198,12 +198,17 @@ class Router:
                 return slot
         return _Slot(version, self.tier.control_kind)
 
-    def _place(self, session_id: str, slot: _Slot, arm: str) -> Route:
+    def _place(self, session_id: str, slot: _Slot, arm: str, fallback: tuple[int, ...] = ()) -> Route:
         servers = list(self.tier.servers)
         if slot.kind == "lora" and slot.version != 0:
             server = servers[int(bucket("server:" + session_id) * len(servers))]
             return Route(version_name(slot.version), slot.version, "lora", arm, server)
-        holding = [s for s in servers if self._loaded.get(s, 0) == slot.version] or servers
+        # no server holds the version (a reload in progress, a server down): the champion's servers, then the
+        # control's, never just any server, which may hold an untested challenger
+        holding: list[str] = []
+        for version in (slot.version, *fallback):
+            holding = holding or [s for s in servers if self._loaded.get(s, 0) == version]
+        holding = holding or servers
         server = holding[int(bucket("server:" + session_id) * len(holding))]
         actual = self._loaded.get(server, 0)
         if actual != slot.version and (slot.version, actual) not in self._warned:

@@ -58,8 +58,14 @@ def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
-def read_sessions(lake_root: str, outcome_kind: str = "task_success") -> list[SessionRecord]:
-    """Every session in the lake's events, with its serving version and arm, end and latest outcome."""
+def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_within_s: float | None = None
+                  ) -> list[SessionRecord]:
+    """Every session in the lake's events, with its serving version and arm, end and latest outcome.
+
+    outcome_within_s: only outcomes that arrived within this many seconds of the session's end count
+    (the gate passes its maturity window), so a session counted at one look keeps its value at every
+    later one: a late or revised outcome cannot change a sample the sequential test already saw.
+    """
     import duckdb
 
     from flywheel.ingest import lake
@@ -93,13 +99,16 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success") -> list[Se
                            FROM ev WHERE type = 'llm_call' GROUP BY 1),
                  ends AS (SELECT session_id, max(ts) AS end_ts, arg_max(status, ts) AS status
                           FROM ev WHERE type = 'session_end' AND parent_agent_id IS NULL GROUP BY 1),
-                 verdicts AS (SELECT session_id, arg_max(value, ts) AS value, max(ts) AS outcome_ts
-                              FROM oc WHERE kind = ? GROUP BY 1)
+                 verdicts AS (SELECT o.session_id, arg_max(o.value, o.ts) AS value, max(o.ts) AS outcome_ts
+                              FROM oc o LEFT JOIN ends e2 ON o.session_id = e2.session_id
+                              WHERE o.kind = ? AND (? IS NULL OR e2.end_ts IS NULL
+                                                    OR epoch(o.ts) <= epoch(e2.end_ts) + ?)
+                              GROUP BY 1)
             SELECT f.session_id, s.task_type, c.vmin, c.vmax, c.arm, c.arms, coalesce(s.start_ts, f.first_ts),
                    e.end_ts, e.status, d.value, d.outcome_ts
             FROM firsts f LEFT JOIN starts s USING (session_id) LEFT JOIN calls c USING (session_id)
                  LEFT JOIN ends e USING (session_id) LEFT JOIN verdicts d USING (session_id)
-            """, [outcome_kind]).fetchall()
+            """, [outcome_kind, outcome_within_s, outcome_within_s or 0.0]).fetchall()
     finally:
         con.close()
     out = []

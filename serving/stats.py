@@ -105,10 +105,19 @@ class Moments:
 
 
 def _pooled_var(a: Moments, b: Moments) -> float:
-    """Sample variance of both arms' rewards together (equal under the null), floored at VAR_FLOOR."""
+    """Sample variance of both arms' rewards together (equal under the null), floored.
+
+    Rewards in [0, 1] (squares never above values) are floored at m(1 - m) of the smoothed mean
+    m = (sum + 1) / (n + 2), the largest variance a [0, 1] reward of that mean can have: at the 2-4%
+    success of a hard task type a fixed floor would understate it. Other rewards: VAR_FLOOR.
+    """
     n = a.n + b.n
-    mean = (a.total + b.total) / n
-    var = max(0.0, (a.squares + b.squares - n * mean * mean) / max(n - 1, 1))
+    total, squares = a.total + b.total, a.squares + b.squares
+    mean = total / n
+    var = max(0.0, (squares - n * mean * mean) / max(n - 1, 1))
+    if squares <= total + 1e-9 and total >= -1e-9:
+        smoothed = (total + 1.0) / (n + 2.0)
+        return max(var, smoothed * (1.0 - smoothed))
     return max(var, VAR_FLOOR)
 
 
@@ -122,11 +131,11 @@ class Stratified:
     mean_b: float
     diff: float
     var: float  # variance of diff
-    strata: int  # strata with at least 2 sessions on each side (the others are left out)
+    strata: int  # strata with at least min_per_side sessions on each side (the others are left out)
 
 
 def stratified(a: dict[str, Moments], b: dict[str, Moments], weights: dict[str, float] | None = None,
-               min_per_side: int = 2) -> Stratified | None:
+               min_per_side: int = 5) -> Stratified | None:
     """The stratified difference of means; None when no stratum has `min_per_side` sessions on both sides.
 
     weights: stratum -> weight (a fixed task mix, renormalised over the strata present); None: each
@@ -205,7 +214,7 @@ def sequential_test(a: dict[str, Moments], b: dict[str, Moments], alpha: float, 
                     weights: dict[str, float] | None = None) -> SequentialDecision | None:
     """Is B better than A (by more than -margin), or worse than A? Each direction errs with probability <= alpha.
 
-    None when no stratum has two sessions on each side yet.
+    None when no stratum has five sessions on each side yet (stratified: min_per_side).
     """
     est = stratified(a, b, weights)
     if est is None:

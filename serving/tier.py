@@ -49,16 +49,17 @@ class TierConfig:
             raise ConfigError(f"challenger_share: {self.challenger_share} is not within [0, 1]")
         if not 0.0 <= self.control_share < 1.0:
             raise ConfigError(f"control_share: {self.control_share} is not within [0, 1)")
-        if self.control_share + self.challenger_share > 1.0:
+        if self.control_share + self.challenger_share >= 1.0 and self.challenger_share > 0:
             raise ConfigError(f"control_share ({self.control_share}) + challenger_share ({self.challenger_share}) exceeds 1: "
                               "the champion would get no sessions")
         if self.control_kind not in ("lora", "full"):
             raise ConfigError(f"control_kind: {self.control_kind!r} is not lora or full")
         if self.control_version < 0:
             raise ConfigError(f"control_version: {self.control_version} is not a version")
-        if self.keep_loras + 2 > self.max_loras:
-            raise ConfigError(
-                f"keep_loras ({self.keep_loras}) + champion + challenger exceeds max_loras ({self.max_loras})")
+        lora_control = self.control_share > 0 and self.control_version != 0 and self.control_kind == "lora"
+        if self.keep_loras + 2 + lora_control > self.max_loras:
+            raise ConfigError(f"keep_loras ({self.keep_loras}) + champion + challenger{' + control' if lora_control else ''} "
+                              f"exceeds max_loras ({self.max_loras})")
 
     def live_versions(self, champion: int, challenger: int | None) -> set[int]:
         """The versions that must stay served: the champion, the challenger and (with a control arm) the control."""

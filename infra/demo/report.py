@@ -265,14 +265,17 @@ def champion_facts(facts: Facts, registry: Registry) -> None:
 
 
 def promotion_time(tags: dict[str, str]) -> float | None:
-    """When a version was promoted: its `promoted_ts` tag (epoch seconds), else its `gate_ts` (ISO), else None."""
+    """When a version last became champion: its `champion_since_ts` tag (a promotion or a rollback to it, epoch
+    seconds), else `promoted_ts`, else its `gate_ts` (ISO), else None."""
     try:
-        if tags.get("promoted_ts"):
-            return float(tags["promoted_ts"])
+        for key in ("champion_since_ts", "promoted_ts"):
+            if tags.get(key):
+                return float(tags[key])
         if tags.get("gate_ts"):
             return _epoch(dt.datetime.fromisoformat(tags["gate_ts"].replace("Z", "+00:00")))
     except ValueError:
-        log.warning("report: unreadable promotion tags %s", {k: tags.get(k) for k in ("promoted_ts", "gate_ts")})
+        log.warning("report: unreadable promotion tags %s",
+                    {k: tags.get(k) for k in ("champion_since_ts", "promoted_ts", "gate_ts")})
     return None
 
 

@@ -85,10 +85,12 @@ def test_gate_promotes_rejects_and_holds_with_decisions_in_mlflow(cfg: promote.P
     assert "offline_p_worse" in decision.numbers, "the offline eval ran through vLLM for both versions"
 
     c = _publish(cfg, base_model_dir, tmp_path, 3)  # clearly worse online
-    # b's sessions as champion, concurrent with c's (the sessions that promoted it were its challenger sessions)
-    write_arm_sessions(cfg.lake_root, b, "champion", _rates(0.8, 60, 31))
-    write_arm_sessions(cfg.lake_root, c, "challenger", _rates(0.2, 60, 3))
-    decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
+    # b's sessions as champion, concurrent with c's and after b became champion (the sessions that
+    # promoted it were its challenger sessions); the gate looks 10 minutes later, when they are mature
+    after = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1)
+    write_arm_sessions(cfg.lake_root, b, "champion", _rates(0.8, 60, 31), start=after)
+    write_arm_sessions(cfg.lake_root, c, "challenger", _rates(0.2, 60, 3), start=after)
+    decision = promote.gate_once(cfg, registry, tasks=TASKS, now=time.time() + 600)[0]
     assert decision.action == "reject" and decision.numbers["online_p_worse"] < cfg.alpha, decision
     assert decision.numbers["online_log_lr_worse"] >= decision.numbers["online_threshold_log_lr"], decision.numbers
     assert registry.aliases() == {"champion": b}, "a rejected challenger must lose its traffic"
@@ -189,9 +191,10 @@ def test_full_weight_champion_and_challenger_are_served_at_once_and_a_reject_mov
         assert "offline_p_worse" in decision.numbers, "both versions were scored where they are served"
 
         assert publisher.publish(dirs[2], cfg).pushed == [second], "C replaces the old champion A, not B"
-        write_arm_sessions(cfg.lake_root, b, "champion", _rates(0.8, 60, 43))
-        write_arm_sessions(cfg.lake_root, c, "challenger", _rates(0.1, 60, 44))
-        decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
+        after = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1)  # B's time as champion
+        write_arm_sessions(cfg.lake_root, b, "champion", _rates(0.8, 60, 43), start=after)
+        write_arm_sessions(cfg.lake_root, c, "challenger", _rates(0.1, 60, 44), start=after)
+        decision = promote.gate_once(cfg, registry, tasks=TASKS, now=time.time() + 600)[0]
         assert decision.action == "reject", decision.reason
         assert vllm_client.weight_version(first) == b, "the champion's server was touched"
         assert Router(cfg).route("s").policy_version == b

@@ -168,3 +168,89 @@ def test_eval_task_sets_load_from_a_module_or_a_file(tmp_path: Path) -> None:
     assert len(load_tasks(f"{family}:tasks")) == 3
     with pytest.raises(ValueError, match="module:function"):
         load_tasks("flywheel.serving.evaluate")
+
+
+def test_a_challenger_that_ends_more_sessions_in_errors_is_rejected() -> None:
+    # on the sessions that did not error it looks as good; it broke 30% of its sessions
+    records = (_sessions(1, "champion", 0.3, 300, 31) + _sessions(2, "challenger", 0.3, 300, 32)
+               + _sessions(2, "challenger", 0.0, 130, 33, start=1400.0, status="error"))
+    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    assert d.action == "reject" and "error" in d.reason, d.reason
+
+
+def test_a_capped_challenger_expires_even_without_concurrent_champion_sessions() -> None:
+    capped = PromoteConfig(min_sessions=30, max_sessions=100, maturity_s=10.0)
+    records = _sessions(1, "champion", 0.3, 300, 34, start=0.0) + _sessions(2, "challenger", 0.3, 120, 35, start=2000.0)
+    assert decide(1, 2, records, _scores(30, 30), capped, NOW).action == "expire"
+
+
+def test_the_window_starts_when_the_champion_became_champion() -> None:
+    # the challenger's first sessions ran while another version was champion (before a rollback)
+    records = (_sessions(2, "challenger", 0.9, 200, 36, start=0.0) + _sessions(2, "challenger", 0.3, 200, 37, start=1000.0)
+               + _sessions(1, "champion", 0.3, 200, 38, start=1000.0))
+    d = decide(1, 2, records, _scores(30, 30), CFG, NOW, champion_since=1000.0)
+    assert d.numbers["online_n_b"] == 200 and d.action == "hold", (d.action, d.numbers)
+
+
+def test_an_outcome_after_the_maturity_window_does_not_change_a_counted_session(tmp_path: Path) -> None:
+    root = str(tmp_path / "lake")
+    t0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+    b = SessionBuilder("late", t0).begin()
+    b.llm_call(version=1, arm="champion")
+    end = b.end()
+    feeder = LakeFeeder(root)
+    feeder.write("events", b.events)
+    feeder.write("outcomes", [outcome("late", "task_success", 0.0, end + dt.timedelta(seconds=2)),
+                              outcome("late", "task_success", 1.0, end + dt.timedelta(seconds=30))])
+    assert read_sessions(root)[0].outcome == 1.0, "without a bound the newest outcome counts"
+    assert read_sessions(root, outcome_within_s=10.0)[0].outcome == 0.0, "the gate sees only what came within maturity"
+
+
+class _Registry:
+    """Aliases and history in memory, recording the order of calls (the rollback's only dependencies)."""
+
+    name = "test"
+
+    def __init__(self, champion: int, challenger: int | None, history: list[int]) -> None:
+        self._aliases = {"champion": champion} | ({"challenger": challenger} if challenger else {})
+        self.history, self.calls = history, []
+
+    def aliases(self) -> dict[str, int]:
+        return dict(self._aliases)
+
+    def previous_champion(self) -> int | None:
+        return next((v for v in reversed(self.history) if v != self._aliases.get("champion")), None)
+
+    def rollback(self) -> tuple[int, int]:
+        self.calls.append("rollback")
+        current, target = self._aliases["champion"], self.previous_champion() or 0
+        self._aliases["champion"] = target
+        return current, target
+
+    def clear_alias(self, alias: str) -> None:
+        self.calls.append(f"clear {alias}")
+        self._aliases.pop(alias, None)
+
+    def tag_version(self, version: int, tags: dict[str, str]) -> None:
+        self.calls.append(f"tag v{version} {sorted(tags)}")
+
+
+def test_a_rollback_moves_the_alias_only_once_its_target_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.serving import promote
+
+    served: list[tuple[int, set[int]]] = []
+    free_without_challenger = {"ok": False}
+
+    def ensure(version: int, registry: object, tier: object, live: set[int]) -> bool:
+        served.append((version, set(live)))
+        return 4 not in live and free_without_challenger["ok"]  # only the challenger's server is free
+
+    monkeypatch.setattr(promote, "ensure_serving", ensure)
+    tier = PromoteConfig(control_share=0.2)
+    reg = _Registry(champion=3, challenger=4, history=[2, 3])
+    assert promote.rollback_to_served(reg, tier) is None, "nothing served the target: the alias must stay"
+    assert reg.calls == [] and reg.aliases()["champion"] == 3
+    free_without_challenger["ok"] = True
+    assert promote.rollback_to_served(reg, tier) == 2
+    assert served[-1] == (2, {0, 2, 3}), served  # the champion and the control kept their servers
+    assert reg.calls == ["clear challenger", "rollback", "tag v2 ['champion_since_ts']"], reg.calls

@@ -90,9 +90,10 @@ def test_stratified_weights_and_empty_strata() -> None:
 
     a = {"x": Moments.of([0.0, 1.0, 0.0, 1.0]), "y": Moments.of([0.0, 0.0])}
     b = {"x": Moments.of([1.0, 1.0, 1.0, 1.0]), "y": Moments.of([0.0, 0.0]), "z": Moments.of([1.0])}
-    est = stratified(a, b)
+    est = stratified(a, b, min_per_side=2)
     assert est is not None and est.strata == 2  # z has one session on one side: left out
     assert abs(est.diff - 8 / 12 * 0.5) < 1e-9  # x has 8 of the 12 sessions, y (no difference) 4
-    fixed = stratified(a, b, {"x": 1.0, "y": 3.0})
+    fixed = stratified(a, b, {"x": 1.0, "y": 3.0}, min_per_side=2)
     assert fixed is not None and abs(fixed.diff - 0.25 * 0.5) < 1e-9
-    assert stratified({"x": Moments.of([1.0])}, b) is None
+    assert stratified({"x": Moments.of([1.0])}, b, min_per_side=2) is None
+    assert stratified(a, b) is None, "the default wants five sessions a side per type"

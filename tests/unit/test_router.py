@@ -157,3 +157,14 @@ def test_control_and_challenger_shares_must_leave_the_champion_some() -> None:
 
     with pytest.raises(ConfigError, match="exceeds 1"):
         TierConfig(control_share=0.6, challenger_share=0.5).check()
+
+
+def test_a_version_no_server_holds_falls_back_to_the_champions_server_never_to_a_challengers() -> None:
+    tier = TierConfig(servers=["http://a", "http://b", "http://c"], challenger_share=0.4, control_share=0.2)
+    loaded = {"http://a": 0, "http://b": 3, "http://c": 4}
+    # the champion alias already names v5 (a rollback target still loading): its arm must not land on v4's server
+    reg = MemoryRegistry({"champion": (5, "full"), "challenger": (4, "full")})
+    router = Router(tier, registry=reg, clock=Clock(), probe=lambda s: loaded[s], background=False)
+    champion_routes = [r for r in (router.route(f"s-{i}") for i in range(500)) if r.arm == "champion"]
+    assert champion_routes and {r.server for r in champion_routes} == {"http://a"}, {r.server for r in champion_routes}
+    assert {r.policy_version for r in champion_routes} == {0}, "logged as what the server really holds"
