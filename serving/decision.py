@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from flywheel.base.config import ConfigError, setting
-from flywheel.serving.sessions import SessionRecord, mature
+from flywheel.serving.sessions import ERROR_STATUSES, SessionRecord, mature
 from flywheel.serving.stats import Moments, SequentialDecision, sequential_test
 
 
@@ -55,7 +55,7 @@ class GateRule:
     max_sessions: int = setting(1000, "challenger sessions after which an undecided challenger expires (not promoted)")
     maturity_s: float = setting(60.0, "seconds after a session ends before it counts: its outcome window has closed")
     outcome_kind: str = setting("task_success", "the outcome kind the gate compares (a session's latest value of it)")
-    error_statuses: list[str] = setting(["error"], "session_end statuses that mean an infrastructure error: excluded, counted apart")
+    error_statuses: list[str] = setting(list(ERROR_STATUSES), "session_end statuses that mean an infrastructure error: excluded, counted apart")
     strata_weights: dict[str, float] = setting({}, "fixed task-type mix, e.g. tool_use.add=0.3,tool_use.weather=0.7 "
                                                    "(empty: each type's share of both arms' sessions)")
 

@@ -198,18 +198,6 @@ def decide_rollback(champion: int, records: list[SessionRecord], cfg: PromoteCon
 # ---------------------------------------------------------------------------------------------
 # Applying and recording decisions
 # ---------------------------------------------------------------------------------------------
-def _held(tier: TierConfig) -> dict[str, int | None]:
-    held: dict[str, int | None] = {}
-    for server in tier.servers:
-        server = server.rstrip("/")
-        try:
-            held[server] = vllm_client.weight_version(server, tier.http_timeout_s)
-        except vllm_client.ServerError as exc:
-            log.warning("promote: %s unreachable (%s)", server, exc)
-            held[server] = None
-    return held
-
-
 def _source(version: int, registry: Registry, tier: TierConfig) -> tuple[str, str] | None:
     """(kind, weights directory) of a version; None when it is not registered."""
     if version == 0:
@@ -237,7 +225,7 @@ def ensure_serving(version: int, registry: Registry, tier: TierConfig, live: set
                     vllm_client.load_lora_adapter(server, publisher.lora_name(version), source, tier.http_timeout_s)
                     log.info("promote: %s serves policy-v%d (lora) again", server, version)
             return True
-        held = _held(tier)
+        held = publisher.held_versions(tier)
         if version in held.values():
             return True
         free = publisher.full_targets(held, live - {version}, version)

@@ -494,21 +494,27 @@ def full_targets(held: dict[str, int | None], live: set[int], new: int) -> list[
     return [s for s, v in held.items() if v is not None and s not in keep]
 
 
-def _full_servers(pv: PolicyVersion, tier: TierConfig, view: RegistryView, result: PublishResult) -> list[str]:
-    """Where a full version goes (see full_targets); unreachable servers are recorded as failed."""
-    if view.error is not None:
-        raise PublishError(f"{pv.name}: registry unreadable ({view.error}), so which server holds the champion is "
-                           "unknown; a full-weight publish would risk replacing it. Nothing pushed")
+def held_versions(tier: TierConfig) -> dict[str, int | None]:
+    """server -> the full-weight version it holds (None: unreachable, logged), in tier order."""
     held: dict[str, int | None] = {}
     for server in tier.servers:
         server = server.rstrip("/")
         try:
             held[server] = vllm_client.weight_version(server, tier.http_timeout_s)
         except vllm_client.ServerError as exc:
+            log.warning("serving: %s unreachable (%s); left out", server, exc)
             held[server] = None
-            # not a failure of this publish: an unreachable server is no target, and the router routes
-            # around it; counting it would keep the challenger alias from moving although every target took it
-            log.warning("publish: %s unreachable (%s); %s goes to the other free servers", server, exc, pv.name)
+    return held
+
+
+def _full_servers(pv: PolicyVersion, tier: TierConfig, view: RegistryView, result: PublishResult) -> list[str]:
+    """Where a full version goes (see full_targets). An unreachable server is no target and not a failure of this
+    publish: the router routes around it, and counting it would keep the challenger alias from moving although
+    every target took the version."""
+    if view.error is not None:
+        raise PublishError(f"{pv.name}: registry unreadable ({view.error}), so which server holds the champion is "
+                           "unknown; a full-weight publish would risk replacing it. Nothing pushed")
+    held = held_versions(tier)
     live = tier.live_versions(view.champion, None)
     targets = full_targets(held, live, pv.version)
     if not targets and tier.replace_live:

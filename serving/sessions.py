@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+# session_end statuses of an infrastructure error, by default (the gate's rule and the demo report's)
+ERROR_STATUSES = ("error",)
+
 
 @dataclass(frozen=True)
 class SessionRecord:
@@ -45,7 +48,8 @@ class Maturity:
     unlabelled: int = 0  # window closed without the outcome: excluded
 
 
-def _epoch(value: object) -> float | None:
+def epoch(value: object) -> float | None:
+    """Epoch seconds of a timestamp as DuckDB returns it (a naive datetime is UTC), or of a number; None stays None."""
     if value is None:
         return None
     if isinstance(value, _dt.datetime):
@@ -115,13 +119,13 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
     for sid, task_type, vmin, vmax, arm_value, arms, start, end, status, value, outcome_ts in rows:
         version = int(vmin) if vmin is not None and vmin == vmax else None
         out.append(SessionRecord(str(sid), task_type or "unknown", version, arm_value if (arms or 0) <= 1 else None,
-                                 _epoch(start) or 0.0, _epoch(end), status,
-                                 float(value) if value is not None and math.isfinite(value) else None, _epoch(outcome_ts)))
+                                 epoch(start) or 0.0, epoch(end), status,
+                                 float(value) if value is not None and math.isfinite(value) else None, epoch(outcome_ts)))
     return out
 
 
 def mature(records: Iterable[SessionRecord], now: float, maturity_s: float,
-           error_statuses: Iterable[str] = ("error",)) -> Maturity:
+           error_statuses: Iterable[str] = ERROR_STATUSES) -> Maturity:
     """Split sessions by whether their outcome window (maturity_s after the session ended) has closed at `now`."""
     errors = set(error_statuses)
     out = Maturity()

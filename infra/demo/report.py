@@ -36,7 +36,14 @@ from typing import Any
 from flywheel.base.versions import version_name
 from flywheel.serving.decision import GateRule
 from flywheel.serving.registry import CHAMPION, Registry
-from flywheel.serving.sessions import SessionRecord, mature, read_sessions
+from flywheel.serving.router import ARMS
+from flywheel.serving.sessions import (
+    ERROR_STATUSES,
+    SessionRecord,
+    epoch,
+    mature,
+    read_sessions,
+)
 from flywheel.serving.stats import p_better, wilson
 
 log = logging.getLogger(__name__)
@@ -49,8 +56,6 @@ def p95(values: list[float]) -> float | None:
     return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-ERROR_STATUSES = ("error",)  # session_end statuses of an infrastructure error (the gate's default)
-ARMS = ("control", "champion", "challenger")
 SIM_CHALLENGERS = 2000  # simulated null challengers behind gate_false_promotion_rate (simulation s.e. ~0.5 point)
 
 
@@ -117,12 +122,6 @@ def _glob(root: str, table: str) -> str | None:
     return str(base / "**" / "*.parquet") if any(base.rglob("*.parquet")) else None
 
 
-def _epoch(value: Any) -> float:
-    if isinstance(value, dt.datetime):
-        return value.timestamp() if value.tzinfo else value.replace(tzinfo=dt.timezone.utc).timestamp()
-    return float(value)
-
-
 def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> Facts:
     """Per-version success and freshness from the lake's events, outcomes and episodes (sessions ending after `since`)."""
     import duckdb
@@ -142,7 +141,7 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
     for session_id, end_ts, file in ends:
         if file not in mtimes:
             mtimes[file] = os.path.getmtime(file) if os.path.exists(file) else float("nan")
-        end = _epoch(end_ts)
+        end = epoch(end_ts)
         facts.session_end_times.append(end)
         if not math.isnan(mtimes[file]):
             # visible in the lake = the moment its file was published (atomic rename)
@@ -160,8 +159,8 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
         facts.episodes = len(rows)
         for last_outcome, emitted, file in rows:
             if file not in mtimes:
-                mtimes[file] = os.path.getmtime(file) if os.path.exists(file) else _epoch(emitted)
-            facts.outcome_to_episode_s.append(max(0.0, mtimes[file] - _epoch(last_outcome)))
+                mtimes[file] = os.path.getmtime(file) if os.path.exists(file) else epoch(emitted)
+            facts.outcome_to_episode_s.append(max(0.0, mtimes[file] - epoch(last_outcome)))
     return facts
 
 
@@ -272,7 +271,7 @@ def promotion_time(tags: dict[str, str]) -> float | None:
             if tags.get(key):
                 return float(tags[key])
         if tags.get("gate_ts"):
-            return _epoch(dt.datetime.fromisoformat(tags["gate_ts"].replace("Z", "+00:00")))
+            return epoch(dt.datetime.fromisoformat(tags["gate_ts"].replace("Z", "+00:00")))
     except ValueError:
         log.warning("report: unreadable promotion tags %s",
                     {k: tags.get(k) for k in ("champion_since_ts", "promoted_ts", "gate_ts")})
