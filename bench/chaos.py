@@ -448,7 +448,7 @@ class Facts:
     ledger: Ledger
     not_logged: Counter[str]
     events: list[dict[str, Any]]  # lake events: EVENT_COLUMNS below
-    outcomes: list[dict[str, Any]]  # lake outcomes: session_id, kind, _ingest_ts
+    outcomes: list[dict[str, Any]]  # lake outcomes: session_id, agent_id, kind, _ingest_ts
     episodes: list[dict[str, Any]]  # lake episodes: episode_id, label_version, session_id
     trained: list[dict[str, Any]]  # learner trained.jsonl lines
     registered: set[int] | None  # None: the registry could not be read
@@ -500,7 +500,7 @@ def gather(plan: ChaosPlan, ends: Endpoints, horizon: float, full: bool = True,
     return Facts(
         ledger=read_ledger(plan.ledger), not_logged=not_logged_calls(plan.log_dir / "proxy.log"),
         events=read_table(plan.lake_root, "events", EVENT_COLUMNS),
-        outcomes=read_table(plan.lake_root, "outcomes", ["session_id", "kind", "_ingest_ts"]),
+        outcomes=read_table(plan.lake_root, "outcomes", ["session_id", "agent_id", "kind", "_ingest_ts"]),
         episodes=read_table(plan.lake_root, "episodes", ["episode_id", "label_version", "session_id"]),
         trained=trained_log(plan.learner_dir), registered=registered, kafka=kafka, kafka_ends=kafka_ends,
         lake_ranges={t: lake_ranges(plan.lake_root, t, plan.topics[t]) for t in ("events", "outcomes")}, dlq=dlq,
@@ -619,6 +619,8 @@ def matured_sessions(f: Facts) -> tuple[dict[str, set[str]], int]:
     kinds: dict[str, set[str]] = defaultdict(set)
     landed: dict[str, set[str]] = defaultdict(set)
     for o in f.outcomes:
+        if o.get("agent_id"):
+            continue  # about one sub-agent or one tool call (demo verifier): only the session's own satisfy wait_for
         landed[o["session_id"]].add(o["kind"])
         if _epoch(o["_ingest_ts"]) <= f.horizon:  # landed in time for the builder's passes before the horizon
             kinds[o["session_id"]].add(o["kind"])

@@ -27,8 +27,11 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+# Fields a version added (the first version carrying them); a record of an older version that holds
+# one is rejected like any unknown field. v2: an outcome may name the tool call it verifies (per-turn credit).
+ADDED_IN: dict[str, dict[str, int]] = {"outcome": {"call_id": 2}}
 
 # Kafka topics (the transport contract); every process takes them from its config, these are the defaults.
 EVENTS_TOPIC = "flywheel.events"
@@ -172,6 +175,7 @@ OUTCOME_COLUMNS: tuple[Col, ...] = (
     Col("session_id", "str", True, "the session this outcome is about"),
     Col("agent_id", "str", False, "the agent it is about, when narrower than the session"),
     Col("kind", "str", True, "outcome kind, e.g. task_success, tests_passed, accepted; rewards map kinds to values"),
+    Col("call_id", "str", False, "v2: the tool_call this outcome verifies (a turn-level check), narrower than agent_id"),
     Col("value", "float", True, "the signal, e.g. 1.0 / 0.0"),
     Col("ts", "ts", True, "when the outcome was observed, UTC"),
     Col("source", "str", False, "who reported it (verifier, user, ci ...)"),
@@ -210,6 +214,9 @@ EPISODE_COLUMNS: tuple[Col, ...] = (
     Col("r_parallel", "float", True, "PARL parallelism shaping (already multiplied by its lambda)"),
     Col("r_finish", "float", True, "PARL sub-agent finish shaping (already multiplied by its lambda)"),
     Col("r_penalty", "float", True, "penalties, e.g. malformed tool calls (<= 0)"),
+    Col("r_turn", "float", False, "this turn's own verified reward (replaces r_outcome in reward); null: nothing verified the turn"),
+    Col("sampling", "json", False, "the llm_call's sampling parameters (temperature, top_p, top_k ...): the learner scores "
+                                   "its tokens under the same distribution"),
     Col("reward_detail", "json", False, "per outcome kind values, judge status, lambdas in force"),
     Col("critical_steps", "int", True, "longest chain of steps through the session's sub-agents"),
     Col("call_ts", "ts", True, "when the llm_call happened"),
@@ -334,7 +341,16 @@ def validate_outcome(record: Any) -> dict[str, Any]:
         raise SchemaError(f"outcome is a JSON {type(record).__name__}, expected an object")
     _check_version(record)
     _check(record, OUTCOME_COLUMNS, "outcome")
+    _check_added(record, "outcome")
     return record
+
+
+def _check_added(record: Mapping[str, Any], what: str) -> None:
+    version = record["schema_version"]
+    early = sorted(k for k, since in ADDED_IN.get(what, {}).items() if k in record and version < since)
+    if early:
+        raise SchemaError(f"{what}: unknown field(s) {early} (schema v{version} is closed; they need schema_version "
+                          f">= {min(ADDED_IN[what][k] for k in early)})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1520,8 +1520,13 @@ class OutcomeReporter(_Client):
         return schema.validate_outcome(record)
 
     def report(self, session_id: str, kind: str, value: float, agent_id: str | None = None,
-               source: str | None = None, ts: str | None = None, outcome_id: str | None = None) -> str:
+               source: str | None = None, ts: str | None = None, outcome_id: str | None = None,
+               call_id: str | None = None) -> str:
         """Enqueue one outcome; returns its outcome_id. Never raises (bad input is warned and counted).
+
+        `agent_id` narrows the outcome to one agent of the session (a sub-agent's own check), `call_id` to one
+        tool call (the call_id `Session.tool_call` returned): a turn-level check, which gives the llm_call that
+        produced the call its own reward where rewards.toml lists the kind in the task type's turn_kinds.
 
         Pass `outcome_id` when the same outcome may be reported again (a source that re-sends after a
         crash): the episode builder keeps the first copy of an id, so a re-send is then a duplicate.
@@ -1535,6 +1540,8 @@ class OutcomeReporter(_Client):
                       "kind": kind, "value": value, "ts": ts or schema.now_ts()}
             if agent_id is not None:
                 record["agent_id"] = agent_id
+            if call_id is not None:
+                record["call_id"] = call_id
             if source is not None:
                 record["source"] = source
             for name in _OUTCOME_REQUIRED:

@@ -67,7 +67,7 @@ from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
 from flywheel.rewards import config as reward_config
 from flywheel.rewards import judge as judge_mod
-from flywheel.rewards import outcome_rewards, parl
+from flywheel.rewards import outcome_rewards, parl, turns
 from flywheel.rewards.session import Session, assemble
 from flywheel.rewards.state import (
     BuilderState,
@@ -90,6 +90,7 @@ EVENT_COLUMNS_USED = (
     "event_id", "session_id", "agent_id", "parent_agent_id", "seq", "ts", "type", "task_type", "model", "policy_version",
     "prompt_token_ids", "completion_token_ids", "completion_logprobs", "group_id", "prompt_text", "completion_text",
     "malformed", "ok", "child_agent_id", "edit_kind", "tokens_removed", "status", "_offset",
+    "call_id", "sampling",  # a turn check names its call; the learner scores tokens under the logged sampling
 )
 
 
@@ -242,7 +243,7 @@ def _outcome_py(o: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_OUTCOME_KEEP = ("outcome_id", "session_id", "agent_id", "kind", "value", "ts", "source")
+_OUTCOME_KEEP = ("outcome_id", "session_id", "agent_id", "call_id", "kind", "value", "ts", "source")
 
 
 def merge_outcomes(held: list[dict[str, Any]], new: list[dict[str, Any]], clock: dt.datetime
@@ -261,7 +262,7 @@ def merge_outcomes(held: list[dict[str, Any]], new: list[dict[str, Any]], clock:
             duplicates += 1
             continue
         seen_ids.add(o["outcome_id"])
-        fresh.append({k: o[k] for k in _OUTCOME_KEEP} | {"held_since": clock})
+        fresh.append({k: o.get(k) for k in _OUTCOME_KEEP} | {"held_since": clock})
     return records, fresh, duplicates
 
 
@@ -412,9 +413,15 @@ def label_1_index_row(due: Due, task: reward_config.TaskType, relabel_horizon_s:
         "task_type": due.session.task_type or task.name,
         "end_ts": due.end_ts,
         "expires_ts": due.end_ts + dt.timedelta(seconds=relabel_horizon_s),
-        "outcomes": json.dumps([_outcome_json({k: o[k] for k in _OUTCOME_KEEP}) for o in due.outcomes], sort_keys=True),
+        "outcomes": json.dumps([_outcome_json({k: o.get(k) for k in _OUTCOME_KEEP}) for o in due.outcomes], sort_keys=True),
         "event_ids": sorted(e["event_id"] for events in due.session.agents.values() for e in events),
     }
+
+
+def total_reward(r_outcome: float, r_turn: float | None, r_judge: float | None, r_parallel: float, r_finish: float,
+                 r_penalty: float) -> float:
+    """A row's reward: its turn's own check where one verified it, else the (session or agent) outcome, plus the rest."""
+    return (r_outcome if r_turn is None else r_turn) + (r_judge or 0.0) + r_parallel + r_finish + r_penalty
 
 
 def lifetime_counters(previous: dict[str, int], drops: Counter[str], res: "PassResult") -> dict[str, int]:
@@ -659,7 +666,7 @@ class Builder:
         index_row = label_1_index_row(due, task, self.rewards.join.relabel_horizon_s)
         if due.drop is not None:
             return [], index_row | {"label_version": 0, "reason": due.drop}
-        stats = parl.parl_stats(s, self.rewards.parl)
+        stats = parl.parl_stats(s, self.rewards.parl, due.outcomes)
         penalties, n_malformed = parl.malformed_penalties(s, self.rewards.penalties.malformed_tool_call)
         judged = self._judge(s, task, judge_deadline)
         r_judge = judged.r_judge(self.rewards.judge.weight) if judged is not None else None
@@ -678,13 +685,17 @@ class Builder:
         }
         scores = {a: outcome_rewards.score_for_agent(self.rewards, task, due.outcomes, a, due.window_closed)
                   for a in s.agents}
+        made = turns.turns(s)
+        checked = turns.call_outcomes(due.outcomes, task.turn_kinds)
         rows = []
         for e in s.llm_calls:
             r_penalty = penalties.get(e["event_id"], 0.0)
             mine = scores[e["agent_id"]]
+            turn = turns.credit(self.rewards, task, made.get(e["event_id"], turns.Turn()), checked)
             rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
-                                  detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty},
-                                  outcomes=due.outcomes))
+                                  detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty,
+                                                        "turn": turn.detail or None},
+                                  outcomes=due.outcomes, r_turn=turn.r_turn))
         return rows, index_row
 
     def _judge(self, s: Session, task: reward_config.TaskType, deadline: float) -> judge_mod.JudgeResult | None:
@@ -706,8 +717,9 @@ class Builder:
         return result
 
     def _row(self, s: Session, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
-             r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-        reward = r_outcome + (r_judge or 0.0) + stats.r_parallel + stats.r_finish + r_penalty
+             r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]],
+             r_turn: float | None = None) -> dict[str, Any]:
+        reward = total_reward(r_outcome, r_turn, r_judge, stats.r_parallel, stats.r_finish, r_penalty)
         return {
             "episode_id": e["event_id"],
             "label_version": label,
@@ -728,6 +740,8 @@ class Builder:
             "r_parallel": stats.r_parallel,
             "r_finish": stats.r_finish,
             "r_penalty": r_penalty,
+            "r_turn": r_turn,
+            "sampling": e.get("sampling"),
             "reward_detail": json.dumps(detail, sort_keys=True, default=str),
             "critical_steps": stats.critical_steps,
             "call_ts": e["ts"],
@@ -744,7 +758,7 @@ class Builder:
         prev = pq.read_table(path, filesystem=fs,
                              filters=[("session_id", "=", entry["session_id"]), ("label_version", "=", label - 1)]).to_pylist()
         assert prev, f"index says session {entry['session_id']} label {label - 1} is in {entry['episode_file']}, found no rows"
-        outcomes = [_outcome_py(o) for o in json.loads(entry["outcomes"])] + [{k: o[k] for k in _OUTCOME_KEEP} for o in new]
+        outcomes = [_outcome_py(o) for o in json.loads(entry["outcomes"])] + [{k: o.get(k) for k in _OUTCOME_KEEP} for o in new]
         task = self.rewards.task(entry["task_type"])
         end_ts = entry["end_ts"]
         whole = outcome_rewards.session_level(outcomes)
@@ -754,10 +768,12 @@ class Builder:
         rows = []
         for r in prev:  # file order: the same row order as the label it follows
             score = scores[r["agent_id"]]
-            detail = json.loads(r["reward_detail"]) | {"outcomes": score.detail, "label_reason": "late_outcome",
-                                                        "rewards_config": self.rewards.digest}
-            reward = score.r_outcome + (r["r_judge"] or 0.0) + r["r_parallel"] + r["r_finish"] + r["r_penalty"]
-            rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "reward": reward,
+            detail = json.loads(r["reward_detail"])
+            turn = turns.recredit(self.rewards, task, detail, outcomes)
+            detail |= {"outcomes": score.detail, "label_reason": "late_outcome", "rewards_config": self.rewards.digest,
+                       "turn": turn.detail or None}
+            reward = total_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"], r["r_penalty"])
+            rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "r_turn": turn.r_turn, "reward": reward,
                              "reward_detail": json.dumps(detail, sort_keys=True), "last_outcome_ts": last_outcome})
         index_row = entry | {
             "label_version": label,

@@ -57,6 +57,10 @@ class TaskType:
     wait_for: tuple[str, ...] = ()  # outcome kinds label 1 waits for (up to each kind's window)
     judge: bool = False  # score the session with the LLM judge
     rubric: str = "default"  # key into [rubrics]
+    # per-turn credit: outcome kinds that verify ONE tool call (reported with its call_id). The llm_call
+    # that produced a verified call is rewarded by that check (r_turn) instead of the session's outcome,
+    # and with turn kinds set a malformed call is a verified failure of its turn (r_turn 0).
+    turn_kinds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,11 +83,18 @@ class JudgeSettings:
 class ParlSettings:
     """PARL shaping: r = lambda1 * r_parallel + lambda2 * r_finish + r_outcome, lambdas annealed to 0."""
 
+    # off while the harness, not the policy, decides to spawn: shaping a decision the policy does not take
+    # only adds a constant to some rows (the swarm scenario makes spawning a model action)
+    enabled: bool = True
     lambda1: float = 0.1  # weight of r_parallel at the start of the schedule
     lambda2: float = 0.1  # weight of r_finish at the start of the schedule
     parallel_cap: int = 4  # r_parallel = min(sub-agents, cap) / cap, so spawning more than cap earns nothing
     anneal_start: int = 0  # policy version where annealing starts (full lambdas up to here)
     anneal_end: int = 20  # policy version where both lambdas reach exactly 0
+    # r_finish counts the sub-agents whose own part was verified: an outcome of this kind reported with the
+    # child's agent_id, at or above finish_threshold. A child that merely returned text earns nothing.
+    finish_kind: str = "task_success"
+    finish_threshold: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -157,6 +168,21 @@ def _check_number(where: str, name: str, value: Any, lo: float | None = None, hi
         raise RewardConfigError(f"{where}.{name}: must be <= {hi}, got {value}")
 
 
+def _check_task_types(task_types: dict[str, TaskType], outcomes: dict[str, OutcomeKind], rubrics: dict[str, Rubric]) -> None:
+    for name, t in task_types.items():
+        for kind in t.wait_for:
+            if kind not in outcomes:
+                raise RewardConfigError(f"task_types.{name}.wait_for: outcome kind {kind!r} has no [outcomes.{kind}] table")
+        for kind in t.turn_kinds:
+            if kind not in outcomes:
+                raise RewardConfigError(f"task_types.{name}.turn_kinds: outcome kind {kind!r} has no [outcomes.{kind}] table")
+            if kind in t.wait_for:
+                raise RewardConfigError(f"task_types.{name}: {kind!r} is in both wait_for and turn_kinds (a turn check "
+                                        "is about one call, label 1 waits for session outcomes)")
+        if t.rubric not in rubrics:
+            raise RewardConfigError(f"task_types.{name}.rubric: no [rubrics.{t.rubric}] table")
+
+
 def parse(text: str, source: str = "<string>") -> RewardConfig:
     """Parse and check a reward TOML document."""
     try:
@@ -186,13 +212,7 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
 
     task_types = {name: _build(TaskType, t, f"task_types.{name}", name=name) for name, t in doc.get("task_types", {}).items()}
     task_types.setdefault("default", TaskType("default"))
-    for name, t in task_types.items():
-        for kind in t.wait_for:
-            if kind not in outcomes:
-                raise RewardConfigError(f"task_types.{name}.wait_for: outcome kind {kind!r} has no [outcomes.{kind}] table")
-        if t.rubric not in rubrics:
-            raise RewardConfigError(f"task_types.{name}.rubric: no [rubrics.{t.rubric}] table")
-
+    _check_task_types(task_types, outcomes, rubrics)
     judge = _build(JudgeSettings, doc.get("judge", {}), "judge")
     _check_number("judge", "timeout_s", judge.timeout_s, lo=0.001)
     _check_number("judge", "budget_s", judge.budget_s, lo=0)

@@ -77,8 +77,8 @@ def label_due(cfg: RewardConfig, task: TaskType, kinds_present: set[str], end_ts
 
 
 def session_level(outcomes: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Outcomes about the whole session (no agent_id): only these satisfy a task type's wait_for."""
-    return [o for o in outcomes if not o.get("agent_id")]
+    """Outcomes about the whole session (no agent_id, no call_id): only these satisfy a task type's wait_for."""
+    return [o for o in outcomes if not o.get("agent_id") and not o.get("call_id")]
 
 
 def score_for_agent(cfg: RewardConfig, task: TaskType, outcomes: list[dict[str, Any]], agent_id: str,
@@ -86,7 +86,8 @@ def score_for_agent(cfg: RewardConfig, task: TaskType, outcomes: list[dict[str, 
     """r_outcome of one agent's rows: the session's outcomes plus those reported about this agent.
 
     An outcome with an agent_id is narrower than the session (e.g. a sub-agent's own verifier): it
-    counts for that agent's llm_calls only, and for a kind both carry, the newest one wins.
+    counts for that agent's llm_calls only, and for a kind both carry, the newest one wins. An outcome
+    about one tool call (call_id) is a turn's, never the agent's (rewards/turns.py).
     """
-    return score_outcomes(cfg, task, [o for o in outcomes if not o.get("agent_id") or o["agent_id"] == agent_id],
-                          window_closed)
+    return score_outcomes(cfg, task, [o for o in outcomes if not o.get("call_id")
+                                      and (not o.get("agent_id") or o["agent_id"] == agent_id)], window_closed)

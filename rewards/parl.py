@@ -3,9 +3,10 @@
     r = lambda1 * r_parallel + lambda2 * r_finish + r_outcome
 
 r_parallel rewards instantiating sub-agents, capped so spawning more than `parallel_cap` earns
-nothing more: min(n_spawned, cap) / cap. r_finish is the fraction of spawned sub-agents that
-reported a successful finish, so spawning without finishing is not rewarded ("spurious
-parallelism"). Both lambdas anneal linearly to exactly 0, so late training optimises the
+nothing more: min(n_spawned, cap) / cap. r_finish is the fraction of spawned sub-agents whose
+part a check verified (an outcome about the child, `finish_kind`), so spawning without solving is
+not rewarded ("spurious parallelism"); a child's own "finished ok" claim earns nothing. Shaping
+is off (`enabled = false`) where the harness, not the policy, decides to spawn. Both lambdas anneal linearly to exactly 0, so late training optimises the
 outcome alone. The schedule's clock is the policy version of the session's own llm_calls (the
 newest one in the session): it is known from the events, identical on every re-run of the
 builder, and tracks training progress because the learner trains on fresh samples.
@@ -20,7 +21,7 @@ by a spawn event form one extra stage, so their work is not lost from the count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from flywheel.rewards.config import ParlSettings
 from flywheel.rewards.session import Session
@@ -95,18 +96,32 @@ def critical_steps(s: Session, agent_id: str | None = None, _seen: frozenset[str
     return steps
 
 
-def parl_stats(s: Session, cfg: ParlSettings) -> ParlStats:
+def verified_children(children: Iterable[str], outcomes: Iterable[dict[str, Any]], cfg: ParlSettings) -> set[str]:
+    """The sub-agents whose own part a check verified: the newest `finish_kind` outcome about the child
+    (agent_id = child, no call_id) is at or above finish_threshold. Its subagent_finish(ok) is the
+    child's own claim and verifies nothing."""
+    wanted = set(children)
+    latest: dict[str, dict[str, Any]] = {}
+    for o in sorted(outcomes, key=lambda o: (o["ts"], o["outcome_id"])):
+        if o["kind"] == cfg.finish_kind and o.get("agent_id") in wanted and not o.get("call_id"):
+            latest[o["agent_id"]] = o
+    return {a for a, o in latest.items() if float(o["value"]) >= cfg.finish_threshold}
+
+
+def parl_stats(s: Session, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]] = ()) -> ParlStats:
+    """The session's PARL terms; with `enabled` false both lambdas are 0 (the counts are still reported)."""
     children = spawned_children(s)
     n = len(children)
-    ok = sum(children.values())
+    ok = len(verified_children(children, outcomes, cfg))
     version = max((int(e["policy_version"]) for e in s.llm_calls), default=0)
+    on = 1.0 if cfg.enabled else 0.0
     return ParlStats(
         n_spawned=n,
         n_finished_ok=ok,
         r_parallel_raw=min(n, cfg.parallel_cap) / cfg.parallel_cap,
         r_finish_raw=ok / n if n else 0.0,
-        lambda1=anneal(cfg.lambda1, version, cfg.anneal_start, cfg.anneal_end),
-        lambda2=anneal(cfg.lambda2, version, cfg.anneal_start, cfg.anneal_end),
+        lambda1=on * anneal(cfg.lambda1, version, cfg.anneal_start, cfg.anneal_end),
+        lambda2=on * anneal(cfg.lambda2, version, cfg.anneal_start, cfg.anneal_end),
         critical_steps=critical_steps(s),
     )
 

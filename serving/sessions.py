@@ -19,7 +19,10 @@ import datetime as _dt
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import duckdb
 
 # session_end statuses of an infrastructure error, by default (the gate's rule and the demo report's)
 ERROR_STATUSES = ("error",)
@@ -62,6 +65,19 @@ def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
+def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", outcomes: list[str]) -> None:
+    """View `oc`: the outcomes about whole sessions. One about one agent (a sub-agent's part) or one tool call
+    (a turn check, schema v2) is narrower than the session and says nothing of the session's success."""
+    if not outcomes:
+        con.execute("CREATE VIEW oc AS SELECT NULL::VARCHAR AS session_id, NULL::VARCHAR AS kind, "
+                    "NULL::DOUBLE AS value, NULL::TIMESTAMPTZ AS ts WHERE false")
+        return
+    con.execute(f"CREATE VIEW oc_all AS SELECT * FROM read_parquet({_sql_list(outcomes)}, union_by_name = true)")
+    cols = {r[0] for r in con.execute("DESCRIBE oc_all").fetchall()}
+    narrow = " AND ".join(f"{c} IS NULL" for c in ("agent_id", "call_id") if c in cols) or "true"
+    con.execute(f"CREATE VIEW oc AS SELECT session_id, kind, value, ts FROM oc_all WHERE {narrow}")
+
+
 def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_within_s: float | None = None
                   ) -> list[SessionRecord]:
     """Every session in the lake's events, with its serving version and arm, end and latest outcome.
@@ -87,12 +103,7 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
         con.execute(f"CREATE VIEW ev AS SELECT * FROM read_parquet({_sql_list(events)}, union_by_name = true)")
         has_arm = "arm" in {r[0] for r in con.execute("DESCRIBE ev").fetchall()}
         arm = "min(arm)" if has_arm else "NULL"
-        if outcomes:
-            con.execute(f"CREATE VIEW oc AS SELECT session_id, kind, value, ts FROM read_parquet({_sql_list(outcomes)}, "
-                        "union_by_name = true)")
-        else:
-            con.execute("CREATE VIEW oc AS SELECT NULL::VARCHAR AS session_id, NULL::VARCHAR AS kind, "
-                        "NULL::DOUBLE AS value, NULL::TIMESTAMPTZ AS ts WHERE false")
+        _session_outcomes_view(con, outcomes)
         rows = con.execute(
             f"""
             WITH firsts AS (SELECT session_id, min(ts) AS first_ts FROM ev GROUP BY 1),

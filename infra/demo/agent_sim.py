@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,9 @@ class Finished:
     spec: tasks.TaskSpec
     answers: list[str | None]
     ended: float
+    # per part: the agent that solved it and its well-formed tool calls (call_id, tool, arguments), so the
+    # verifier can check each call (per-turn credit) and each sub-agent's part on its own
+    parts: list[dict[str, Any]] = field(default_factory=list)
 
 
 class DurableHandoff:
@@ -289,9 +292,11 @@ class AgentSim:
         return generate
 
     # ---------------------------------------------------------------- one agent solving one part
-    def _solve(self, part: tasks.Part, agent: Any, task_type: str) -> str | None:
-        """Run the tool-use dialogue for one part as `agent` (main agent or sub-agent); log tools and edits."""
+    def _solve(self, part: tasks.Part, agent: Any, task_type: str) -> tuple[str | None, dict[str, Any]]:
+        """Run the tool-use dialogue for one part as `agent` (main agent or sub-agent); log tools and edits.
+        Returns the answer and what the verifier needs to check the part's calls."""
         pending: dict[str, str] = {}
+        calls: list[dict[str, Any]] = []
 
         def on_turn(turn: tasks.Turn) -> None:
             if turn.parsed.kind == "answer":
@@ -301,6 +306,8 @@ class AgentSim:
             call_id = agent.tool_call(turn.parsed.tool or "unparsed", turn.parsed.arguments, malformed=malformed or None)
             agent.tool_result(call_id, ok=bool(turn.tool_ok), output=turn.tool_output, name=turn.parsed.tool)
             pending[call_id] = turn.tool_output or ""
+            if not malformed:
+                calls.append({"call_id": call_id, "tool": turn.parsed.tool, "arguments": turn.parsed.arguments})
 
         def on_compact(removed: list[tasks.Message], note: tasks.Message) -> None:
             self.counts.add("context_edits")
@@ -310,7 +317,7 @@ class AgentSim:
         generate = self._generate(agent.session_id, agent.agent_id, agent.parent_agent_id, task_type)
         answer, _turns = tasks.solve_part(part, generate, self.cfg.max_turns, self.cfg.context_budget_chars,
                                           on_turn=on_turn, on_compact=on_compact)
-        return answer
+        return answer, {"agent_id": agent.agent_id, "calls": calls}
 
     # ---------------------------------------------------------------- one session
     def run_session(self) -> None:
@@ -327,9 +334,11 @@ class AgentSim:
             session = LedgerSession(session, self.ledger)
         status = "ok"
         answers: list[str | None] = []
+        parts: list[dict[str, Any]] = []
         try:
             if not spec.multi:
-                answers = [self._solve(spec.parts[0], session, spec.task_type)]
+                answer, checked = self._solve(spec.parts[0], session, spec.task_type)
+                answers, parts = [answer], [checked]
             else:
                 # independent parts: one sub-agent each, in parallel (what PARL rewards)
                 children = [session.spawn_subagent(subtask=p.text) for p in spec.parts]
@@ -337,12 +346,14 @@ class AgentSim:
                 futures = [self.sub_pool.submit(self._solve, p, c, spec.task_type) for p, c in zip(spec.parts, children)]
                 for child, fut in zip(children, futures):
                     try:
-                        answers.append(fut.result())
+                        answer, checked = fut.result()
                     except Exception:
                         answers.append(None)
                         child.finish(ok=False)
                         raise
-                    child.finish(ok=answers[-1] is not None)
+                    answers.append(answer)
+                    parts.append(checked)
+                    child.finish(ok=answer is not None)
         except Exception as exc:  # the policy endpoint failed: an infrastructure error, not a policy outcome
             status = "error"
             self.counts.add("errors")
@@ -351,7 +362,7 @@ class AgentSim:
             self.stop.wait(1.0)  # back off instead of spinning on a dead endpoint
         session.end(status)
         self.counts.add("sessions")
-        finished = Finished(session_id, session.agent_id, status, spec, answers, time.time())
+        finished = Finished(session_id, session.agent_id, status, spec, answers, time.time(), parts)
         if self.durable is not None:
             self.durable.put(finished)  # handed off once the SDK confirms its events
         else:
@@ -367,7 +378,7 @@ class AgentSim:
 
     def _hand_off(self, f: Finished, durable: bool | None) -> None:
         record: dict[str, Any] = {"session_id": f.session_id, "task": f.spec.to_json(), "answers": f.answers,
-                                  "ended": f.ended}
+                                  "ended": f.ended, "parts": f.parts}
         if durable is not None:
             record["durable"] = durable
         line = json.dumps(record) + "\n"

@@ -7,7 +7,10 @@ OutcomeReporter, like any outcome source would:
 
 * verifier: `verifier_delay_s` after a session ended, it recomputes the truth of every part
   from the task spec with `infra.tasks.check` (it never trusts the agent) and reports
-  `task_success` 1.0 or 0.0;
+  `task_success` 1.0 or 0.0; below the session it checks every well-formed tool call the agent
+  made (`call_correct` with the call's call_id: the right tool with arguments that give the
+  truth) and, for a split task, each sub-agent's part (`task_success` with its agent_id), so the
+  episode builder can credit the turn that earned it (rewards/turns.py);
 * simulated user: for `user_share` of sessions, `user_delay_s_min..max` later, reports
   `accepted` (1.0 accepted / 0.0 rejected): the verifier's verdict, flipped with probability
   `user_noise` (users are not perfect graders).
@@ -107,6 +110,8 @@ class Due:
     source: str
     outcome_id: str = ""
     line_end: int = 0  # byte offset just past the hand-off line that scheduled it
+    agent_id: str | None = None  # a sub-agent's own part (narrower than the session)
+    call_id: str | None = None  # one tool call (a turn-level check)
 
 
 def outcome_id(session_id: str, kind: str, source: str) -> str:
@@ -138,10 +143,47 @@ def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random, 
         return Due(at, session_id, kind, value, source, outcome_id(session_id, kind, source), line_end)
 
     out = [due(ended + cfg.verifier_delay_s, "task_success", 1.0 if ok else 0.0, "verifier")]
+    out += part_checks(record, ended + cfg.verifier_delay_s, line_end)
     if rng.random() < cfg.user_share:
         accepted = ok if rng.random() >= cfg.user_noise else not ok
         delay = rng.uniform(cfg.user_delay_s_min, cfg.user_delay_s_max)
         out.append(due(ended + delay, "accepted", 1.0 if accepted else 0.0, "user"))
+    return out
+
+
+def call_is_right(part: tasks.Part, tool: Any, arguments: Any) -> bool:
+    """A tool call is right when it names the part's tool and its result is the part's truth."""
+    if tool != part.tool or not isinstance(arguments, dict):
+        return False
+    ok, output = tasks.run_tool(part.tool, arguments)
+    return ok and output == tasks.truth(part)
+
+
+def part_checks(record: dict[str, Any], at: float, line_end: int = 0) -> list[Due]:
+    """The verifier's checks below the session: `call_correct` for every well-formed tool call (by its call_id),
+    and, for a split task, `task_success` of each sub-agent's own part (by its agent_id).
+
+    Hand-off lines written before the agent recorded its parts (no "parts") get none."""
+    spec = tasks.TaskSpec.from_json(record["task"])
+    parts = record.get("parts")
+    if not isinstance(parts, list) or len(parts) != len(spec.parts):
+        return []
+    session_id = str(record["session_id"])
+    answers = record.get("answers") or []
+    out: list[Due] = []
+    for i, (part, done) in enumerate(zip(spec.parts, parts)):
+        agent = done.get("agent_id") if isinstance(done, dict) else None
+        if not isinstance(agent, str):
+            continue
+        for call in done.get("calls") or []:
+            value = 1.0 if call_is_right(part, call.get("tool"), call.get("arguments")) else 0.0
+            cid = str(call["call_id"])
+            out.append(Due(at, session_id, "call_correct", value, "verifier",
+                           outcome_id(session_id, f"call_correct/{cid}", "verifier"), line_end, agent, cid))
+        if spec.multi:
+            answer = answers[i] if i < len(answers) and isinstance(answers[i], str) else None
+            out.append(Due(at, session_id, "task_success", 1.0 if tasks.check_part(part, answer) else 0.0, "verifier",
+                           outcome_id(session_id, f"task_success/{agent}", "verifier"), line_end, agent))
     return out
 
 
@@ -264,7 +306,8 @@ class Reporter(Protocol):
     """What the simulator needs of flywheel.ingest.sdk.OutcomeReporter."""
 
     def report(self, session_id: str, kind: str, value: float, agent_id: str | None = None,
-               source: str | None = None, ts: str | None = None, outcome_id: str | None = None) -> str: ...
+               source: str | None = None, ts: str | None = None, outcome_id: str | None = None,
+               call_id: str | None = None) -> str: ...
 
     def flush(self, timeout: float = 10.0) -> bool: ...
 
@@ -289,7 +332,8 @@ class OutcomeSim:
         self.progress = Progress(offset, sent)
         self.queue: list[Due] = []  # scheduled, not sent (a heap by due time)
         self.unconfirmed: list[Due] = []  # sent, not yet confirmed by a flush
-        self.counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "accepted": 0, "successes": 0, "resent": 0}
+        self.counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "call_correct": 0, "accepted": 0, "successes": 0,
+                       "resent": 0}
         self._dropped = self._reporter_drops()
         self._dirty = seed != self.seed  # the cursor file lacks what a restart needs: write it at the next commit
 
@@ -325,11 +369,11 @@ class OutcomeSim:
             heapq.heapify(self.queue)
         for item in batch:
             # our outcome_id, not a fresh one: a re-send after a crash is then a duplicate the builder drops
-            self.reporter.report(item.session_id, item.kind, item.value, source=item.source, ts=_wire_ts(item.at),
-                                 outcome_id=item.outcome_id)
+            self.reporter.report(item.session_id, item.kind, item.value, agent_id=item.agent_id, source=item.source,
+                                 ts=_wire_ts(item.at), outcome_id=item.outcome_id, call_id=item.call_id)
             self.unconfirmed.append(item)
             self.counts[item.kind] += 1
-            self.counts["successes"] += int(item.kind == "task_success" and item.value > 0)
+            self.counts["successes"] += int(item.kind == "task_success" and item.agent_id is None and item.value > 0)
         return len(batch)
 
     def confirm(self, timeout: float) -> bool:
@@ -400,7 +444,7 @@ def run(cfg: OutcomeSimConfig) -> int:
     # the verifier's verdicts go out now, due or not; a user signal still queued is owed to the next
     # run (the cursor stays before its line), as a user who has not answered yet may still answer
     sim.read_new()
-    sim.send_due(time.time(), kinds=("task_success",))
+    sim.send_due(time.time(), kinds=("task_success", "call_correct"))
     confirmed = sim.confirm(30.0)
     sim.commit()
     reporter.close()

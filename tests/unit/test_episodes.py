@@ -225,7 +225,9 @@ def test_rows_carry_tokens_and_trace_ids(rig: Rig) -> None:
     b.context_edit(tokens_removed=50)
     end = b.end()
     rig.feed.write("events", b.events)
-    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    # the verifier checked the kid's part too: r_finish counts it (its finish(ok=True) alone would not)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1)),
+                                synthetic.outcome("s1", "task_success", 1.0, after(end, 1), agent_id="kid")])
     rig.run(after(end, 2))
     rows = {r["episode_id"]: r for r in rig.rows()}
     r = rows[call["event_id"]]

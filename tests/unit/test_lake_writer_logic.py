@@ -171,7 +171,7 @@ def test_restart_resumes_from_the_lake(tmp_path: Path) -> None:
 def test_bad_records_go_to_the_dlq_and_stay_in_the_range(tmp_path: Path) -> None:
     w = make_writer(tmp_path)
     w.assign([(TOPIC, 0)])
-    values = [wire(event(0)), b"{oops", wire(event(2)), b"\x80\x81", wire(event(4, schema_version=2))]
+    values = [wire(event(0)), b"{oops", wire(event(2)), b"\x80\x81", wire(event(4, schema_version=99))]
     for i, v in enumerate(values):
         w.add(TOPIC, 0, i, v, key=b"k")
     w.flush_all()

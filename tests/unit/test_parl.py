@@ -37,11 +37,21 @@ def three_subagents_two_finish(version: int = 0) -> synthetic.SessionBuilder:
     return b
 
 
-def test_three_subagents_two_finish() -> None:
+def part_checks(values: dict[str, float]) -> list[dict]:
+    """The verifier's per-part outcomes (task_success about each sub-agent), ts parsed as the builder has them."""
+    return [synthetic.outcome("s1", "task_success", v, T0, agent_id=a) | {"ts": T0} for a, v in values.items()]
+
+
+def test_three_subagents_two_verified() -> None:
     cfg = config.ParlSettings(lambda1=0.2, lambda2=0.4, parallel_cap=4, anneal_start=0, anneal_end=10)
     s = assemble("s1", as_lake_rows(three_subagents_two_finish().events))
-    stats = parl.parl_stats(s, cfg)
-    assert (stats.n_spawned, stats.n_finished_ok) == (3, 2)
+    # a and b claim ok, c does not; the checks say a and c solved their parts, b did not
+    stats = parl.parl_stats(s, cfg, part_checks({"a": 1.0, "b": 0.0, "c": 1.0}))
+    assert (stats.n_spawned, stats.n_finished_ok) == (3, 2), "r_finish counts verified parts, not the children's claims"
+    claims_only = parl.parl_stats(s, cfg)
+    assert claims_only.n_finished_ok == 0 and claims_only.r_finish == 0.0, "returning text is not finishing"
+    off = parl.parl_stats(s, config.ParlSettings(enabled=False), part_checks({"a": 1.0, "b": 1.0, "c": 1.0}))
+    assert (off.r_parallel, off.r_finish, off.n_finished_ok) == (0.0, 0.0, 3), "off: no shaping, counts still reported"
     assert stats.r_parallel_raw == pytest.approx(3 / 4)
     assert stats.r_finish_raw == pytest.approx(2 / 3)
     assert stats.r_parallel == pytest.approx(0.2 * 3 / 4) and stats.r_finish == pytest.approx(0.4 * 2 / 3)

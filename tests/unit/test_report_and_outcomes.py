@@ -75,6 +75,27 @@ def test_schedule_reports_the_verifier_soon_and_the_user_later_for_a_share() -> 
     assert all(u.kind == "accepted" and u.value == 1.0 and 120.0 <= u.at <= 140.0 for u in users)
 
 
+def test_the_verifier_checks_every_call_and_each_sub_agents_part() -> None:
+    spec = tasks.make_task(random.Random(3), multi_share=1.0)
+    a, b = spec.parts
+    parts = [{"agent_id": "sub-a", "calls": [{"call_id": "c1", "tool": a.tool, "arguments": {"x": "nonsense"}},
+                                             {"call_id": "c2", "tool": a.tool, "arguments": a.args}]},
+             {"agent_id": "sub-b", "calls": [{"call_id": "c3", "tool": b.tool, "arguments": b.args}]}]
+    record = _record(spec, [tasks.truth(a), "wrong"]) | {"parts": parts}
+    checks = outcome_sim.part_checks(record, at=50.0)
+    calls = {d.call_id: (d.kind, d.value, d.agent_id) for d in checks if d.call_id}
+    assert calls == {"c1": ("call_correct", 0.0, "sub-a"), "c2": ("call_correct", 1.0, "sub-a"),
+                     "c3": ("call_correct", 1.0, "sub-b")}, "a right call is right even when the answer after it is wrong"
+    per_part = {d.agent_id: d.value for d in checks if d.call_id is None}
+    assert per_part == {"sub-a": 1.0, "sub-b": 0.0} and all(d.kind == "task_success" for d in checks if d.call_id is None)
+    assert len({d.outcome_id for d in checks}) == len(checks), "every check has its own stable id"
+    assert [d.outcome_id for d in outcome_sim.part_checks(record, at=50.0)] == [d.outcome_id for d in checks]
+    assert outcome_sim.part_checks(_record(spec, ["x", "y"]), at=50.0) == [], "an old hand-off line without parts"
+    wrong_tool = {"agent_id": "sub-a", "calls": [{"call_id": "c9", "tool": "weather" if a.tool != "weather" else "add",
+                                                  "arguments": a.args}]}
+    assert outcome_sim.part_checks(record | {"parts": [wrong_tool, parts[1]]}, at=50.0)[0].value == 0.0
+
+
 def test_handoff_reader_returns_whole_lines_only_and_resumes_from_its_offset(tmp_path: Path) -> None:
     path = tmp_path / "sessions.jsonl"
     reader = outcome_sim.HandoffReader(path, 0)
@@ -130,7 +151,7 @@ class FakeReporter:
         self.kill: Callable[[str], None] = lambda point: None
 
     def report(self, session_id: str, kind: str, value: float, agent_id: str | None = None, source: str | None = None,
-               ts: str | None = None, outcome_id: str | None = None) -> str:
+               ts: str | None = None, outcome_id: str | None = None, call_id: str | None = None) -> str:
         assert outcome_id, "the simulator must pass its own outcome_id"
         self.kill("report")
         self.queued.append(outcome_id)
