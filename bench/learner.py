@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                              registered_model="flywheel-bench-learner", vllm_url=url, mode=cfg.mode,
                              batch_size=cfg.batch_size, min_batch=cfg.batch_size, micro_batch=cfg.micro_batch,
                              start_version=start_version, publish_every_steps=0, parity_samples=0, lr=1e-4,
-                             status_name="bench-learner")
+                             status_name="bench-learner",
+                             max_staleness_steps=n_batches)  # every row is the start version's: none may go stale
         lcfg.check()
         learner = Learner(lcfg)
         tracker = Tracker(lcfg)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     return time.perf_counter() - t0
 
                 def bare_step() -> float:
-                    batch, _ = bare_stream.take(cfg.batch_size, start_version, lcfg.max_staleness)
+                    batch, _ = bare_stream.take(cfg.batch_size, {start_version: 0}, lcfg.max_staleness_steps)
                     t0 = time.perf_counter()
                     adv = torch.tensor([e.reward - 0.5 for e in batch])
                     micro = [(pack(batch[j:j + cfg.micro_batch], bare.device), adv[j:j + cfg.micro_batch])

@@ -484,11 +484,15 @@ def _vllm_base(cfg: StackConfig) -> Path:
 
 
 def _vllm_command(cfg: StackConfig, base: Path, port: int) -> list[str]:
+    # processed_logprobs: the logprob vLLM returns (and the proxy logs as the behaviour logprob) is
+    # that of the distribution the token was drawn from, after temperature and top-k/top-p; the
+    # default raw_logprobs is the model's log-softmax, wrong as pi_old for any other setting than
+    # T=1 without truncation. The learner scores tokens under the same processing (docs/serving.md).
     return [sys.executable, "-m", VLLM_MARKER, "--model", str(base), "--served-model-name", cfg.served_model_name,
             "--host", cfg.vllm_host, "--port", str(port), "--dtype", cfg.vllm_dtype,
             "--max-model-len", str(cfg.vllm_max_model_len), "--enable-lora",
             "--max-loras", str(cfg.vllm_max_loras), "--max-lora-rank", str(cfg.vllm_max_lora_rank),
-            "--disable-log-stats", *cfg.vllm_extra_args]
+            "--logprobs-mode", "processed_logprobs", "--disable-log-stats", *cfg.vllm_extra_args]
 
 
 def _vllm_env(cfg: StackConfig, i: int) -> dict[str, str]:

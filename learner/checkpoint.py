@@ -2,7 +2,7 @@
 
 Layout under run_dir:
 
-    checkpoints/step-00000012/  state.json (step, policy_version, cursor, trained ids, baseline ...)
+    checkpoints/step-00000012/  state.json (step, policy_version, cursor, trained ids, baseline, lineage ...)
                                 trainer.pt (trainable weights + optimizer state)
     checkpoints/LATEST          name of the newest complete checkpoint
     trained.jsonl               one line per finished step: {"step", "policy_version", "episode_ids"}
@@ -49,6 +49,32 @@ class TrainerState:
     # the episodes trained since the current version (versions.episode_range): the next version's lineage, kept
     # here so a restart between two publishes does not forget the steps before it
     since_parent: dict[str, Any] = field(default_factory=dict)
+    # the learner's line (staleness by lineage): each version the current weights descend from -> the step at
+    # which the weights were at it, so a row served by it lags `step - lineage[v]` steps. A publish enters the
+    # new version at its step; a rebase keeps only the target and its ancestors (rebase_line). A version not
+    # here (abandoned, or never this learner's) serves only stale rows.
+    lineage: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # JSON keys are text. A checkpoint from before the lineage map starts one with the current version at
+        # last_published_step (exact: a publish and a rebase both set it); the older versions of its published
+        # list are left off (their steps were not kept), so their rows count as stale after the upgrade.
+        self.lineage = {int(v): int(s) for v, s in self.lineage.items()} or {self.policy_version: self.last_published_step}
+
+    def lags(self) -> dict[int, int]:
+        """Version on the line -> learner steps from the weights that served it to the current weights."""
+        return {v: self.step - at for v, at in self.lineage.items()}
+
+    def rebase_line(self, version: int) -> None:
+        """The line after a rebase onto `version` at the current step: it at lag 0, its ancestors as many steps
+        behind it as before, and nothing of the line above it (those weights were left)."""
+        at = self.lineage.get(version)
+        if at is None:  # a champion this learner never published on its line: only it is known
+            self.lineage = {version: self.step}
+            return
+        shift = self.step - at
+        # version numbers grow along a line (each publish takes max + 1), so the ancestors are the lower ones
+        self.lineage = {v: s + shift for v, s in self.lineage.items() if v <= version}
 
 
 def save(run_dir: Path, state: TrainerState, weights: dict[str, torch.Tensor], optimizer: dict[str, Any],

@@ -28,8 +28,11 @@ class LearnerConfig:
     min_batch: int = setting(64, "backpressure: a step waits until at least this many trainable episodes are pending")
     micro_batch: int = setting(16, "episodes per forward/backward on one rank (gradient accumulation bounds memory)")
     newest_first: bool = setting(False, "each step takes the newest pending episodes (a learner slower than the traffic then sheds "
-                                        "the backlog through max_staleness instead of always training on the oldest rows)")
-    max_staleness: int = setting(4, "K: drop episodes whose policy_version lags the learner's current version by more than K")
+                                        "the backlog through max_staleness_steps instead of always training on the oldest rows)")
+    max_staleness_steps: int = setting(20, "K: drop episodes served more than K learner steps before the current weights, counted "
+                                           "along the learner's own line (the champion's rows are lag 0 right after a rebase onto it; "
+                                           "a version off the line serves only stale rows). >= publish_every_steps; 20: two versions "
+                                           "at the default publish_every_steps (the old limit was 4 versions)")
     max_seq_len: int = setting(2048, "episodes with more prompt+completion tokens are skipped as corrupt")
     poll_s: float = setting(2.0, "longest sleep between lake listings while waiting for episodes")
     # -- loss -------------------------------------------------------------------------------
@@ -41,8 +44,9 @@ class LearnerConfig:
                              "behaviour policy")
     loss_agg: str = setting("token", "token: sum over tokens / global token count; sequence: each row's token mean, averaged "
                                      "over rows (every row weighs the same, however long)")
-    baseline: str = setting("batch", "reward baseline for rows without a group: the batch's per-task_type mean, a running "
-                                      "per-task_type mean (lags a changing policy), or none")
+    baseline: str = setting("batch", "reward baseline for rows without a group: batch (leave-one-out: the mean of the other rows "
+                                      "of the task_type in the batch; a lone row the running mean, else the other rows of the "
+                                      "batch), running (a per-task_type running mean; lags a changing policy), or none")
     baseline_momentum: float = setting(0.9, "running baseline b <- m*b + (1-m)*batch mean")
     group_relative: bool = setting(True, "rows sharing a group_id (>=2 in the batch) use the group mean as their baseline")
     normalize_advantages: bool = setting(True, "divide advantages by their batch standard deviation")
@@ -83,6 +87,8 @@ class LearnerConfig:
     publish_wait_for_gate: bool = setting(False, "publish by step count only once the gate has ruled on the previous version (publish_every_s "
                                                  "still publishes regardless): in a one-version full-weight tier a new version replaces "
                                                  "an unjudged one, and in a demo run the gate judged 4 of 41")
+    publish_supersede_s: float = setting(0.0, "with publish_wait_for_gate: a version the gate has not judged this many seconds "
+                                              "after it was published is replaced by the next one (0: wait for the verdict)")
     follow_gate_every_s: float = setting(10.0, "seconds between reads of the registry's champion/challenger aliases (follow_gate)")
     parity_samples: int = setting(8, "episodes scored by vLLM at each publish for the train/inference mismatch (0: off)")
     mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "MLflow tracking URI ('' disables tracking)")
@@ -102,6 +108,8 @@ class LearnerConfig:
             raise ConfigError(f"mode: {self.mode!r} is not one of {MODES}")
         if self.baseline not in BASELINES:
             raise ConfigError(f"baseline: {self.baseline!r} is not one of {BASELINES}")
+        if self.publish_supersede_s < 0:
+            raise ConfigError(f"publish_supersede_s: must be >= 0, got {self.publish_supersede_s}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype: {self.dtype!r} is not float32 or bfloat16")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -111,8 +119,12 @@ class LearnerConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.min_batch > self.batch_size:
             raise ConfigError(f"min_batch ({self.min_batch}) > batch_size ({self.batch_size}): a step could never fill")
-        if self.max_staleness < 0:
-            raise ConfigError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.max_staleness_steps < 0:
+            raise ConfigError(f"max_staleness_steps: must be >= 0, got {self.max_staleness_steps}")
+        if 0 < self.publish_every_steps and self.max_staleness_steps < self.publish_every_steps:
+            # the newest version's rows would go stale before the next version is due: no row fresh, no step, no version
+            raise ConfigError(f"max_staleness_steps ({self.max_staleness_steps}) < publish_every_steps "
+                              f"({self.publish_every_steps}): the learner would stop stepping before its next version")
         if self.epochs < 1:
             raise ConfigError(f"epochs: must be >= 1, got {self.epochs}")
         if self.epochs > 1 and self.loss != "ppo":

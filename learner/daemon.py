@@ -90,7 +90,9 @@ class Learner:
         self.steps_this_run = 0
         self.rebased: tuple[int, str | None] | None = None  # rank 0's rebase since the last broadcast
         self.last_batch: list[Episode] = []
+        self.run_id: str | None = None  # the learner's MLflow run (run() sets it): each version names it
         self._last_beat = 0.0
+        self._publish_checked = 0.0
 
     def _resume(self) -> TrainerState:
         """The newest checkpoint's state, its weights and optimizer loaded; else a fresh state at start_version."""
@@ -129,7 +131,7 @@ class Learner:
         adv = advantages([e.reward for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
                          self.baseline, group_relative=self.cfg.group_relative,
                          normalize=self.cfg.normalize_advantages, batch_baseline=self.cfg.baseline == "batch",
-                         positive_only=self.cfg.positive_only)
+                         positive_only=self.cfg.positive_only, penalties=[e.r_penalty for e in batch])
         return list(zip(batch, adv))
 
     def next_batch(self, stop: threading.Event) -> tuple[list[Episode], Counter] | None:
@@ -137,14 +139,16 @@ class Learner:
         assert self.stream is not None
         cfg = self.cfg
         sleep_s, last_note, idle_since = 0.1, 0.0, time.monotonic()
-        seen = self.stream.trainable(self.state.policy_version, cfg.max_staleness)
+        seen = self.stream.trainable(self.state.lags(), cfg.max_staleness_steps)
         while not stop.is_set():
             self.follow_gate()  # also while starving: after a rejection only the champion's rows arrive
+            self.publish_while_waiting()
             self.stream.poll()
-            self.stream.drop_stale(self.state.policy_version, cfg.max_staleness)
-            ready = self.stream.trainable(self.state.policy_version, cfg.max_staleness)
+            lags = self.state.lags()  # after the rebase or publish just now, if any
+            self.stream.drop_stale(lags, cfg.max_staleness_steps)
+            ready = self.stream.trainable(lags, cfg.max_staleness_steps)
             if ready >= cfg.min_batch:
-                batch, stats = self.stream.take(cfg.batch_size, self.state.policy_version, cfg.max_staleness,
+                batch, stats = self.stream.take(cfg.batch_size, lags, cfg.max_staleness_steps,
                                                  newest_first=cfg.newest_first)
                 return batch, stats.lags
             if ready > seen:
@@ -174,6 +178,25 @@ class Learner:
             self.rebase(*champion)
             self.rebased = champion  # run() broadcasts it: the other ranks rebase too
 
+    def publish_while_waiting(self) -> None:
+        """Write and push a version that fell due while no batch can form (checked every follow_gate_every_s).
+
+        Rows go stale max_staleness_steps steps after the version that served them, so a learner that trained
+        on while the gate judged its newest version runs out of fresh rows and stops stepping; the version
+        then due (the gate ruled, or publish_supersede_s passed) must not wait for a step that cannot come.
+        """
+        now = time.monotonic()
+        if self.state.step == self.state.last_published_step or now - self._publish_checked < self.cfg.follow_gate_every_s:
+            return  # nothing trained since the current version (or checked just now)
+        self._publish_checked = now
+        aliases = self.gate.read_aliases() if self.cfg.publish_wait_for_gate else None
+        if aliases is not None:
+            self.follow_gate(aliases)  # a rejection first: then there is nothing of the refused line to publish
+        if self.publish_due(aliases):
+            self.versions.write(self.run_id)
+            self.save_checkpoint()
+            self.versions.push(self.last_batch)
+
     def publish_due(self, aliases: dict[str, int] | None) -> bool:
         """A version is due by step count or by time. aliases: gate.read_aliases() as finish_step read it (only
         consulted with publish_wait_for_gate; never read again here, so an outage costs one failed read)."""
@@ -201,7 +224,7 @@ class Learner:
         self.save_checkpoint()
         self.last_batch = batch
         counters = self.stream.counters
-        metrics = step_metrics(batch, lags, result, self.state, counters, self.cfg.max_staleness)
+        metrics = step_metrics(batch, lags, result, self.state, counters, self.cfg.max_staleness_steps)
         if published:
             metrics.update(self.versions.push(batch))
         tracker.log(self.state.step, metrics)
@@ -210,7 +233,7 @@ class Learner:
                        tokens_per_s=round(result.tokens_per_s), dropped_stale=counters["stale"],
                        dropped_corrupt=counters["corrupt"])
         gap = (f", logprob gap {result.behaviour_gap_mean:.1e}" if result.behaviour_gap_mean is not None else "")
-        log.info("step %d v%d: reward %.3f, policy lag %.2f (max %d), loss %+.4f, ratio %.3f clip %.1f%%, kl %.4f, "
+        log.info("step %d v%d: reward %.3f, policy lag %.2f steps (max %d), loss %+.4f, ratio %.3f clip %.1f%%, kl %.4f, "
                  "%.0f tokens/s, %d episodes (stale %d, corrupt %d total)%s", self.state.step,
                  self.state.policy_version, mean_r, mean_lag, int(metrics["policy_lag_max"]), result.loss,
                  result.ratio_mean, 100 * result.clip_frac, result.kl, result.tokens_per_s, result.episodes,
@@ -251,6 +274,7 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
     if world.is_main:
         write_resolved(cfg, Path(cfg.run_dir) / "learner-config.toml")
         tracker.tag("policy_version_start", str(learner.state.policy_version))
+        learner.run_id = tracker.run_id
         learner.versions.republish_latest()
     status = "FINISHED"
     try:

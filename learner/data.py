@@ -2,9 +2,11 @@
 
 Read path: `lake.files_since(root, "episodes", cursor)` lists files with anything new; every
 row is validated (`parse_row`), and valid rows wait in `pending` until a step takes them.
-A step takes rows in lake order (`take`; or newest first, see `take`), dropping rows whose
-policy_version lags the learner's current version by more than K (counted per lag) at the
-moment the step is formed, because the current version grows while rows wait.
+A step takes rows in lake order (`take`; or newest first, see `take`), dropping rows served more
+than K learner steps before the current weights (counted per lag) at the moment the step is
+formed, because the weights move on while rows wait. The lag is counted in steps along the
+learner's own line (TrainerState.lineage), not in version numbers, which jump after the gate
+rejects versions: a row served by a version off the line (abandoned, or never this learner's) is stale.
 
 Durability. The cursor only moves past a file once every row of it has left `pending`
 (trained, or dropped for a reason), so a crash can never lose a row. Rows of a partly
@@ -22,11 +24,12 @@ old samples with corrected rewards is a replay question, left to a future replay
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from flywheel.ingest import lake
 
@@ -52,6 +55,8 @@ class Episode:
     loss_mask: tuple[int, ...]
     reward: float
     call_ts: str | None = None  # when the llm_call happened (ISO-8601 UTC): a version's lineage names its episode range
+    r_penalty: float = 0.0  # the penalties inside `reward` (<= 0): a penalised row is never reinforced (loss.advantages)
+    sampling: dict[str, Any] | None = None  # the behaviour's sampling parameters (temperature, top_p, top_k ...)
 
     @property
     def trained_tokens(self) -> int:
@@ -90,6 +95,10 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
     reward = row["reward"]
     if not math.isfinite(reward):
         return f"{ident}: reward {reward} is not finite"
+    sampling = parse_sampling(row.get("sampling"))
+    if row.get("sampling") is not None and sampling is None:
+        # the behaviour's distribution is unknown, so no ratio can be right: refused, not trained as T=1
+        return f"{ident}: sampling {str(row['sampling'])[:60]!r} is not a JSON object"
     return Episode(
         episode_id=str(row["episode_id"]),
         label_version=int(row["label_version"]),
@@ -102,7 +111,22 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
         loss_mask=tuple(int(m) for m in mask),
         reward=float(reward),
         call_ts=iso_ts(row.get("call_ts")),
+        r_penalty=float(row.get("r_penalty") or 0.0),
+        sampling=sampling,
     )
+
+
+def parse_sampling(value: Any) -> dict[str, Any] | None:
+    """The episode's sampling column (a JSON object, as text in Parquet) as a dict; None when absent or unreadable
+    (parse_row refuses a row whose column is present but unreadable)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return dict(value) if isinstance(value, dict) else None
 
 
 def iso_ts(value: Any) -> str | None:
@@ -114,12 +138,53 @@ def iso_ts(value: Any) -> str | None:
     return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+# Sampling parameters the learner reproduces (learner/model.py processed_log_softmax), those that
+# do not change the per-token distribution, and those it cannot reproduce unless neutral.
+_REPRODUCED = ("temperature", "top_p", "top_k")
+_NO_EFFECT = ("max_tokens", "max_completion_tokens", "n", "seed", "stop", "stop_token_ids", "ignore_eos")
+_NEUTRAL = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+_GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (sampling_params._SAMPLING_EPS)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def unsupported_sampling(sampling: dict[str, Any] | None) -> str | None:
+    """Why the learner cannot score a row's tokens under the distribution they were sampled from; None if it can.
+
+    The reason is a short category (the stream counts rows under `unsupported_sampling` and logs
+    each reason once). A missing or null key is vLLM's default. Greedy rows (temperature 0) have no
+    sampling distribution to correct towards; min_p, penalties and logit_bias change the
+    distribution in ways the learner does not replay; an unknown key might, so it is refused too.
+    """
+    for key, value in (sampling or {}).items():
+        if value is None or key in _NO_EFFECT:
+            continue
+        if key in _REPRODUCED:
+            if not _number(value) or (key == "top_k" and (value != int(value) or value < -1)):
+                return f"{key} is not a valid number"
+            if key == "temperature" and value < _GREEDY_BELOW:
+                return "temperature 0 (greedy sampling)"
+            if key == "top_p" and not 0.0 < value <= 1.0:
+                return "top_p outside (0, 1]"
+        elif key in _NEUTRAL:
+            if not _number(value) or value != _NEUTRAL[key]:
+                return f"{key} != {_NEUTRAL[key]}"
+        elif key == "logit_bias":
+            if value:
+                return "logit_bias set"
+        else:
+            return f"unknown sampling parameter {key!r}"
+    return None
+
+
 @dataclass
 class TakeStats:
     """What forming one batch dropped, and the lags of what it kept."""
 
     stale: int = 0
-    lags: Counter = field(default_factory=Counter)  # lag -> rows kept
+    lags: Counter = field(default_factory=Counter)  # lag in learner steps -> rows kept
 
 
 @dataclass
@@ -144,6 +209,7 @@ class EpisodeStream:
         self._loaded: list[lake.LakeFile] = []  # files read into memory, in lake order
         self._remaining: Counter = Counter()  # file path -> rows of it still pending
         self.counters: Counter = Counter()  # corrupt, stale, duplicate, relabel_after_train, relabel_replaced
+        self._sampling_reasons: set[str] = set()  # unsupported_sampling reasons already logged
         # versions of a line the gate rejected (the learner went back to the champion): their rows
         # are stale whatever their number says, since the weights no longer descend from them
         self.abandoned: set[int] = set(abandoned or ())
@@ -175,6 +241,8 @@ class EpisodeStream:
             self.counters["corrupt"] += 1
             log.warning("data: episode row in %s skipped: %s", f.path.rsplit("/", 1)[-1], parsed)
             return 0
+        if self._refuse_sampling(parsed):
+            return 0
         done = self.trained.get(parsed.episode_id)
         if done is not None:
             # re-read after a restart (same label) or a late relabel of a trained episode: never train twice
@@ -198,54 +266,67 @@ class EpisodeStream:
         self._remaining[f.path] += 1
         return 1
 
+    def _refuse_sampling(self, episode: Episode) -> bool:
+        """Count (and log once per reason) a row whose sampling settings the learner cannot correct for."""
+        reason = unsupported_sampling(episode.sampling)
+        if reason is None:
+            return False
+        self.counters["unsupported_sampling"] += 1
+        if reason not in self._sampling_reasons:
+            self._sampling_reasons.add(reason)
+            log.warning("data: episode %s not trained: %s; its importance ratios would be wrong (rows for this "
+                        "reason are counted as unsupported_sampling, logged once)", episode.episode_id, reason)
+        return True
+
     # -- batching -----------------------------------------------------------------------------
-    def fresh(self, policy_version: int, current_version: int, max_staleness: int) -> bool:
-        """A row may be trained: served by a version at most max_staleness behind, not an abandoned one."""
-        return policy_version not in self.abandoned and current_version - policy_version <= max_staleness
+    def fresh(self, policy_version: int, lags: Mapping[int, int], max_staleness_steps: int) -> bool:
+        """A row may be trained: served by a version on the learner's line at most max_staleness_steps
+        learner steps behind the current weights (lags: TrainerState.lags()), not an abandoned one."""
+        lag = lags.get(policy_version)
+        return lag is not None and lag <= max_staleness_steps and policy_version not in self.abandoned
 
-    def trainable(self, current_version: int, max_staleness: int) -> int:
+    def trainable(self, lags: Mapping[int, int], max_staleness_steps: int) -> int:
         """Pending rows that would survive the staleness filter now."""
-        return sum(1 for p in self.pending if self.fresh(p.episode.policy_version, current_version, max_staleness))
+        return sum(1 for p in self.pending if self.fresh(p.episode.policy_version, lags, max_staleness_steps))
 
-    def drop_stale(self, current_version: int, max_staleness: int) -> int:
-        """Drop pending rows that lag too far (they only get staler); returns how many."""
-        keep = [p for p in self.pending if self.fresh(p.episode.policy_version, current_version, max_staleness)]
+    def drop_stale(self, lags: Mapping[int, int], max_staleness_steps: int) -> int:
+        """Drop pending rows that lag too far or left the line (they only get staler); returns how many."""
+        keep = [p for p in self.pending if self.fresh(p.episode.policy_version, lags, max_staleness_steps)]
         dropped = len(self.pending) - len(keep)
         if dropped:
             for p in self.pending:
-                if not self.fresh(p.episode.policy_version, current_version, max_staleness):
+                if not self.fresh(p.episode.policy_version, lags, max_staleness_steps):
                     self._remaining[p.file.path] -= 1
             self.pending = keep
             self._index = {p.episode.episode_id: i for i, p in enumerate(keep)}
             self.counters["stale"] += dropped
-            log.info("data: dropped %d episodes lagging policy_version %d by more than %d", dropped,
-                     current_version, max_staleness)
+            log.info("data: dropped %d episodes served more than %d learner steps before the current weights, or by "
+                     "a version off the learner's line", dropped, max_staleness_steps)
             self._advance_cursor()
         return dropped
 
-    def take(self, n: int, current_version: int, max_staleness: int,
+    def take(self, n: int, lags: Mapping[int, int], max_staleness_steps: int,
              newest_first: bool = False) -> tuple[list[Episode], TakeStats]:
         """Up to n fresh episodes; stale ones met on the way are dropped and counted.
 
         In lake order by default (every row is trained once, as long as it stays fresh enough).
         newest_first takes the most recent rows instead: a learner slower than the traffic then
         trains on what the current policy produced and the older backlog ages out through the
-        staleness filter (counted as stale), instead of training every step on rows max_staleness
-        versions old.
+        staleness filter (counted as stale), instead of training every step on rows
+        max_staleness_steps steps old. TakeStats.lags counts the kept rows by their lag in steps.
         """
         stats = TakeStats()
         batch: list[Episode] = []
         keep: list[_Pending] = []
         for p in (reversed(self.pending) if newest_first else self.pending):
-            lag = current_version - p.episode.policy_version
             if len(batch) >= n:
                 keep.append(p)
-            elif not self.fresh(p.episode.policy_version, current_version, max_staleness):
+            elif not self.fresh(p.episode.policy_version, lags, max_staleness_steps):
                 stats.stale += 1
                 self._remaining[p.file.path] -= 1
             else:
                 batch.append(p.episode)
-                stats.lags[lag] += 1
+                stats.lags[lags[p.episode.policy_version]] += 1
                 self._remaining[p.file.path] -= 1
         if newest_first:
             keep.reverse()  # pending stays in lake order

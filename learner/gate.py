@@ -37,7 +37,7 @@ def rebase_target(published: list[int], current: int, aliases: dict[str, int]) -
     the gate rejected it (and cleared the challenger alias) or rolled it back. Serving then runs
     the champion. A learner that kept its own weights would publish more of what the gate refused,
     and in a full-weight tier it would see only the champion's rows, more than max_staleness
-    versions behind it after a few rejections in a row: dropped as stale, so it never stepped again.
+    behind it after a few rejections in a row: dropped as stale, so it never stepped again.
     """
     from flywheel.serving.registry import CHALLENGER, CHAMPION
 
@@ -75,6 +75,7 @@ def rebase_onto(policy: Policy, optimizer: torch.optim.Optimizer, state: Trainer
 
     The first moment of Adam points along the abandoned line, so it is zeroed; the second moment
     (the gradient scale) stays, so the first steps after a rebase are not full-size sign steps.
+    The line (state.lineage, which the staleness filter reads) becomes the champion and its ancestors.
     The caller makes `version` the current one (Versions.adopt).
     """
     abandoned = abandoned_above(state.published, state.abandoned, version)
@@ -83,6 +84,7 @@ def rebase_onto(policy: Policy, optimizer: torch.optim.Optimizer, state: Trainer
         if "exp_avg" in slot:
             slot["exp_avg"].zero_()
     state.abandoned.extend(abandoned)
+    state.rebase_line(version)  # the champion's rows are lag 0 for the new line, its ancestors' as far behind as before
     if stream is not None:
         stream.abandoned.update(abandoned)
     log.warning("gate: policy-v%d was not kept (the champion is policy-v%d); continuing from the champion's "
@@ -143,10 +145,13 @@ class GateFollower:
             newest = self.registry().find(self.state.published[-1])
             if newest is None:
                 return None
-            if newest.tags.get("gate_decision") == "expire" and self.state.policy_version - target <= cfg.max_staleness:
+            champion_lag = self.state.lags().get(target)
+            if newest.tags.get("gate_decision") == "expire" and champion_lag is not None \
+                    and champion_lag <= cfg.max_staleness_steps:
                 # undecided at the gate's sample cap: not shown worse, so the line goes on (a new challenger
-                # follows); but once it is more than max_staleness versions ahead of the champion, the
-                # champion's and the control's rows are all stale and only a rebase lets the learner step again
+                # follows); but once the weights are more than max_staleness_steps past the champion (or the
+                # champion is off the line), the champion's rows are all stale and only a rebase lets the
+                # learner step again
                 return None
             found = self.registry().find(target) if target != 0 else None
         except Exception as exc:  # MLflow unreachable: keep training; the next read decides

@@ -5,6 +5,8 @@ Shapes (named once, used throughout):
     logp_new   [B, T]  learner logprob of each served completion token (requires grad)
     logp_old   [B, T]  behaviour logprob the serving policy reported for that token
     logp_ref   [B, T]  base-model logprob (KL anchor), no grad
+    logp_kl    [B, T]  learner logprob in logp_ref's terms (plain log-softmax) where logp_new is
+                       taken under sampling settings (temperature, top-p); logp_new otherwise
     mask       [B, T]  1.0 on trained completion tokens (loss_mask), 0.0 on padding/masked tokens
     adv        [B]     advantage of the row, broadcast over its tokens
 
@@ -60,7 +62,7 @@ class LossStats:
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, *,
                 kind: str, tis_cap: float, ppo_eps: float, token_normalizer: float,
                 logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
-                agg: str = "token") -> tuple[torch.Tensor, LossStats]:
+                agg: str = "token", logp_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
     """Scalar loss of one micro-batch and its stats.
 
     token_normalizer: the GLOBAL batch's trained-token count (agg "token") or row count ("sequence").
@@ -86,7 +88,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tens
         raise ValueError(f"unknown loss kind {kind!r} (tis or ppo)")
     kl_tok = torch.zeros_like(logp_new)
     if logp_ref is not None and kl_coef > 0:
-        d = (logp_ref - logp_new).masked_fill(mask == 0, 0.0)  # [B, T]
+        d = (logp_ref - (logp_new if logp_kl is None else logp_kl)).masked_fill(mask == 0, 0.0)  # [B, T]
         # k3 grows like exp(d): one sampled token the policy has moved far below the base (d ~ 10)
         # outweighed the whole batch (a demo step logged kl 297 and loss +115). Clamped as verl's
         # low_var_kl does: beyond KL_CLAMP a token adds a constant and no gradient.
@@ -132,75 +134,104 @@ class Baseline:
 
 def task_means(rewards: Sequence[float], task_types: Sequence[str]) -> dict[str, float]:
     """Mean reward of each task_type in the batch."""
-    by_task: dict[str, list[float]] = {}
-    for r, t in zip(rewards, task_types):
-        by_task.setdefault(t, []).append(r)
-    return {t: sum(rs) / len(rs) for t, rs in by_task.items()}
+    return {t: total / count for t, (total, count) in key_sums(rewards, task_types).items()}
 
 
-def group_means(rewards: Sequence[float], group_ids: Sequence[str | None]) -> dict[int, float]:
-    """Row index -> its group's mean reward, for the rows whose group_id is shared by >= 2 rows."""
-    groups: dict[str, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        if g is not None:
-            groups.setdefault(g, []).append(i)
-    means: dict[int, float] = {}
-    for members in groups.values():
-        if len(members) >= 2:
-            mean = sum(rewards[i] for i in members) / len(members)
-            means.update(dict.fromkeys(members, mean))
-    return means
+def key_sums(rewards: Sequence[float], keys: Sequence[str | None]) -> dict[str, tuple[float, int]]:
+    """key -> (sum of its rows' rewards, row count); rows whose key is None are left out."""
+    sums: dict[str, tuple[float, int]] = {}
+    for r, k in zip(rewards, keys):
+        if k is not None:
+            total, count = sums.get(k, (0.0, 0))
+            sums[k] = (total + r, count + 1)
+    return sums
 
 
-def scaled_by_std(adv: list[float]) -> list[float]:
-    """Advantages divided by their sample std (>= 2 rows), unchanged when that std is (nearly) 0."""
+def row_baselines(rewards: Sequence[float], task_types: Sequence[str], group_ids: Sequence[str | None],
+                  running: Baseline | None, *, group_relative: bool, batch_baseline: bool) -> list[float]:
+    """Each row's baseline, by the rule `advantages` states (the running mean as it was before this batch)."""
+    n = len(rewards)
+    groups = key_sums(rewards, group_ids) if group_relative else {}
+    types = key_sums(rewards, task_types)
+    total = sum(rewards)
+    base: list[float] = []
+    for r, t, g in zip(rewards, task_types, group_ids):
+        g_sum, g_n = groups.get(g, (0.0, 0)) if g is not None else (0.0, 0)
+        t_sum, t_n = types[t]
+        if g_n >= 2:
+            base.append((g_sum - r) / (g_n - 1))  # the other members of its group
+        elif not batch_baseline:
+            base.append(running.means.get(t, t_sum / t_n) if running is not None else 0.0)
+        elif t_n >= 2:
+            base.append((t_sum - r) / (t_n - 1))  # the other rows of its task_type
+        elif running is not None and t in running.means:
+            base.append(running.means[t])  # alone in its task_type: what earlier batches of it earned
+        elif n >= 2:
+            base.append((total - r) / (n - 1))  # ... and never seen before: every other row of the batch
+        else:
+            base.append(r)  # the only row of the batch: nothing to compare it with
+    return base
+
+
+def std_scale(adv: Sequence[float]) -> float:
+    """The sample std of the advantages (>= 2 rows), or 1.0 when it is (nearly) 0 or there is one row."""
     n = len(adv)
+    if n < 2:
+        return 1.0
     mean = sum(adv) / n
     std = math.sqrt(sum((a - mean) ** 2 for a in adv) / (n - 1))
     # scale only: the baseline already centres the advantages, and re-centring would undo it.
     # Equal rewards (std 0) are not scaled: dividing by 1e-6 turned a batch of all-failed rows
     # (a collapsing run) into advantages of -2e5, a full-size step of "push everything down".
-    return [a / std for a in adv] if std > 1e-3 else adv
+    return std if std > 1e-3 else 1.0
 
 
 def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: Sequence[str | None],
                baseline: Baseline | None, *, group_relative: bool, normalize: bool,
-               batch_baseline: bool = False, positive_only: bool = False) -> list[float]:
+               batch_baseline: bool = False, positive_only: bool = False,
+               penalties: Sequence[float] | None = None) -> list[float]:
     """Per-row advantages of one global batch; updates the running baseline with this batch.
 
-    Rows whose group_id is shared by >= 2 rows of the batch use their group's mean reward as the
-    baseline (group-relative, as in GRPO); the others use the batch mean of their task_type
-    (batch_baseline), else the running mean of their task_type (the batch mean the first time it
-    is seen), or 0 without a baseline.
-
+    Baselines, all leave-one-out where they come from the batch: a row whose group_id is shared by
+    >= 2 rows uses the mean of the OTHER members of its group (group-relative, as in GRPO); the others,
+    with batch_baseline, the mean of the other rows of their task_type. A row alone in its task_type
+    takes that task_type's running mean (when `baseline` has seen it), else the mean of every other row
+    of the batch; the only row of a batch gets advantage 0. Without batch_baseline: the running mean of
+    the task_type (the batch mean the first time it is seen), or 0 without a baseline.
+    Why leave-one-out: with the row inside its own baseline, its reward pulls the baseline toward
+    itself (the baseline is then correlated with the row, and the gradient biased); without it the
+    baseline is independent of the row. With n rows the LOO advantage is n/(n-1) times the
+    mean-centred one, and a task_type's advantages still sum to zero in every step.
     Why a batch baseline: a running mean lags a policy that changes. When success fell after a bad
     step, the lagging mean made nearly every advantage negative, the next step pushed every sampled
     token down, success fell further: on the demo's task, sampled on-policy at lr 1e-3, from 31% to
     6% in 3 steps.
-    The batch mean makes the advantages of each task_type sum to zero in every step.
 
+    penalties: each row's r_penalty (<= 0; the part of its reward that is penalties; positive values
+    are ignored). The baseline advantage A is computed on the reward WITHOUT the penalty (the others'
+    baselines too); a penalised row then gets min(A, 0) + r_penalty, so it is never reinforced, however
+    well its session ended (a malformed first call of a session that succeeds).
+    normalize: every advantage is divided by the one std of the A's (penalties included afterwards).
     positive_only: advantages below 0 become 0, so only rows better than their baseline are
-    reinforced (and the learner skips the rest). Pushing down the tokens of failed rows is what
+    reinforced (and the learner skips the rest); a penalised row keeps its penalty (its min(A, 0)
+    part is dropped like every negative A). Pushing down the tokens of failed rows is what
     collapsed the demo's tiny policy: with few successes the push-downs dominated, malformed calls
     rose from 15% to 47% of rows in ten versions and success fell from 21% to 0%.
     """
     n = len(rewards)
-    assert n == len(task_types) == len(group_ids), "rewards, task_types and group_ids differ in length"
-    batch_means = task_means(rewards, task_types)
-    in_group = group_means(rewards, group_ids) if group_relative else {}
-    base = [0.0] * n
-    for i, t in enumerate(task_types):
-        if i in in_group:
-            base[i] = in_group[i]
-        elif batch_baseline:
-            base[i] = batch_means[t]
-        elif baseline is not None:
-            base[i] = baseline.means.get(t, batch_means[t])
-    adv = [r - b for r, b in zip(rewards, base)]
+    pen = [min(float(p), 0.0) for p in penalties] if penalties is not None else [0.0] * n
+    assert n == len(task_types) == len(group_ids) == len(pen), "rewards, task_types, group_ids and penalties differ in length"
+    earned = [r - p for r, p in zip(rewards, pen)]  # the reward without its penalties
+    base = row_baselines(earned, task_types, group_ids, baseline, group_relative=group_relative,
+                         batch_baseline=batch_baseline)
+    adv = [r - b for r, b in zip(earned, base)]
     if baseline is not None:
-        baseline.update(batch_means)  # after the rows read it: their running baseline is that of earlier batches
-    if normalize and n > 1:
-        adv = scaled_by_std(adv)
-    if positive_only:
-        adv = [max(a, 0.0) for a in adv]
-    return adv
+        baseline.update(task_means(earned, task_types))  # after the rows read it: theirs is that of earlier batches
+    scale = std_scale(adv) if normalize else 1.0
+    out: list[float] = []
+    for a, p in zip(adv, pen):
+        kept = max(a, 0.0) if positive_only else a
+        if p < 0:
+            kept = min(kept, 0.0) + p  # never reinforced; under positive_only kept is already >= 0, so 0 + p
+        out.append(kept / scale)
+    return out

@@ -4,6 +4,14 @@
 are concatenated without re-tokenisation, right-padded, and each completion token's logprob is
 read from the position before it. In float32 this matches vLLM's logprobs of the same tokens
 within 1e-3 (tests/integration/test_learner_parity.py).
+
+Sampling settings. The behaviour logprobs are vLLM's processed ones (`--logprobs-mode
+processed_logprobs`): the log-probability of the distribution each token was actually drawn
+from, after temperature, top-k and top-p. So the learner scores tokens under the same
+processing, from each row's logged sampling parameters (`processed_log_softmax`); rows at
+temperature 1 without truncation take the plain log-softmax, exactly as before. Rows whose
+settings cannot be reproduced (greedy, min_p, penalties, logit_bias) never get here: the episode
+stream refuses them (learner/data.py `unsupported_sampling`).
 """
 
 from __future__ import annotations
@@ -170,6 +178,42 @@ class Packed:
     targets: torch.Tensor  # [B, T] completion token ids (0 on padding)
     mask: torch.Tensor  # [B, T] loss_mask, 0 on padding
     logp_old: torch.Tensor  # [B, T] behaviour logprobs, 0 on padding
+    sampling: Sampling | None = None  # None: every row at temperature 1 without truncation
+
+
+@dataclass
+class Sampling:
+    """Each row's sampling parameters as vLLM applies them (a row without a setting holds the neutral value)."""
+
+    temperature: torch.Tensor  # [B] float32, > 0
+    top_k: torch.Tensor  # [B] long, 0 (or V and more): off
+    top_p: torch.Tensor  # [B] float32, 1.0: off
+
+
+# vLLM's defaults for a key the request left out (its SamplingParams; top_k 0 or -1 means off)
+NEUTRAL_SAMPLING = (1.0, 0, 1.0)
+
+
+def sampling_values(sampling: dict[str, Any] | None) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a row's logged sampling parameters; a missing or null key is vLLM's default.
+
+    Assumes `unsupported_sampling(sampling)` (learner/data.py) is None: the values are valid numbers.
+    """
+    s = sampling or {}
+    temperature = float(s["temperature"]) if s.get("temperature") is not None else NEUTRAL_SAMPLING[0]
+    top_k = int(s["top_k"]) if s.get("top_k") is not None else NEUTRAL_SAMPLING[1]
+    top_p = float(s["top_p"]) if s.get("top_p") is not None else NEUTRAL_SAMPLING[2]
+    return temperature, max(top_k, 0), top_p
+
+
+def pack_sampling(episodes: Sequence[Episode]) -> Sampling | None:
+    """The rows' sampling tensors, or None when every row is neutral (the plain log-softmax applies)."""
+    values = [sampling_values(e.sampling) for e in episodes]
+    if all(v == NEUTRAL_SAMPLING for v in values):
+        return None
+    return Sampling(temperature=torch.tensor([t for t, _, _ in values], dtype=torch.float32),
+                    top_k=torch.tensor([k for _, k, _ in values], dtype=torch.long),
+                    top_p=torch.tensor([p for _, _, p in values], dtype=torch.float32))
 
 
 def pack(episodes: Sequence[Episode], device: torch.device) -> Packed:
@@ -193,18 +237,87 @@ def pack(episodes: Sequence[Episode], device: torch.device) -> Packed:
         targets[i, :C] = torch.tensor(e.completion_ids)
         mask[i, :C] = torch.tensor(e.loss_mask, dtype=torch.float32)
         logp_old[i, :C] = torch.tensor(e.behaviour_logprobs, dtype=torch.float32)
+    sampling = pack_sampling(episodes)
+    if sampling is not None:
+        sampling = Sampling(sampling.temperature.to(device), sampling.top_k.to(device), sampling.top_p.to(device))
     return Packed(input_ids.to(device), attention.to(device), gather_pos.to(device), targets.to(device),
-                  mask.to(device), logp_old.to(device))
+                  mask.to(device), logp_old.to(device), sampling)
 
 
-def token_logprobs(module: torch.nn.Module, packed: Packed) -> torch.Tensor:
-    """[B, T] logprob of each completion token under `module` (float32 log-softmax)."""
+def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """[B, T, V] True where vLLM's top-k then top-p drop the token; None when no row truncates.
+
+    scaled: [B, T, V] temperature-scaled logits; top_k, top_p: [B]. The rules of vLLM's sampler
+    (v1/sample/ops/topk_topp_sampler.py, apply_top_k_top_p_pytorch): top-k keeps every logit >=
+    the k-th largest (ties kept); top-p then renormalises what top-k kept, sorts ascending and
+    drops the tokens whose cumulative probability is <= 1 - p (the largest always stays), i.e. it
+    keeps each token whose strictly more probable tokens hold less than p, the smallest set
+    reaching p. Without gradient: the set is a constant of the step, like vLLM's.
+    """
+    V = scaled.shape[-1]
+    k_on, p_on = (top_k > 0) & (top_k < V), top_p < 1.0  # [B]: vLLM's own "is it on" tests
+    if not (bool(k_on.any()) or bool(p_on.any())):
+        return None
+    with torch.no_grad():
+        srt, order = scaled.sort(dim=-1)  # [B, T, V] ascending
+        k = torch.where(k_on, top_k, V)[:, None, None].expand(-1, srt.shape[1], 1)  # [B, T, 1]
+        kth = srt.gather(-1, V - k)  # [B, T, 1] the k-th largest logit
+        drop = (srt < kth) & k_on[:, None, None]
+        cum = srt.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)  # [B, T, V]
+        drop_p = cum <= (1.0 - top_p)[:, None, None]
+        drop_p[..., -1] = False
+        drop |= drop_p & p_on[:, None, None]
+        return torch.zeros_like(drop).scatter(-1, order, drop)
+
+
+def processed_log_softmax(logits: torch.Tensor, sampling: Sampling, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T, V] log-probabilities of the distribution vLLM samples from: logits / T, top-k, top-p, renormalised.
+
+    logits: [B, T, V] float32. keep: [B, T] token ids never truncated (the served tokens: the
+    behaviour drew them, so they lay in its truncation set; a policy that has moved since must not
+    give one -inf, which would turn the loss's ratio * logp into 0 * inf).
+    Gradients flow through the renormalised log-softmax of the kept tokens.
+    """
+    scaled = logits / sampling.temperature[:, None, None]  # [B, T, V]
+    drop = truncation_mask(scaled, sampling.top_k, sampling.top_p)
+    if drop is None:
+        return torch.log_softmax(scaled, dim=-1)
+    if keep is not None:
+        drop = drop.scatter(-1, keep[:, :, None], False)
+    return torch.log_softmax(scaled.masked_fill(drop, float("-inf")), dim=-1)
+
+
+def completion_logits(module: torch.nn.Module, packed: Packed) -> torch.Tensor:
+    """[B, T, V] float32 logits at the positions that predict the completion tokens."""
     out = module(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False)
     logits: torch.Tensor = out.logits  # [B, L, V]
     idx = packed.gather_pos[:, :, None].expand(-1, -1, logits.shape[-1])  # [B, T, V]
-    picked = torch.gather(logits, 1, idx).float()  # [B, T, V]: only the completion positions
-    logp = torch.log_softmax(picked, dim=-1)  # [B, T, V]
+    return torch.gather(logits, 1, idx).float()  # [B, T, V]: only the completion positions
+
+
+def target_logprobs(picked: torch.Tensor, packed: Packed, processed: bool = True) -> torch.Tensor:
+    """[B, T] logprob of each completion token from its logits `picked` [B, T, V].
+
+    processed: under each row's sampling parameters (what the behaviour logprobs are); False:
+    the plain log-softmax (the model itself: the KL anchor, vLLM's prompt_logprobs).
+    """
+    if processed and packed.sampling is not None:
+        logp = processed_log_softmax(picked, packed.sampling, keep=packed.targets)  # [B, T, V]
+    else:
+        logp = torch.log_softmax(picked, dim=-1)  # [B, T, V]
     return torch.gather(logp, 2, packed.targets[:, :, None]).squeeze(-1)  # [B, T]
+
+
+def token_logprobs(module: torch.nn.Module, packed: Packed, processed: bool = True) -> torch.Tensor:
+    """[B, T] logprob of each completion token under `module` (float32; see target_logprobs for `processed`)."""
+    return target_logprobs(completion_logits(module, packed), packed, processed)
+
+
+def token_logprobs_and_raw(module: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T] processed, [B, T] plain) logprobs from one forward; the same tensor twice when no row is processed."""
+    picked = completion_logits(module, packed)
+    logp = target_logprobs(picked, packed)
+    return logp, (logp if packed.sampling is None else target_logprobs(picked, packed, processed=False))
 
 
 def describe(policy: Policy) -> dict[str, Any]:

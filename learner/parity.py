@@ -78,7 +78,7 @@ def served_gap(policy: Policy, episodes: Sequence[Episode], vllm_url: str, model
     if not episodes:
         return Gap(0, 0.0, 0.0)
     packed = pack(episodes, policy.device)
-    logp = token_logprobs(policy.module, packed)
+    logp = token_logprobs(policy.module, packed, processed=False)  # prompt_logprobs are the plain log-softmax
     served = torch.zeros_like(logp)
     full = torch.zeros_like(packed.mask)
     for i, e in enumerate(episodes):

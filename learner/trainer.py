@@ -21,7 +21,13 @@ from flywheel.learner.checkpoint import TrainerState
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.data import Episode
 from flywheel.learner.loss import LossStats, policy_loss
-from flywheel.learner.model import Packed, Policy, pack, token_logprobs
+from flywheel.learner.model import (
+    Packed,
+    Policy,
+    pack,
+    token_logprobs,
+    token_logprobs_and_raw,
+)
 
 Plan = list[tuple[Episode, float]]  # the global batch: (episode, advantage)
 
@@ -56,7 +62,7 @@ class MicroBatch:
     episodes: list[Episode]
     packed: Packed
     adv: torch.Tensor  # [B]
-    logp_ref: torch.Tensor | None  # [B, T] base-model logprobs (KL term only)
+    logp_ref: torch.Tensor | None  # [B, T] base-model logprobs, plain log-softmax (KL term only)
 
 
 @dataclass
@@ -89,7 +95,8 @@ def rows_worth_running(plan: Plan, kl_coef: float, world_size: int) -> Plan:
     """The rows worth a forward/backward: without a KL term a row of advantage 0 adds exactly 0 to the gradient.
 
     Under `--positive-only` that is every row at or below its baseline (70-80% of the rows in the
-    positive-only demo runs), so the step costs about a quarter. The normalizer still counts every row of `plan`, so the
+    positive-only demo runs), so the step costs about a quarter; a penalised row has a negative
+    advantage there (loss.advantages) and is run. The normalizer still counts every row of `plan`, so the
     gradient is the same as running them all; the step's ratio/clip/gap stats cover the rows run.
     Rows of advantage 0 pad the list to one per rank: DDP needs a backward on every rank.
     """
@@ -171,8 +178,10 @@ class Trainer:
             adv = torch.tensor([a for _, a in chunk], dtype=torch.float32, device=device)  # [B]
             logp_ref = None
             if cfg.kl_coef > 0:
+                # the anchor compares the models themselves, not their truncated sampling
+                # distributions: a served token outside the base's top-p set would make it infinite
                 with torch.no_grad(), self.policy.reference() as ref:
-                    logp_ref = token_logprobs(ref, packed)  # [B, T]
+                    logp_ref = token_logprobs(ref, packed, processed=False)  # [B, T]
             out.append(MicroBatch([e for e, _ in chunk], packed, adv, logp_ref))
         return out
 
@@ -187,11 +196,16 @@ class Trainer:
             # DDP all-reduces at the last micro-batch's backward only: the earlier ones just accumulate
             accumulate = world.distributed and j < len(micro) - 1
             with self.ddp.no_sync() if accumulate else contextlib.nullcontext():
-                logp = token_logprobs(self.ddp, mb.packed)  # [B, T]
+                # logp under each row's sampling settings (the behaviour logprobs' terms); logp_raw,
+                # the plain log-softmax, is what the KL term compares with logp_ref
+                if mb.logp_ref is not None:
+                    logp, logp_raw = token_logprobs_and_raw(self.ddp, mb.packed)  # [B, T] each
+                else:
+                    logp, logp_raw = token_logprobs(self.ddp, mb.packed), None
                 # DDP averages gradients over ranks; dividing by tokens/world makes the average a global sum/tokens
                 loss, s = policy_loss(logp, mb.packed.logp_old, mb.packed.mask, mb.adv, kind=cfg.loss,
                                       tis_cap=cfg.tis_cap, ppo_eps=cfg.ppo_eps, token_normalizer=normalizer / world.size,
-                                      logp_ref=mb.logp_ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
+                                      logp_ref=mb.logp_ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg, logp_kl=logp_raw)
                 loss.backward()
             stats.add(s)
             loss_sum += float(loss.detach()) / world.size

@@ -1,7 +1,8 @@
 """Policy versions of the learner: when one is due, writing policy-v<N>/, handing it to serving.
 
 A version is due every publish_every_steps steps or publish_every_s seconds (with
-publish_wait_for_gate, the step count waits for the gate's verdict on the previous one). It is
+publish_wait_for_gate, the step count waits for the gate's verdict on the previous one, at most
+publish_supersede_s). It is
 written as var/policies/policy-v<N>/ (weights + policy.json) into a temp directory renamed in
 place (flywheel.base.atomic), becomes the learner's current version, and is handed to
 `flywheel.serving.publisher.publish`, which pushes it to every vLLM server and registers it in
@@ -113,9 +114,19 @@ class Versions:
         cfg = self.cfg
         by_steps = cfg.publish_every_steps > 0 and self.state.step - self.state.last_published_step >= cfg.publish_every_steps
         by_time = cfg.publish_every_s > 0 and time.monotonic() - self.last_publish_time >= cfg.publish_every_s
-        if by_steps and not by_time and cfg.publish_wait_for_gate and not gate_ruled:
+        if by_steps and not by_time and cfg.publish_wait_for_gate and not gate_ruled and not self.supersedes():
             return False  # the steps go on; the version waits until the gate has judged the one before
         return by_steps or by_time
+
+    def supersedes(self) -> bool:
+        """The gate has had publish_supersede_s to judge the newest version and has not: the next may replace it.
+
+        Ending an undecided test promotes nothing, so it cannot add a false promotion (each challenger's
+        sequential test holds its alpha whenever it stops); what it saves is the champion's slot being held
+        by an early version the gate cannot tell apart from the champion while better ones wait.
+        """
+        limit = self.cfg.publish_supersede_s
+        return limit > 0 and time.monotonic() - self.last_publish_time >= limit
 
     def next_version(self) -> int:
         return next_version(self.cfg.policies_dir, self.state.policy_version)
@@ -125,6 +136,7 @@ class Versions:
         range starts empty (after a rebase too: the steps before it trained weights the learner left)."""
         self.state.policy_version = version
         self.state.last_published_step = self.state.step
+        self.state.lineage[version] = self.state.step  # its rows lag 0 now (a rebase cut the line first: gate.rebase_onto)
         self.state.since_parent = {}
         self.last_publish_time = time.monotonic()
 

@@ -43,18 +43,26 @@ class DemoConfig:
                                       "8e-4 and 1e-3 fell back within 10 steps)")
     learner_kl: float = setting(0.0, "learner KL coefficient to policy-v0 (0.1 kept signed advantages from drifting into broken "
                                      "JSON but halved the climb; positive-only advantages and the gate keep the policy sane without it)")
-    learner_baseline: str = setting("batch", "learner reward baseline: batch (the batch mean per task type, tool_use.add ...), "
-                                             "running or none")
+    learner_baseline: str = setting("batch", "learner reward baseline: batch (leave-one-out: the mean of the other rows of the "
+                                             "task type in the batch, tool_use.add ...), running or none")
     learner_positive_only: bool = setting(True, "reinforce only rows above their task type's batch mean; pushing failed rows "
                                                 "down drove the tiny policy into broken calls (README runs b, g, l)")
     learner_epochs: int = setting(1, "learner passes over each batch (> 1 switches its loss to PPO's clipped ratio); the "
                                      "learner trains every episode as it arrives, so traffic, not compute, sets its pace")
-    learner_max_staleness: int = setting(2, "versions an episode may lag before the learner drops it (it takes the newest first)")
+    learner_max_staleness_steps: int = setting(20, "learner steps an episode may lag the learner's weights, along its line, before "
+                                                   "it is dropped (it takes the newest first). 20: about the old limit of 2 versions "
+                                                   "at publish_every_steps 10, and room for the steps trained while the gate judges "
+                                                   "the newest version (it must be >= publish_every_steps)")
     learner_threads: int = setting(1, "the learner's torch CPU threads (1: its cores are shared with vLLM; 2 threads ran 5-20x slower)")
-    publish_every_steps: int = setting(3, "learner steps between published versions")
+    publish_every_steps: int = setting(10, "learner steps between published versions (about two minutes of traffic: the "
+                                            "first version at 3 steps was barely better than the base, and held the "
+                                            "challenger slot undecided for 500 sessions in runs t, u and v)")
     publish_wait_for_gate: bool = setting(True, "a new version waits until the gate has ruled on the last (a new challenger "
                                                 "replaces the last on the free server: with a fast learner the gate judged "
                                                 "only 4 of 41 versions before the next replaced them)")
+    publish_supersede_s: float = setting(300.0, "... but at most this long: a challenger still undecided after 300 s (about "
+                                                "350 of its sessions) is replaced by the learner's newer version (ending a "
+                                                "test undecided promotes nothing; 0: wait for the verdict)")
     publish_every_s: float = setting(0.0, "also publish after this many seconds, whatever the gate (0: never; a version "
                                           "published by time replaces the challenger under test, and the gate needs "
                                           "100-500 of its sessions to decide)")
@@ -235,11 +243,12 @@ def learner_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]
             "--cpu-threads", str(cfg.learner_threads), "--newest-first", "--loss-agg", "sequence",
             "--kl-coef", str(cfg.learner_kl), "--baseline", cfg.learner_baseline,
             *(["--positive-only"] if cfg.learner_positive_only else ["--no-positive-only"]),
-            "--max-staleness", str(cfg.learner_max_staleness),
+            "--max-staleness-steps", str(cfg.learner_max_staleness_steps),
             "--epochs", str(cfg.learner_epochs), "--loss", "ppo" if cfg.learner_epochs > 1 else "tis",
             "--run-dir", str(run.learner_dir), "--policies-dir", str(run.policies_dir),
             "--publish-every-steps", str(cfg.publish_every_steps),
             "--publish-wait-for-gate" if cfg.publish_wait_for_gate else "--no-publish-wait-for-gate",
+            "--publish-supersede-s", str(cfg.publish_supersede_s),
             "--publish-every-s", str(cfg.publish_every_s), "--vllm-url", ends.vllm_url,
             "--registered-model", run.registered_model, "--mlflow-tracking-uri", ends.tracking_uri,
             "--experiment", f"{run.run_id}-learner", "--var-dir", str(run.var_dir)]

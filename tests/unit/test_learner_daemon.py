@@ -108,15 +108,21 @@ def test_empty_stream_waits_with_backoff_and_stops_on_request(tmp_path: Path, mo
 
 
 def test_stale_episodes_never_reach_a_step(tmp_path: Path, model_dir: Path) -> None:
-    write_episodes(tmp_path / "lake", random_rows(8, seed=1, policy_version=0), seq=0)
-    write_episodes(tmp_path / "lake", random_rows(8, seed=2, policy_version=9), seq=1)
-    cfg = _cfg(tmp_path, model_dir, start_version=10, max_staleness=2)
+    # v9 is not on this learner's line (it starts at v10); v10's rows lag 0, 1, 2, 3 learner steps at steps 1-4
+    write_episodes(tmp_path / "lake", random_rows(8, seed=1, policy_version=9), seq=0)
+    for seq in range(1, 5):
+        write_episodes(tmp_path / "lake", random_rows(8, seed=1 + seq, policy_version=10), seq=seq)
+    cfg = _cfg(tmp_path, model_dir, start_version=10, max_staleness_steps=2)
     assert run(cfg) == 0
     log = checkpoint.read_trained(tmp_path / "run")
     trained = {i for line in log for i in line["episode_ids"]}
-    assert trained == {r["episode_id"] for r in random_rows(8, seed=2)}, "only the version-9 rows (lag 1 <= K=2)"
+    expected = {r["episode_id"] for seed in (2, 3, 4) for r in random_rows(8, seed=seed)}
+    assert [line["step"] for line in log] == [1, 2, 3] and trained == expected, \
+        "v10's rows while they lag <= 2 steps (policy-v11 at step 2 does not reset their lag); v9's never"
     state, _ = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
-    assert state.cursor == {"synthetic/0": 1}, "dropped rows are consumed: the cursor moves past them"
+    # file 0's rows were all dropped and files 1-3 trained by step 3's checkpoint (file 4 was dropped after it)
+    assert state.cursor == {"synthetic/0": 3}, "dropped rows are consumed: the cursor moves past them"
+    assert state.lineage == {10: 0, 11: 2}, state.lineage
 
 
 @pytest.mark.parametrize("variant", [dict(loss="ppo", kl_coef=0.1), dict(mode="full", lr=1e-4),
@@ -157,7 +163,7 @@ def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Pa
     rows = random_rows(8, seed=3, vocab_size=512)
     write_episodes(tmp_path / "lake", rows, seq=0)
     learner.stream.poll()  # type: ignore[union-attr]
-    batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
+    batch, _ = learner.stream.take(8, learner.state.lags(), 4)  # type: ignore[union-attr]
     learner.train_step(learner.plan(batch))
     assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4), "the first step runs at lr / warmup_steps"
     assert Learner(_cfg(tmp_path / "b", model_dir, warmup_steps=0)).trainer.warmup_factor() == 1.0
@@ -172,7 +178,7 @@ def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_pa
     for name, skip in (("skip", True), ("all", False)):
         learner = Learner(_cfg(tmp_path / name, model_dir, lake_root=str(tmp_path / "lake"), loss_agg="sequence"))
         learner.stream.poll()  # type: ignore[union-attr]
-        batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
+        batch, _ = learner.stream.take(8, learner.state.lags(), 4)  # type: ignore[union-attr]
         plan = [(e, a if i % 3 else 0.0) for i, (e, a) in enumerate(zip(batch, [0.5, -1.0, 2.0, 1.5] * 2))]
         if not skip:
             learner.trainer.rows_to_run = lambda p: p  # type: ignore[method-assign]
@@ -206,7 +212,7 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
     write_episodes(tmp_path / "lake", random_rows(16, seed=5, vocab_size=512), seq=0)
     learner = Learner(_cfg(tmp_path, model_dir, mode=mode, lr=1e-3, warmup_steps=0))
     learner.stream.poll()  # type: ignore[union-attr]
-    batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
+    batch, _ = learner.stream.take(8, learner.state.lags(), 4)  # type: ignore[union-attr]
     learner.train_step(learner.plan(batch))
     champion = {k: v.clone() for k, v in learner.policy.weights_state().items()}
     learner.versions.write()  # policy-v1: the champion-to-be
@@ -221,6 +227,7 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
         assert torch.allclose(now[key], value, atol=1e-6), f"{key} is not policy-v1's after the rebase"
     assert learner.state.policy_version == 1 and learner.state.abandoned == [2]
     assert learner.stream is not None and learner.stream.abandoned == {2}
+    assert learner.state.lags() == {0: 1, 1: 0}, "the champion's rows lag 0; v0 stays 1 step behind it; v2 is off the line"
     assert all(float(s["exp_avg"].abs().sum()) == 0.0 for s in learner.optimizer.state.values()), \
         "Adam's first moment still points along the abandoned line"
     assert all(float(s["exp_avg_sq"].abs().sum()) > 0.0 for s in learner.optimizer.state.values())
@@ -235,6 +242,7 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
     else:
         assert all(float(v.abs().sum()) == 0.0 for k, v in learner.policy.weights_state().items() if "lora_B" in k)
     assert learner.state.abandoned == [2, 1], "back at v0 (a rollback), the weights descend from neither"
+    assert learner.state.lags() == {0: 0}, learner.state.lineage
 
 
 def test_with_wait_for_gate_a_version_is_published_only_after_the_gate_ruled_on_the_last(tmp_path: Path,
@@ -285,7 +293,7 @@ def test_epochs_reuse_each_batch_under_the_clipped_ratio_only(tmp_path: Path, mo
         learner = Learner(_cfg(tmp_path / f"e{epochs}", model_dir, lake_root=str(tmp_path / "lake"), loss="ppo",
                                epochs=epochs, mode="full", lr=1e-3, warmup_steps=0))
         learner.stream.poll()  # type: ignore[union-attr]
-        batch, _ = learner.stream.take(8, 0, 4)  # type: ignore[union-attr]
+        batch, _ = learner.stream.take(8, learner.state.lags(), 4)  # type: ignore[union-attr]
         results[epochs] = learner.train_step(learner.plan(batch))
         weights[epochs] = learner.policy.weights_state()
         adam_steps = {int(s["step"]) for s in learner.optimizer.state.values()}
@@ -296,3 +304,19 @@ def test_epochs_reuse_each_batch_under_the_clipped_ratio_only(tmp_path: Path, mo
     assert abs(results[3].ratio_mean - results[1].ratio_mean) > 1e-3
     assert results[3].clip_frac > results[1].clip_frac
     assert any(not torch.equal(weights[1][k], weights[3][k]) for k in weights[1])
+
+
+def test_a_version_due_while_every_row_is_stale_is_published_without_a_step(tmp_path: Path, model_dir: Path) -> None:
+    from flywheel.learner.daemon import Learner
+
+    # the learner stepped past the served version while the gate judged the last one: its rows are stale,
+    # no step can come, and the version now due must not wait for one
+    learner = Learner(_cfg(tmp_path, model_dir, publish_every_steps=2, max_staleness_steps=2))
+    learner.state.step = 3
+    learner.publish_while_waiting()
+    assert learner.state.policy_version == 1 and learner.state.lags() == {0: 3, 1: 0}, learner.state.lineage
+    assert (tmp_path / "policies" / "policy-v1" / "policy.json").is_file()
+    assert checkpoint.load_latest(tmp_path / "run")[0].policy_version == 1, "checkpointed with the new version"  # type: ignore[index]
+    learner._publish_checked = 0.0
+    learner.publish_while_waiting()
+    assert learner.state.published == [1], "nothing trained since: nothing to publish"

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from bench.fixtures.episodes import episode_row, random_rows, write_episodes
+from flywheel.learner.checkpoint import TrainerState
 from flywheel.learner.data import EpisodeStream, parse_row
 
 
@@ -27,7 +28,7 @@ def test_corrupt_rows_are_skipped_with_a_reason(tmp_path: Path, caplog) -> None:
     assert s.counters["corrupt"] == 4
     text = caplog.text
     assert "bad-len: lengths differ" in text and "bad-nan" in text and "bad-vocab" in text and "masked" in text
-    batch, _ = s.take(10, current_version=0, max_staleness=2)
+    batch, _ = s.take(10, {0: 0}, max_staleness_steps=2)
     assert [e.episode_id for e in batch] == [good[0]["episode_id"], good[1]["episode_id"]]
 
 
@@ -38,15 +39,29 @@ def test_parse_row_rejects_positive_logprobs_and_nan_reward() -> None:
     assert "reward" in parse_row(row, 512, 64)
 
 
-def test_stale_rows_are_dropped_and_counted(tmp_path: Path) -> None:
+def test_stale_rows_are_dropped_and_counted_by_learner_steps(tmp_path: Path) -> None:
     rows = random_rows(3, seed=1, policy_version=1) + random_rows(4, seed=2, policy_version=5)
     write_episodes(tmp_path, rows, seq=0)
     s = _stream(tmp_path)
     s.poll()
-    assert s.trainable(current_version=6, max_staleness=2) == 4
-    assert s.drop_stale(6, 2) == 3
-    batch, stats = s.take(10, 6, 2)
-    assert len(batch) == 4 and stats.lags == {1: 4} and s.counters["stale"] == 3
+    lags = TrainerState(step=13, policy_version=5, lineage={1: 0, 5: 12}).lags()  # v1 13 steps back, v5 1 step
+    assert s.trainable(lags, max_staleness_steps=8) == 4
+    assert s.drop_stale(lags, 8) == 3
+    batch, stats = s.take(10, lags, 8)
+    assert len(batch) == 4 and stats.lags == {1: 4} and s.counters["stale"] == 3, (stats, s.counters)
+
+
+def test_a_version_off_the_learners_line_is_stale_and_the_champion_is_fresh(tmp_path: Path) -> None:
+    # v2 is the champion the learner rebased onto 4 steps ago and v6 the version it published 3 steps later;
+    # v4 is not on its line (abandoned before the rebase, or never this learner's)
+    rows = random_rows(2, seed=1, policy_version=2) + random_rows(3, seed=2, policy_version=4)
+    rows += random_rows(1, seed=3, policy_version=6)
+    write_episodes(tmp_path, rows, seq=0)
+    s = _stream(tmp_path)
+    s.poll()
+    batch, stats = s.take(10, {2: 4, 6: 1}, 4)
+    assert sorted(e.policy_version for e in batch) == [2, 2, 6] and stats.stale == 3, stats
+    assert stats.lags == {4: 2, 1: 1}, "lags in steps: the version numbers (2 and 6) say nothing of it"
 
 
 def test_newest_first_trains_the_latest_rows_and_the_backlog_ages_out(tmp_path: Path) -> None:
@@ -55,13 +70,13 @@ def test_newest_first_trains_the_latest_rows_and_the_backlog_ages_out(tmp_path: 
     s = _stream(tmp_path)
     s.poll()
     newest = {p.episode.episode_id for p in s.pending[-3:]}
-    batch, stats = s.take(3, current_version=2, max_staleness=2, newest_first=True)
+    batch, stats = s.take(3, {0: 2, 2: 0}, max_staleness_steps=2, newest_first=True)
     assert {e.episode_id for e in batch} == newest and stats.lags == {0: 3}
     s.mark_trained(batch)
     assert s.cursor == {}, "file 0's rows are still pending: the cursor must not pass it"
     assert [p.episode.policy_version for p in s.pending] == [0, 0, 0, 0]
     # the learner moves on: the untrained backlog is now too old and is dropped, counted, and consumed
-    assert s.drop_stale(current_version=3, max_staleness=2) == 4 and s.counters["stale"] == 4
+    assert s.drop_stale({0: 3, 2: 1}, max_staleness_steps=2) == 4 and s.counters["stale"] == 4
     assert old.key == new.key and s.cursor == {new.key: 1}  # both files consumed: the cursor is past the last
     s2 = _stream(tmp_path, cursor=s.cursor, trained=s.trained)
     assert s2.poll() == 0 and not s2.pending  # a restart re-reads nothing
@@ -72,14 +87,14 @@ def test_cursor_passes_a_file_only_when_all_its_rows_are_consumed(tmp_path: Path
     write_episodes(tmp_path, random_rows(3, seed=2), seq=1)
     s = _stream(tmp_path)
     s.poll()
-    batch, _ = s.take(4, 0, 2)  # all of file 0, one row of file 1
+    batch, _ = s.take(4, {0: 0}, 2)  # all of file 0, one row of file 1
     s.mark_trained(batch)
     assert s.cursor == {f0.key: 0}, s.cursor
     # a restart from this cursor and trained set re-reads file 1 but never returns a trained row
     again = _stream(tmp_path, cursor=s.cursor, trained=s.trained)
     assert again.poll() == 2
     assert again.counters["duplicate"] == 1
-    rest, _ = again.take(10, 0, 2)
+    rest, _ = again.take(10, {0: 0}, 2)
     assert {e.episode_id for e in rest}.isdisjoint(e.episode_id for e in batch)
     again.mark_trained(rest)
     assert again.cursor == {f0.key: 1}
@@ -91,7 +106,7 @@ def test_relabel_policy_newest_label_if_pending_never_twice(tmp_path: Path) -> N
     write_episodes(tmp_path, [{**row, "label_version": 2, "reward": 7.0}], seq=1)
     s = _stream(tmp_path)
     s.poll()
-    batch, _ = s.take(10, 0, 2)
+    batch, _ = s.take(10, {0: 0}, 2)
     assert len(batch) == 1 and batch[0].reward == 7.0 and batch[0].label_version == 2
     s.mark_trained(batch)
     assert s.cursor == {"synthetic/0": 1}, "the replaced row's file is consumed too"
@@ -101,7 +116,7 @@ def test_relabel_policy_newest_label_if_pending_never_twice(tmp_path: Path) -> N
 
 def test_empty_or_missing_lake_is_just_empty(tmp_path: Path) -> None:
     s = _stream(tmp_path / "nothing-here")
-    assert s.poll() == 0 and s.take(5, 0, 1)[0] == []
+    assert s.poll() == 0 and s.take(5, {0: 0}, 1)[0] == []
 
 
 def test_rows_of_abandoned_versions_are_stale_whatever_their_lag(tmp_path: Path) -> None:
@@ -111,6 +126,7 @@ def test_rows_of_abandoned_versions_are_stale_whatever_their_lag(tmp_path: Path)
     write_episodes(tmp_path, rows, seq=0)
     s = _stream(tmp_path, abandoned={3, 4})
     s.poll()
-    assert s.trainable(current_version=5, max_staleness=3) == 4, "v4 lags only 1, but the weights no longer descend from it"
-    batch, stats = s.take(10, 5, 3)
+    lags = {2: 3, 4: 1, 5: 0}  # even were v4 still listed on the line
+    assert s.trainable(lags, max_staleness_steps=3) == 4, "v4 lags only 1, but the weights no longer descend from it"
+    batch, stats = s.take(10, lags, 3)
     assert sorted(e.policy_version for e in batch) == [2, 2, 5, 5] and stats.stale == 3

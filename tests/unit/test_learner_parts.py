@@ -15,7 +15,13 @@ from flywheel.learner.checkpoint import TrainerState
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.data import iso_ts
 from flywheel.learner.gate import abandoned_above, gate_ruled
-from flywheel.learner.loss import Baseline, group_means, scaled_by_std, task_means
+from flywheel.learner.loss import (
+    Baseline,
+    key_sums,
+    row_baselines,
+    std_scale,
+    task_means,
+)
 from flywheel.learner.metrics import step_metrics
 from flywheel.learner.trainer import StepResult, rows_worth_running, warmup_factor_at
 from flywheel.learner.versions import (
@@ -111,6 +117,21 @@ def test_the_publish_clock_counts_steps_and_seconds_and_can_wait_for_the_gate() 
     assert state.since_parent == {}, "the new version's range starts empty (after a publish or a rebase)"
 
 
+def test_an_undecided_challenger_is_superseded_after_publish_supersede_s() -> None:
+    cfg = LearnerConfig(publish_every_steps=3, publish_wait_for_gate=True, publish_supersede_s=300.0)
+    state = TrainerState(step=6, policy_version=1, last_published_step=3)
+    versions = Versions(cfg, state, policy=None, stream=None)  # type: ignore[arg-type]
+    versions.last_publish_time = time.monotonic() - 299.0
+    assert not versions.due(gate_ruled=False), "the gate still has time to judge the newest version"
+    versions.last_publish_time = time.monotonic() - 301.0
+    assert versions.due(gate_ruled=False), "undecided after 300 s: the next version replaces it"
+    state.step = 5
+    assert not versions.due(gate_ruled=False), "superseding never publishes before the step count is reached"
+    cfg.publish_supersede_s = 0.0
+    state.step = 6
+    assert not versions.due(gate_ruled=False), "0: wait for the verdict however long it takes"
+
+
 def test_step_metrics_report_reward_lag_and_drops() -> None:
     batch = [SimpleNamespace(reward=r) for r in (0.0, 1.0, 1.0, 0.0)]
     result = StepResult(episodes=4, tokens=400, trained_tokens=100, loss=0.5, ratio_mean=1.0, ratio_max=1.2,
@@ -128,9 +149,57 @@ def test_step_metrics_report_reward_lag_and_drops() -> None:
 
 def test_advantage_helpers() -> None:
     assert task_means([1.0, 0.0, 0.5], ["a", "a", "b"]) == {"a": 0.5, "b": 0.5}
-    assert group_means([1.0, 0.0, 0.7, 0.2], ["g", "g", "h", None]) == {0: 0.5, 1: 0.5}, "a lone row is no group"
-    assert scaled_by_std([1.0, -1.0]) == pytest.approx([0.7071, -0.7071], abs=1e-4)
-    assert scaled_by_std([0.0, 0.0]) == [0.0, 0.0], "equal advantages are not blown up"
+    assert key_sums([1.0, 0.0, 0.7, 0.2], ["g", "g", "h", None]) == {"g": (1.0, 2), "h": (0.7, 1)}, "None is no key"
+    base = row_baselines([1.0, 0.0, 0.7, 0.2], ["a"] * 4, ["g", "g", "h", None], None, group_relative=True,
+                         batch_baseline=True)
+    assert base == pytest.approx([0.0, 1.0, 1.2 / 3, 1.7 / 3]), "a lone row is no group: the others of its type"
+    assert std_scale([1.0, -1.0]) == pytest.approx(1.4142, abs=1e-4)
+    assert std_scale([0.0, 0.0]) == 1.0 and std_scale([3.0]) == 1.0, "equal advantages are not blown up"
     baseline = Baseline(0.9, {"a": 1.0})
     baseline.update({"a": 0.0, "b": 0.4})
     assert baseline.means == pytest.approx({"a": 0.9, "b": 0.4})
+
+
+def test_lag_counts_learner_steps_along_the_line_and_a_rebase_puts_the_champion_at_0() -> None:
+    state = TrainerState(step=0, policy_version=0)
+    assert state.lineage == {0: 0}, "a fresh learner's line starts at its start version"
+    versions = Versions(LearnerConfig(), state, policy=None, stream=None)  # type: ignore[arg-type]
+    for step, version in ((3, 1), (6, 2), (9, 3)):  # published every 3 steps
+        state.step = step
+        state.published.append(version)
+        versions.adopt(version)
+    state.step = 11
+    assert state.lags() == {0: 11, 1: 8, 2: 5, 3: 2}
+    state.rebase_line(1)  # the gate refused v2 and v3: back on the champion v1 (gate.rebase_onto, then adopt)
+    versions.adopt(1)
+    assert state.lags() == {0: 3, 1: 0}, "the champion at lag 0, v0 as far behind it as before, v2 and v3 off the line"
+    state.step = 14
+    state.published.append(4)
+    versions.adopt(4)
+    state.step = 15
+    assert state.lags() == {0: 7, 1: 4, 4: 1}, "a child published: the champion's rows are 4 steps old, not 3 versions"
+    state.rebase_line(7)  # a champion this learner never had on its line
+    assert state.lineage == {7: 15}
+
+
+def test_a_checkpoint_without_lineage_starts_one_at_its_current_version() -> None:
+    import json
+    from dataclasses import asdict
+
+    state = TrainerState(step=9, policy_version=4, last_published_step=6, published=[2, 4], lineage={2: 1, 4: 6})
+    again = TrainerState(**json.loads(json.dumps(asdict(state))))
+    assert again == state and again.lags() == {2: 8, 4: 3}, "JSON's text keys come back as versions"
+    old = asdict(state)
+    del old["lineage"]
+    assert TrainerState(**json.loads(json.dumps(old))).lags() == {4: 3}, \
+        "best effort: the current version at its publish step; older steps were never kept"
+
+
+def test_rows_may_not_go_stale_before_the_next_version_is_due() -> None:
+    from flywheel.base.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_staleness_steps"):
+        LearnerConfig(publish_every_steps=10, max_staleness_steps=8).check()
+    LearnerConfig(publish_every_steps=10, max_staleness_steps=10).check()
+    LearnerConfig(publish_every_steps=0, max_staleness_steps=0).check()
+

@@ -98,10 +98,10 @@ def test_micro_batches_sum_to_the_full_batch_gradient() -> None:
     assert torch.allclose(x.grad, full, atol=1e-7)
 
 
-def test_group_relative_advantages_use_the_group_mean() -> None:
+def test_group_relative_advantages_use_the_other_members_of_the_group() -> None:
     adv = advantages([1.0, 0.0, 0.0, 0.0, 5.0], ["a"] * 5, ["g1", "g1", "g2", "g2", None], None,
                      group_relative=True, normalize=False)
-    assert adv[:4] == [0.5, -0.5, 0.0, 0.0]
+    assert adv[:4] == [1.0, -1.0, 0.0, 0.0], "leave-one-out: each row of a pair against the other"
     assert adv[4] == 5.0, "no baseline and no group: the reward itself"
 
 
@@ -129,7 +129,8 @@ def test_batch_baseline_centres_each_task_type_in_every_batch() -> None:
     b = Baseline(momentum=0.9, means={"a": 0.9, "b": 0.9})
     adv = advantages([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], ["a", "a", "a", "a", "b", "b"], [None] * 6, b,
                      group_relative=True, normalize=False, batch_baseline=True)
-    assert adv == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.0, 0.0])
+    # leave-one-out: 1 - 0/3 and 0 - 1/3, i.e. 4/3 of the mean-centred [0.75, -0.25, -0.25, -0.25]
+    assert adv == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3, 0.0, 0.0])
     assert sum(adv[:4]) == pytest.approx(0.0), "the advantages of a task type sum to zero"
     assert b.means["a"] == pytest.approx(0.9 * 0.9 + 0.1 * 0.25), "the running mean is still tracked"
 
@@ -198,3 +199,60 @@ def test_positive_only_keeps_rows_above_their_baseline_and_zeroes_the_rest() -> 
     assert pos == [max(a, 0.0) for a in signed], "the same scale as the signed advantages, negatives cut to 0"
     assert [a > 0 for a in pos] == [True, False, False, False, False, True]
     assert pos[4] == 0.0, "a shaping-only reward below its task type's batch mean is not reinforced"
+
+
+def test_the_batch_baseline_leaves_the_row_out() -> None:
+    rewards = [1.0, 0.0, 0.0, 0.5, 0.2, 0.8]
+    types = ["a"] * 4 + ["b"] * 2
+    adv = advantages(rewards, types, [None] * 6, None, group_relative=True, normalize=False, batch_baseline=True)
+    others = [(0.0 + 0.0 + 0.5) / 3, (1.0 + 0.0 + 0.5) / 3, (1.0 + 0.0 + 0.5) / 3, 1.0 / 3, 0.8, 0.2]
+    assert adv == pytest.approx([r - b for r, b in zip(rewards, others)]), adv
+    for rows in (slice(0, 4), slice(4, 6)):  # n/(n-1) times the advantage against the mean of all n
+        group = rewards[rows]
+        k = len(group)
+        centred = [r - sum(group) / k for r in group]
+        assert adv[rows] == pytest.approx([k / (k - 1) * c for c in centred]), (adv[rows], centred)
+
+
+def test_a_lone_row_uses_the_running_mean_then_the_rest_of_the_batch() -> None:
+    rewards, types = [1.0, 0.0, 0.0, 0.6], ["a", "a", "a", "b"]
+    running = Baseline(0.9, {"b": 0.2})
+    adv = advantages(rewards, types, [None] * 4, running, group_relative=True, normalize=False, batch_baseline=True)
+    assert adv[3] == pytest.approx(0.6 - 0.2), "b is alone in the batch: its running mean from earlier batches"
+    fresh = advantages(rewards, types, [None] * 4, Baseline(0.9, {}), group_relative=True, normalize=False,
+                       batch_baseline=True)
+    assert fresh[3] == pytest.approx(0.6 - 1 / 3), "b never seen: the mean of the other rows of the batch"
+    none = advantages(rewards, types, [None] * 4, None, group_relative=True, normalize=False, batch_baseline=True)
+    assert none[3] == pytest.approx(0.6 - 1 / 3), "no running baseline at all: the same"
+    assert advantages([0.7], ["a"], [None], None, group_relative=True, normalize=True, batch_baseline=True) == [0.0]
+    grouped = advantages([1.0, 0.0, 0.4], ["a", "a", "a"], ["g", "g", None], None, group_relative=True,
+                         normalize=False, batch_baseline=True)
+    assert grouped == pytest.approx([1.0, -1.0, 0.4 - 0.5]), "a pair's baseline is its partner, before the task type"
+
+
+def test_a_penalised_row_is_never_reinforced() -> None:
+    # a successful session (1.0) whose first call was malformed (-0.5 penalty) next to clean rows
+    rewards = [0.5, 1.0, 0.0, 0.0, -0.5]
+    penalties = [-0.5, 0.0, 0.0, 0.0, -0.5]
+    types = ["tool_use"] * 5
+    kw = dict(group_relative=True, normalize=False, batch_baseline=True)
+    plain = advantages([1.0, 1.0, 0.0, 0.0, 0.0], types, [None] * 5, None, **kw)  # type: ignore[arg-type]
+    signed = advantages(rewards, types, [None] * 5, None, penalties=penalties, **kw)  # type: ignore[arg-type]
+    assert signed[1:4] == pytest.approx(plain[1:4]), "the clean rows' baselines use the rewards without penalties"
+    assert signed[0] == pytest.approx(min(plain[0], 0.0) - 0.5) and signed[0] < 0, signed
+    assert signed[4] == pytest.approx(plain[4] - 0.5), "a failed penalised row keeps its negative A and the penalty"
+    pos = advantages(rewards, types, [None] * 5, None, penalties=penalties, positive_only=True, **kw)  # type: ignore[arg-type]
+    assert pos[0] == pytest.approx(-0.5) and pos[4] == pytest.approx(-0.5), f"positive_only keeps the penalty: {pos}"
+    assert pos[1:4] == pytest.approx([max(a, 0.0) for a in plain[1:4]]), pos
+
+
+def test_normalisation_scales_penalised_rows_by_the_same_std() -> None:
+    rewards, penalties = [1.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, -0.5]
+    earned = [1.0, 0.0, 0.0, 1.0]
+    raw = advantages(earned, ["a"] * 4, [None] * 4, None, group_relative=True, normalize=False, batch_baseline=True)
+    mean = sum(raw) / 4
+    std = math.sqrt(sum((a - mean) ** 2 for a in raw) / 3)
+    adv = advantages(rewards, ["a"] * 4, [None] * 4, None, group_relative=True, normalize=True, batch_baseline=True,
+                     penalties=penalties)
+    assert adv[:3] == pytest.approx([a / std for a in raw[:3]]), (adv, raw, std)
+    assert adv[3] == pytest.approx((min(raw[3], 0.0) - 0.5) / std), (adv, raw, std)
