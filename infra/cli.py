@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent-sim": ("flywheel.demo.agent_sim:main", "simulated production agent"),
     "outcome-sim": ("flywheel.demo.outcome_sim:main", "simulated outcome sources (verifier, user)"),
     "demo": ("flywheel.demo.closed_loop:main", "the whole closed loop with a live view and a report"),
+    "experiments": ("flywheel.demo.experiments:main", "regenerate (or --check) docs/experiments.md's table of run files"),
 }
 
 

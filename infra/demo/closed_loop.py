@@ -394,9 +394,20 @@ def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, wa
                                   final_since=final_since(plan), control_version=CONTROL_VERSION, gate_rule=gate_rule(cfg),
                                   gate_interval_s=cfg.gate_interval_s,
                                   shares={"control": cfg.control_share, "challenger": cfg.challenger_share})
+    record_evidence(cfg, summary, warm, started_at)
     console.print(Path(cfg.report_dir, "report.md").read_text())
     print(json.dumps(summary))
     return summary
+
+
+def record_evidence(cfg: DemoConfig, summary: dict[str, Any], warm: dict[str, Any], started_at: float) -> Path:
+    """The run file: under docs/runs/ for a run on the checkout's own var/ (`make demo`), else under the run's
+    var_dir/runs/ (tests and benches run on a temporary var_dir and must not add to the committed evidence)."""
+    from flywheel.demo import experiments
+
+    own = Path(cfg.var_dir).resolve() == (REPO_ROOT / "var").resolve()
+    return experiments.record_run(summary, cfg, warm, started_at, runs_dir=experiments.RUNS_DIR if own
+                                  else Path(cfg.var_dir) / "runs", repo_root=REPO_ROOT)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,6 +112,7 @@ class Facts:
     champion_promoted_at: float | None = None  # epoch seconds of the champion's promotion (registry tags)
     episodes: int = 0
     sessions: list[SessionRecord] = field(default_factory=list)  # this run's sessions (read_sessions)
+    tool_calls: dict[str, tuple[int, int]] = field(default_factory=dict)  # session_id -> (tool calls, malformed ones)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,6 +152,7 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
     facts.sessions = [r for r in read_sessions(lake_root, "task_success")
                       if (r.ended if r.ended is not None else r.started) >= since]
     by_version(facts, error_statuses)
+    facts.tool_calls = tool_calls(con)
     episodes = _glob(lake_root, "episodes")
     if episodes is not None:
         rows = con.execute(
@@ -162,6 +164,24 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
                 mtimes[file] = os.path.getmtime(file) if os.path.exists(file) else epoch(emitted)
             facts.outcome_to_episode_s.append(max(0.0, mtimes[file] - epoch(last_outcome)))
     return facts
+
+
+def tool_calls(con: Any) -> dict[str, tuple[int, int]]:
+    """Per session (sub-agents' calls included): its tool_call events and how many the agent marked malformed."""
+    columns = {row[0] for row in con.execute("DESCRIBE ev").fetchall()}
+    if "malformed" not in columns:  # no call was ever marked: none malformed
+        bad = "0"
+    else:
+        bad = "count_if(coalesce(malformed, false))"
+    rows = con.execute(f"SELECT session_id, count(*), {bad} FROM ev WHERE type='tool_call' GROUP BY 1").fetchall()
+    return {str(sid): (int(n), int(m)) for sid, n, m in rows}
+
+
+def malformed_share(records: list[SessionRecord], calls: dict[str, tuple[int, int]]) -> tuple[float | None, int]:
+    """(malformed tool calls / all tool calls, all tool calls) over the sessions in `records`; None without a call."""
+    n = sum(calls.get(r.session_id, (0, 0))[0] for r in records)
+    bad = sum(calls.get(r.session_id, (0, 0))[1] for r in records)
+    return (round(bad / n, 4) if n else None), n
 
 
 def by_version(facts: Facts, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> None:
@@ -334,7 +354,9 @@ def per_arm(facts: Facts, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> d
 
 FINAL_FIELDS = ("champion_final_success", "n_champion_final", "n_champion_final_errored", "n_champion_final_unlabelled",
                 "control_final_success", "n_control_final", "n_control_final_errored", "n_control_final_unlabelled",
-                "lift_points", "lift_ci95", "lift_ci_method", "p_value_final")
+                "lift_points", "lift_ci95", "lift_ci_method", "p_value_final",
+                "malformed_share_champion_final", "n_calls_champion_final",
+                "malformed_share_control_final", "n_calls_control_final")
 
 
 def measurement(facts: Facts, final_since: float | None, control_version: int = 0,
@@ -353,8 +375,12 @@ def measurement(facts: Facts, final_since: float | None, control_version: int = 
     if final_since is None or facts.champion is None:
         return out
     start = max(final_since, facts.champion_promoted_at if facts.champion_promoted_at is not None else final_since)
-    champ = count(select(facts, "champion", facts.champion, start), error_statuses)
-    ctrl = count(select(facts, "control", control_version, start), error_statuses)
+    champ_sessions = select(facts, "champion", facts.champion, start)
+    ctrl_sessions = select(facts, "control", control_version, start)
+    champ, ctrl = count(champ_sessions, error_statuses), count(ctrl_sessions, error_statuses)
+    # every call of the window's sessions, errored and unlabelled ones too: the share is about the calls, not the outcomes
+    (out["malformed_share_champion_final"], out["n_calls_champion_final"]) = malformed_share(champ_sessions, facts.tool_calls)
+    (out["malformed_share_control_final"], out["n_calls_control_final"]) = malformed_share(ctrl_sessions, facts.tool_calls)
     out.update({"final_window_start": start,
                 "champion_final_success": _rate(champ), "n_champion_final": champ.n,
                 "n_champion_final_errored": champ.errored, "n_champion_final_unlabelled": champ.unlabelled,
@@ -600,6 +626,10 @@ def headline_section(s: dict[str, Any]) -> list[str]:
                      f"(two-proportion z-test, champion > control; n = {s['n_champion_final']} vs {s['n_control_final']})")
     else:
         lines.append("- lift: not computed, a side has no counted session in the window")
+    if s.get("n_calls_champion_final") is not None:
+        lines.append(f"- malformed tool calls: {_pct(s['malformed_share_champion_final'])} of the champion's "
+                     f"{s['n_calls_champion_final']} calls, {_pct(s['malformed_share_control_final'])} of the "
+                     f"control's {s['n_calls_control_final']} (all calls of the window's sessions, sub-agents' included)")
     lines += [f"- excluded from the window: errored {s['n_champion_final_errored']} (champion) / "
               f"{s['n_control_final_errored']} (control); unlabelled {s['n_champion_final_unlabelled']} / "
               f"{s['n_control_final_unlabelled']}", ""]

@@ -3,19 +3,23 @@
 Production RL starts from a capable model (Composer, Kimi K2.5 and Context-1 all do); a
 randomly initialised model would never produce a well-formed tool call, so online RL would
 have no signal. `flywheel model init --warm-start` calls `run(base_dir, out_dir)`, which
-trains on `infra.tasks` demonstrations in chunks and measures, after each chunk, how often
-the model solves held-out tasks when sampled as vLLM serves it (temperature 1.0, no top-k).
-It stops once that success rate reaches `target_success` (default 0.12): the base succeeds
-sometimes but far from always, and the online loop has room to show improvement.
+trains on demonstrations of the task space's "train" split (`tasks.split_of`) and stops by a
+rule fixed in advance: early stopping on the teacher-forced loss of a fixed set of
+demonstrations from the "heldout" split, whose prompts (tool, args, phrasing) it never trains on
+(`should_stop`). The best-loss weights are kept. At each evaluation it also records, never
+stops on, how often the model solves held-out parts when sampled as vLLM serves it
+(temperature 1.0, no top-k): the base the demo reports is whatever the rule gives.
 
 The result is a full Hugging Face model directory (untied, float32) that vLLM serves as
-`policy-v0` in the demo; `warm_start.json` in it records the steps and the measured rate.
+`policy-v0` in the demo; `warm_start.json` in it records the rule, every evaluation and the
+kept step.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import shutil
 import time
@@ -28,42 +32,61 @@ from flywheel.demo import tasks
 
 log = logging.getLogger(__name__)
 
+Example = tuple[list[int], list[int]]  # (prompt ids, completion ids)
+
 
 @dataclass
 class WarmStartSettings:
-    """How long and how hard the warm start trains."""
+    """How the warm start trains, and the stopping rule it follows."""
 
-    # Stop once held-out success (sampled at temperature 1) reaches this. What online RL improves in
-    # minutes is the answer turn (copying the tool's result) and the weather call; the digit copy of
-    # add/mul stays where the warm start leaves it (README runs k-r). So the later the warm start
-    # stops, the less is left to learn: stopped at 30% the demo gained 1.11x (run p), at 21%
-    # (step 275, answer turn 59% right) 1.34-1.49x (runs n, o, r), at 14% (step 225, answer turn
-    # 45%) 1.50x within 14 minutes (run q) and 2.26x in a fresh-clone `make demo` (run s).
-    target_success: float = 0.12
-    min_steps: int = 100
-    # Measured here (one-digit operands, 8 cities, lr 3e-3 decaying over 600 steps, 128 held-out parts):
-    # 3-7% up to step 200 while the model learns the format, then copying arguments appears and success
-    # climbs fast: 27% at step 250, 50% at 300, 85% at 400. RL is quickest from inside that climb.
-    # (Those figures predate the strict reply parser; with it: 14% at step 250, 21% at 275.)
+    # The rule is standard early stopping, chosen before any run and not tuned to what online RL gains
+    # afterwards (an earlier rule stopped at a success target picked because a weaker base left RL more
+    # to gain): evaluate the held-out demonstration loss every eval_every steps, stop after `patience`
+    # evaluations in a row without a relative improvement of min_delta, keep the best-loss weights.
+    # The loss rather than the sampled success because it is cheap, smooth and what the training minimises.
+    # The first split, by (tool, args), held out whole cities that no demonstration named: the base had 0.8%
+    # held-out success, from step 50's weights (stopped at 125, held-out loss 1.23, 0.67, 0.70, 0.79, 0.79).
+    # The split is by prompt (tool, args, phrasing) since, decided for that structural reason before any demo run.
     max_steps: int = 600
-    eval_every: int = 25  # steps between evaluations (sampling 128 dialogues costs about as much as 20 steps)
-    eval_parts: int = 128  # held-out parts per evaluation (+-7 points); the demo measures the base on 300+ sessions
+    eval_every: int = 25  # steps between evaluations
+    patience: int = 3  # evaluations without improvement before stopping
+    min_delta: float = 0.01  # relative: a loss must fall below best * (1 - min_delta) to count as better
+    loss_parts: int = 64  # held-out demonstrations (two examples each) of the loss, one batch, a fixed set
+    # Held-out success, recorded at each evaluation for the record only: sampling 128 dialogues costs about
+    # as much as 20 training steps; 128 parts measure it to +-7 points (the demo measures the base on 300+ sessions).
+    eval_parts: int = 128
+    success_every: int = 1  # measure success at every Nth evaluation (the kept step's is always measured)
     batch_size: int = 32  # examples (two per demonstration); 0.2-0.5 s a step on 2 cores
-    lr: float = 3e-3
+    lr: float = 3e-3  # decayed linearly to 10% over max_steps: a constant 2e-3 diverged after 350 steps
     max_new_tokens: int = 40
     seed: int = 0
 
 
-def _examples(tok: Any, n_parts: int, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+def should_stop(losses: list[float], patience: int, min_delta: float) -> bool:
+    """True once the last `patience` losses each failed to beat the best before them by the relative min_delta.
+
+    An improvement resets the count and becomes the new best; a loss that is lower but by less than
+    min_delta does not. A NaN loss never improves, so a diverged run stops after `patience` evaluations.
+    """
+    best, waited = math.inf, 0
+    for loss in losses:
+        if loss < best * (1.0 - min_delta):
+            best, waited = loss, 0
+        else:
+            waited += 1
+    return waited >= patience
+
+
+def _examples(tok: Any, parts: list[tasks.Part]) -> list[Example]:
     """(prompt ids, completion ids) pairs: each demonstration yields the call turn and the answer turn.
 
     The prompt is rendered by the chat template with the generation prompt, exactly as vLLM
     renders a chat request, and the completion ends with <|im_end|>, the token vLLM stops on.
     """
-    out: list[tuple[list[int], list[int]]] = []
+    out: list[Example] = []
     eos = tok.eos_token
-    for _ in range(n_parts):
-        demo = tasks.demonstration(tasks.make_part(rng))
+    for part in parts:
+        demo = tasks.demonstration(part)
         for k in (1, 3):  # the two assistant turns
             prompt = tok.apply_chat_template(demo[:k], tokenize=False, add_generation_prompt=True)
             prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
@@ -72,7 +95,7 @@ def _examples(tok: Any, n_parts: int, rng: random.Random) -> list[tuple[list[int
     return out
 
 
-def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any, Any]:
+def _batch(examples: list[Example], pad_id: int) -> tuple[Any, Any, Any]:
     import torch
 
     width = max(len(p) + len(c) for p, c in examples)
@@ -130,10 +153,88 @@ def success_rate(model: Any, tok: Any, parts: list[tasks.Part], max_new_tokens: 
     return sum(tasks.check_part(p, answers.get(i)) for i, p in enumerate(parts)) / max(1, len(parts))
 
 
-def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings | None = None) -> dict[str, Any]:
-    """Train a copy of the model in base_dir on task demonstrations; write it to out_dir (atomically).
+def heldout_loss(model: Any, tok: Any, examples: list[Example]) -> float:
+    """Teacher-forced mean token loss on the completions of `examples` (one batch, no gradient)."""
+    import torch
 
-    Returns the record also written to out_dir/warm_start.json: steps, success history, seconds.
+    ids, labels, mask = _batch(examples, tok.pad_token_id)
+    model.eval()
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    model.train()
+    return loss
+
+
+def _success(model: Any, tok: Any, parts: list[tasks.Part], s: WarmStartSettings) -> dict[str, Any]:
+    """Held-out success and the share of first calls right, sampled as vLLM serves the model."""
+    first: list[str] = []
+    rate = success_rate(model, tok, parts, s.max_new_tokens, first_calls=first)
+    calls = sum(tasks.call_is_correct(p, r) for p, r in zip(parts, first)) / max(1, len(parts))
+    return {"success": rate, "first_call_correct": calls, "example": [parts[0].text, first[0] if first else ""]}
+
+
+def _train_step(model: Any, tok: Any, opt: Any, s: WarmStartSettings, step: int, rng: random.Random) -> float:
+    import torch
+
+    for group in opt.param_groups:  # linear decay to 10%: a constant 2e-3 diverged after 350 steps here
+        group["lr"] = s.lr * max(0.1, 1.0 - step / s.max_steps)
+    parts = [tasks.make_part(rng, "train") for _ in range(s.batch_size // 2)]
+    ids, labels, mask = _batch(_examples(tok, parts), tok.pad_token_id)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
+def train(model: Any, tok: Any, s: WarmStartSettings) -> tuple[int, int, list[dict[str, Any]], float]:
+    """Train until the stopping rule says stop (or max_steps); load the best-loss weights.
+
+    Returns (kept step, last step trained, the history of evaluations, seconds)."""
+    import torch
+
+    rng = random.Random(s.seed)
+    loss_set = _examples(tok, [tasks.make_part(random.Random(20_000 + i), "heldout") for i in range(s.loss_parts)])
+    eval_parts = [tasks.make_part(random.Random(10_000 + i), "heldout") for i in range(s.eval_parts)]
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    history: list[dict[str, Any]] = []
+    best: tuple[float, int, dict[str, Any] | None] = (math.inf, 0, None)
+    t0 = time.time()
+    step = 0
+    while step < s.max_steps:
+        train_loss = _train_step(model, tok, opt, s, step, rng)
+        step += 1
+        if step % s.eval_every and step != s.max_steps:
+            continue
+        entry: dict[str, Any] = {"step": step, "train_loss": train_loss, "heldout_loss": heldout_loss(model, tok, loss_set)}
+        if len(history) % s.success_every == 0:
+            entry.update(_success(model, tok, eval_parts, s))
+        entry["elapsed_s"] = time.time() - t0
+        history.append(entry)
+        log.info("warm start: step %d loss %.3f, held-out loss %.4f, held-out success %s after %.0fs",
+                 step, train_loss, entry["heldout_loss"],
+                 f"{100 * entry['success']:.1f}% (first call right {100 * entry['first_call_correct']:.1f}%)"
+                 if "success" in entry else "not measured", entry["elapsed_s"])
+        if entry["heldout_loss"] < best[0]:
+            best = (entry["heldout_loss"], step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        if should_stop([h["heldout_loss"] for h in history], s.patience, s.min_delta):
+            log.info("warm start: held-out loss no better by %.0f%% for %d evaluations: stopping at step %d",
+                     100 * s.min_delta, s.patience, step)
+            break
+    assert best[2] is not None, "warm start: no evaluation ran (max_steps < 1?)"
+    model.load_state_dict(best[2])
+    kept = next(h for h in history if h["step"] == best[1])
+    if "success" not in kept:
+        kept.update(_success(model, tok, eval_parts, s))
+    return best[1], step, history, time.time() - t0
+
+
+def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings | None = None) -> dict[str, Any]:
+    """Train a copy of the model in base_dir on train-split demonstrations; write it to out_dir (atomically).
+
+    Returns the record also written to out_dir/warm_start.json: the kept step, its held-out loss and
+    success, every evaluation, the seconds and the settings.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -141,49 +242,22 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     s = settings or WarmStartSettings()
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     torch.manual_seed(s.seed)
-    rng = random.Random(s.seed)
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     model.train()
-    eval_parts = [tasks.make_part(random.Random(10_000 + i)) for i in range(s.eval_parts)]
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    log.info("warm start: training %s on task demonstrations until held-out success >= %.0f%% (at most %d steps)",
-             base_dir, 100 * s.target_success, s.max_steps)
-    history: list[dict[str, float]] = []
-    t0 = time.time()
-    step = 0
-    rate = 0.0
-    best: tuple[float, int, dict[str, Any] | None] = (-1.0, 0, None)
-    while step < s.max_steps:
-        for group in opt.param_groups:  # linear decay to 10%: a constant 2e-3 diverged after 350 steps here
-            group["lr"] = s.lr * max(0.1, 1.0 - step / s.max_steps)
-        ids, labels, mask = _batch(_examples(tok, s.batch_size // 2, rng), tok.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % s.eval_every == 0 or step == s.max_steps:
-            first: list[str] = []
-            rate = success_rate(model, tok, eval_parts, s.max_new_tokens, first_calls=first)
-            calls = sum(tasks.call_is_correct(p, r) for p, r in zip(eval_parts, first)) / len(eval_parts)
-            history.append({"step": step, "loss": float(loss.detach()), "success": rate, "first_call_correct": calls,
-                            "elapsed_s": time.time() - t0})
-            log.info("warm start: step %d loss %.3f held-out success %.1f%%, first call right %.1f%% (%d parts) "
-                     "after %.0fs; e.g. %r -> %r", step, float(loss.detach()), 100 * rate, 100 * calls, len(eval_parts),
-                     time.time() - t0, eval_parts[0].text, first[0] if first else "")
-            if rate > best[0]:
-                best = (rate, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
-            if step >= s.min_steps and rate >= s.target_success:
-                break
-    if best[2] is not None and best[0] > rate:
-        # never hand on a model worse than one we already had (late divergence)
-        log.info("warm start: keeping step %d (held-out success %.1f%%) over the last step (%.1f%%)", best[1], 100 * best[0], 100 * rate)
-        model.load_state_dict(best[2])
-        rate, step = best[0], best[1]
-    record = {"base_model": str(base_dir), "steps": step, "final_success": rate, "eval_parts": len(eval_parts),
-              "seconds": time.time() - t0, "history": history, "settings": asdict(s)}
+    log.info("warm start: training %s on train-split demonstrations, early stopping on the held-out loss every %d "
+             "steps (patience %d, min delta %.0f%%, at most %d steps)", base_dir, s.eval_every, s.patience,
+             100 * s.min_delta, s.max_steps)
+    kept, trained, history, seconds = train(model, tok, s)
+    at = next(h for h in history if h["step"] == kept)
+    held = tasks.heldout_keys()
+    record = {"base_model": str(base_dir), "steps": kept, "steps_trained": trained,
+              "stopped_early": trained < s.max_steps, "heldout_loss": at["heldout_loss"],
+              "final_success": at["success"], "first_call_correct": at["first_call_correct"],
+              "eval_parts": s.eval_parts, "seconds": seconds,
+              "split": {"unit": "prompt (tool, args, phrasing)", "heldout_prompts": len(held),
+                        "prompts": len(tasks.task_space()), "share": tasks.HELDOUT_SHARE},
+              "history": history, "settings": asdict(s)}
     tmp = out_dir.with_name(out_dir.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -192,5 +266,6 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     (tmp / "warm_start.json").write_text(json.dumps(record, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     publish(tmp, out_dir, Durability.ADVISORY)  # rebuilt deterministically if lost
-    log.info("warm start: %s written after %d steps (held-out success %.1f%%)", out_dir, step, 100 * rate)
+    log.info("warm start: %s written: step %d of %d trained, held-out loss %.4f, held-out success %.1f%%, %.0fs",
+             out_dir, kept, trained, at["heldout_loss"], 100 * at["success"], seconds)
     return record
