@@ -685,13 +685,14 @@ class Builder:
         }
         scores = {a: outcome_rewards.score_for_agent(self.rewards, task, due.outcomes, a, due.window_closed)
                   for a in s.agents}
-        made = turns.turns(s)
+        made, finals = turns.turns(s), turns.final_calls(s)
         checked = turns.call_outcomes(due.outcomes, task.turn_kinds)
         rows = []
         for e in s.llm_calls:
             r_penalty = penalties.get(e["event_id"], 0.0)
             mine = scores[e["agent_id"]]
-            turn = turns.credit(self.rewards, task, made.get(e["event_id"], turns.Turn()), checked)
+            turn = turns.credit(self.rewards, task, made.get(e["event_id"], turns.Turn()), checked,
+                                mine.r_outcome if e["event_id"] in finals else None)
             rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
                                   detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty,
                                                         "turn": turn.detail or None},
@@ -769,7 +770,7 @@ class Builder:
         for r in prev:  # file order: the same row order as the label it follows
             score = scores[r["agent_id"]]
             detail = json.loads(r["reward_detail"])
-            turn = turns.recredit(self.rewards, task, detail, outcomes)
+            turn = turns.recredit(self.rewards, task, detail, outcomes, score.r_outcome)
             detail |= {"outcomes": score.detail, "label_reason": "late_outcome", "rewards_config": self.rewards.digest,
                        "turn": turn.detail or None}
             reward = total_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"], r["r_penalty"])

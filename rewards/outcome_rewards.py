@@ -86,8 +86,11 @@ def score_for_agent(cfg: RewardConfig, task: TaskType, outcomes: list[dict[str, 
     """r_outcome of one agent's rows: the session's outcomes plus those reported about this agent.
 
     An outcome with an agent_id is narrower than the session (e.g. a sub-agent's own verifier): it
-    counts for that agent's llm_calls only, and for a kind both carry, the newest one wins. An outcome
+    counts for that agent's llm_calls only, and for a kind both carry, the agent's wins (the narrower
+    check says more about these rows than the session's verdict, whichever came later). An outcome
     about one tool call (call_id) is a turn's, never the agent's (rewards/turns.py).
     """
-    return score_outcomes(cfg, task, [o for o in outcomes if not o.get("call_id")
-                                      and (not o.get("agent_id") or o["agent_id"] == agent_id)], window_closed)
+    mine = [o for o in outcomes if not o.get("call_id") and o.get("agent_id") == agent_id]
+    narrow = {o["kind"] for o in mine}
+    session = [o for o in outcomes if not o.get("call_id") and not o.get("agent_id") and o["kind"] not in narrow]
+    return score_outcomes(cfg, task, session + mine, window_closed)

@@ -12,7 +12,10 @@ the task type lists that kind in rewards.toml's `turn_kinds`. Then:
 * a malformed call (the harness could not parse it) is a verified failure of its turn: r_turn 0,
   so with the malformed-call penalty the row's reward is negative whatever the session did;
 * every other row (the final answer, calls nothing checked) keeps the session's (or its agent's)
-  outcome, the fallback for turns nothing verifies.
+  outcome, the fallback for turns nothing verifies;
+* an agent's LAST llm_call is what the verifier's outcome judges (normally the answer): when it is a
+  verified call instead (the agent ran out of turns without answering), its r_turn is at most the
+  outcome, so a session that never answers is never paid for its calls alone.
 
 A call is charged to the llm_call of the same agent that came just before it, as the malformed
 penalty is (rewards/parl.py). Pure functions over a Session and outcome dicts.
@@ -71,6 +74,16 @@ def _add(t: Turn, call: dict[str, Any]) -> Turn:
     return Turn((*t.calls, str(call["call_id"])), t.malformed)
 
 
+def final_calls(s: Session) -> set[str]:
+    """The event_id of each agent's last llm_call."""
+    out: set[str] = set()
+    for evs in s.agents.values():
+        calls = [e["event_id"] for e in evs if e["type"] == "llm_call"]
+        if calls:
+            out.add(calls[-1])
+    return out
+
+
 def call_outcomes(outcomes: Iterable[dict[str, Any]], kinds: tuple[str, ...]) -> dict[str, dict[str, dict[str, Any]]]:
     """call_id -> {kind: the newest outcome of that kind about the call}, for the turn kinds only."""
     by_call: dict[str, list[dict[str, Any]]] = {}
@@ -80,12 +93,15 @@ def call_outcomes(outcomes: Iterable[dict[str, Any]], kinds: tuple[str, ...]) ->
     return {c: latest_per_kind(os) for c, os in by_call.items()}
 
 
-def credit(cfg: RewardConfig, task: TaskType, turn: Turn, checked: dict[str, dict[str, dict[str, Any]]]) -> TurnCredit:
-    """r_turn of one llm_call from its calls' checks (`checked` as call_outcomes returns it)."""
+def credit(cfg: RewardConfig, task: TaskType, turn: Turn, checked: dict[str, dict[str, dict[str, Any]]],
+           final_outcome: float | None = None) -> TurnCredit:
+    """r_turn of one llm_call from its calls' checks (`checked` as call_outcomes returns it); final_outcome:
+    the agent's outcome when this is its last llm_call (r_turn is then at most that)."""
     if not task.turn_kinds:
         return TurnCredit(None)
     scores: list[float] = [0.0] * turn.malformed
-    detail: dict[str, Any] = {"calls": list(turn.calls), "malformed": turn.malformed, "checks": {}}
+    detail: dict[str, Any] = {"calls": list(turn.calls), "malformed": turn.malformed, "checks": {},
+                              "final": final_outcome is not None}
     for call_id in turn.calls:
         latest = checked.get(call_id)
         if not latest:
@@ -98,12 +114,15 @@ def credit(cfg: RewardConfig, task: TaskType, turn: Turn, checked: dict[str, dic
         detail["checks"][call_id] = {k: o["value"] for k, o in latest.items()}
     if not scores:
         return TurnCredit(None, detail)
-    return TurnCredit(sum(scores) / len(scores), detail)
+    r_turn = sum(scores) / len(scores)
+    return TurnCredit(r_turn if final_outcome is None else min(r_turn, final_outcome), detail)
 
 
 def recredit(cfg: RewardConfig, task: TaskType, previous_detail: dict[str, Any],
-             outcomes: Iterable[dict[str, Any]]) -> TurnCredit:
-    """r_turn again for a relabel, from the calls label 1 recorded in its detail and every outcome so far."""
+             outcomes: Iterable[dict[str, Any]], r_outcome: float) -> TurnCredit:
+    """r_turn again for a relabel, from the calls label 1 recorded in its detail and every outcome so far
+    (r_outcome: the row's agent outcome now, the cap when label 1 found it was the agent's last call)."""
     turn_detail = previous_detail.get("turn") or {}
     turn = Turn(tuple(turn_detail.get("calls") or ()), int(turn_detail.get("malformed") or 0))
-    return credit(cfg, task, turn, call_outcomes(outcomes, task.turn_kinds))
+    return credit(cfg, task, turn, call_outcomes(outcomes, task.turn_kinds),
+                  r_outcome if turn_detail.get("final") else None)

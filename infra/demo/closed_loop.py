@@ -128,11 +128,12 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
     ensure_base_model(cfg.base_model)
     if not cfg.warm_start:
         return {}
-    if not is_model_dir(cfg.warm_model):
-        log.info("demo: warm-starting %s into %s", cfg.base_model, cfg.warm_model)
-        warm_start.run(cfg.base_model, cfg.warm_model)
     record_path = Path(cfg.warm_model) / "warm_start.json"
-    return json.loads(record_path.read_text()) if record_path.exists() else {}
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    if not is_model_dir(cfg.warm_model) or record.get("rule") != warm_start.RULE:
+        log.info("demo: warm-starting %s into %s (rule %s)", cfg.base_model, cfg.warm_model, warm_start.RULE)
+        record = warm_start.run(cfg.base_model, cfg.warm_model)
+    return record
 
 
 def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:

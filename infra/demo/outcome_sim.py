@@ -142,8 +142,9 @@ def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random, 
     def due(at: float, kind: str, value: float, source: str) -> Due:
         return Due(at, session_id, kind, value, source, outcome_id(session_id, kind, source), line_end)
 
-    out = [due(ended + cfg.verifier_delay_s, "task_success", 1.0 if ok else 0.0, "verifier")]
-    out += part_checks(record, ended + cfg.verifier_delay_s, line_end)
+    # the checks below the session a millisecond before its verdict: sent (and landed) first
+    out = part_checks(record, ended + cfg.verifier_delay_s - 0.001, line_end)
+    out.append(due(ended + cfg.verifier_delay_s, "task_success", 1.0 if ok else 0.0, "verifier"))
     if rng.random() < cfg.user_share:
         accepted = ok if rng.random() >= cfg.user_noise else not ok
         delay = rng.uniform(cfg.user_delay_s_min, cfg.user_delay_s_max)
@@ -163,7 +164,11 @@ def part_checks(record: dict[str, Any], at: float, line_end: int = 0) -> list[Du
     """The verifier's checks below the session: `call_correct` for every well-formed tool call (by its call_id),
     and, for a split task, `task_success` of each sub-agent's own part (by its agent_id).
 
-    Hand-off lines written before the agent recorded its parts (no "parts") get none."""
+    A call is right when it is the call the part still needed: the right tool and arguments, and no right
+    call before it. Repeating a right call after its result is in the dialogue is no progress (1.0 for it
+    would pay a policy for calling again instead of answering). Hand-off lines written before the agent
+    recorded its parts (no "parts") get none. The caller schedules these just before the session's own
+    verdict, so they reach the lake first and label 1 (which waits for the verdict) sees them."""
     spec = tasks.TaskSpec.from_json(record["task"])
     parts = record.get("parts")
     if not isinstance(parts, list) or len(parts) != len(spec.parts):
@@ -175,8 +180,11 @@ def part_checks(record: dict[str, Any], at: float, line_end: int = 0) -> list[Du
         agent = done.get("agent_id") if isinstance(done, dict) else None
         if not isinstance(agent, str):
             continue
+        solved = False
         for call in done.get("calls") or []:
-            value = 1.0 if call_is_right(part, call.get("tool"), call.get("arguments")) else 0.0
+            right = not solved and call_is_right(part, call.get("tool"), call.get("arguments"))
+            solved = solved or right
+            value = 1.0 if right else 0.0
             cid = str(call["call_id"])
             out.append(Due(at, session_id, "call_correct", value, "verifier",
                            outcome_id(session_id, f"call_correct/{cid}", "verifier"), line_end, agent, cid))

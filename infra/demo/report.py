@@ -172,8 +172,10 @@ def tool_calls(con: Any) -> dict[str, tuple[int, int]]:
     if "malformed" not in columns:  # no call was ever marked: none malformed
         bad = "0"
     else:
-        bad = "count_if(coalesce(malformed, false))"
-    rows = con.execute(f"SELECT session_id, count(*), {bad} FROM ev WHERE type='tool_call' GROUP BY 1").fetchall()
+        bad = "count(DISTINCT event_id) FILTER (WHERE coalesce(malformed, false))"
+    # distinct event ids: a replayed event is one call (the episode builder drops the copy too)
+    rows = con.execute(f"SELECT session_id, count(DISTINCT event_id), {bad} FROM ev WHERE type='tool_call' "
+                       "GROUP BY 1").fetchall()
     return {str(sid): (int(n), int(m)) for sid, n, m in rows}
 
 

@@ -32,6 +32,10 @@ from flywheel.demo import tasks
 
 log = logging.getLogger(__name__)
 
+# The warm start's stopping rule and split, recorded in warm_start.json: a model built under another rule
+# (the old 12%-success target) is rebuilt rather than silently served as the demo's base.
+RULE = "heldout-loss-patience-3/prompt-split-20pct"
+
 Example = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 
 
@@ -251,7 +255,7 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     kept, trained, history, seconds = train(model, tok, s)
     at = next(h for h in history if h["step"] == kept)
     held = tasks.heldout_keys()
-    record = {"base_model": str(base_dir), "steps": kept, "steps_trained": trained,
+    record = {"rule": RULE, "base_model": str(base_dir), "steps": kept, "steps_trained": trained,
               "stopped_early": trained < s.max_steps, "heldout_loss": at["heldout_loss"],
               "final_success": at["success"], "first_call_correct": at["first_call_correct"],
               "eval_parts": s.eval_parts, "seconds": seconds,

@@ -91,6 +91,13 @@ def test_the_verifier_checks_every_call_and_each_sub_agents_part() -> None:
     assert len({d.outcome_id for d in checks}) == len(checks), "every check has its own stable id"
     assert [d.outcome_id for d in outcome_sim.part_checks(record, at=50.0)] == [d.outcome_id for d in checks]
     assert outcome_sim.part_checks(_record(spec, ["x", "y"]), at=50.0) == [], "an old hand-off line without parts"
+    again = [{"agent_id": "sub-a", "calls": [{"call_id": "c1", "tool": a.tool, "arguments": a.args},
+                                             {"call_id": "c2", "tool": a.tool, "arguments": a.args}]}, parts[1]]
+    repeat = {d.call_id: d.value for d in outcome_sim.part_checks(record | {"parts": again}, at=50.0) if d.call_id}
+    assert repeat["c1"] == 1.0 and repeat["c2"] == 0.0, "repeating a right call after its result is no progress"
+    plan = outcome_sim.schedule(record, outcome_sim.OutcomeSimConfig(user_share=0.0), random.Random(0))
+    assert plan[-1].kind == "task_success" and plan[-1].agent_id is None
+    assert all(d.at < plan[-1].at for d in plan[:-1]), "the checks below the session land before its verdict"
     wrong_tool = {"agent_id": "sub-a", "calls": [{"call_id": "c9", "tool": "weather" if a.tool != "weather" else "add",
                                                   "arguments": a.args}]}
     assert outcome_sim.part_checks(record | {"parts": [wrong_tool, parts[1]]}, at=50.0)[0].value == 0.0

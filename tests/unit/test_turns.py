@@ -106,3 +106,32 @@ def test_a_v1_outcome_may_not_name_a_call() -> None:
     assert schema.validate_outcome(record)["call_id"] == "c1"
     with pytest.raises(schema.SchemaError, match="call_id"):
         schema.validate_outcome(record | {"schema_version": 1})
+
+
+def test_an_agent_that_never_answered_is_not_paid_for_its_last_call(builder) -> None:
+    b, feed, root = builder
+    sb = synthetic.SessionBuilder("s2", T0, task_type="tool_use.add").begin()
+    first = sb.llm_call()["event_id"]
+    first_call = sb.tool()
+    last = sb.llm_call()["event_id"]
+    last_call = sb.tool()  # out of turns: no answer
+    end = sb.end()
+    feed.write("events", sb.events)
+    feed.write("outcomes", [synthetic.outcome("s2", "task_success", 0.0, at(20)),
+                            synthetic.outcome("s2", "call_correct", 1.0, at(20), agent_id="main", call_id=first_call),
+                            synthetic.outcome("s2", "call_correct", 1.0, at(20), agent_id="main", call_id=last_call)])
+    b.run_pass(now=end + dt.timedelta(seconds=30))
+    by_id = {r["episode_id"]: r for r in rows(root)}
+    assert by_id[first]["r_turn"] == 1.0, "the right call earlier in the session keeps its credit"
+    assert by_id[last]["r_turn"] == 0.0 and by_id[last]["reward"] == 0.0, "the last turn is capped by the outcome"
+
+
+def test_a_sub_agents_own_outcome_beats_the_sessions_whatever_the_order() -> None:
+    from flywheel.rewards import outcome_rewards
+
+    cfg = config.load()
+    task = cfg.task("tool_use.multi")
+    session = {"kind": "task_success", "value": 0.0, "ts": at(2), "outcome_id": "a"}
+    part = {"kind": "task_success", "value": 1.0, "ts": at(1), "outcome_id": "b", "agent_id": "sub-1"}
+    assert outcome_rewards.score_for_agent(cfg, task, [session, part], "sub-1", False).r_outcome == 1.0
+    assert outcome_rewards.score_for_agent(cfg, task, [session, part], "sub-2", False).r_outcome == 0.0
