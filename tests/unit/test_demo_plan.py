@@ -118,7 +118,7 @@ def test_the_learner_and_gate_carry_the_demos_measured_defaults(tmp_path: Path) 
         ("full", 4e-4, 64, 64, 32), learner
     assert (learner.cpu_threads, learner.newest_first, learner.loss_agg, learner.kl_coef, learner.baseline) == \
         (1, True, "sequence", 0.0, "batch"), learner
-    assert (learner.positive_only, learner.max_staleness_steps, learner.epochs, learner.loss) == (True, 20, 1, "tis"), learner
+    assert (learner.positive_only, learner.max_staleness_steps, learner.epochs, learner.loss) == (True, 60, 1, "tis"), learner
     assert (learner.publish_every_steps, learner.publish_wait_for_gate, learner.publish_every_s, learner.publish_supersede_s) == \
         (10, True, 0.0, 300.0), learner
     assert (learner.base_model, learner.lake_root, learner.policies_dir, learner.registered_model) == \
