@@ -2,7 +2,7 @@
 
 The agent-facing API is importable from here on a base install (kafka-python only):
 
-    from flywheel import SessionLogger, OutcomeReporter
+    from flywheel import SessionLogger, OutcomeReporter, current_session
 
 Sub-packages follow the data: flywheel.base (config, heartbeats, atomic writes, stop signal,
 version names) <- flywheel.ingest (schema, SDK, lake writer) <- flywheel.rewards (episode
@@ -20,13 +20,19 @@ try:
 except metadata.PackageNotFoundError:  # running from a checkout that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["OutcomeReporter", "SessionLogger", "__version__"]
+__all__ = ["OutcomeReporter", "SessionLogger", "__version__", "current_session"]
+_SDK_NAMES = frozenset({"OutcomeReporter", "SessionLogger", "current_session"})
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import flywheel.base` (every daemon) does not pay for the SDK's kafka-python import.
-    if name in ("SessionLogger", "OutcomeReporter"):
+    if name in _SDK_NAMES:
         from flywheel.ingest import sdk
 
         return getattr(sdk, name)
     raise AttributeError(f"module 'flywheel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names are not module globals until first use; list them so completion and dir() find them.
+    return sorted(set(globals()) | _SDK_NAMES)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import array
 import atexit
 import collections
+import contextvars
 import itertools
 import json
 import logging
@@ -1240,6 +1241,22 @@ def _without_numeric_lists(record: dict[str, Any], what: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------
+# The sessions entered with `with`/`async with` in this context (thread or asyncio task), innermost last. An
+# immutable tuple rather than a Token per entry: a Session shared by concurrent tasks, or exited in another
+# context than it was entered in, can then neither raise into the host nor unset another task's session.
+_ENTERED: contextvars.ContextVar[tuple["Session", ...]] = contextvars.ContextVar("flywheel_sessions", default=())
+
+
+def current_session() -> "Session | None":
+    """The innermost Session entered (`with`/`async with`) in this thread or asyncio task, else None.
+
+    A task created inside `with s:` starts with s as its current session (asyncio copies the context);
+    a thread starts with none.
+    """
+    entered = _ENTERED.get()
+    return entered[-1] if entered else None
+
+
 class _Client:
     """What SessionLogger and OutcomeReporter share: bootstrap resolution and the pipeline."""
 
@@ -1498,10 +1515,23 @@ class Session:
         self._emit("context_edit", {"edit_kind": edit_kind, "tokens_removed": tokens_removed,
                                     "summary_token_ids": summary_token_ids}, extra)
 
+    def _enter_current(self) -> None:
+        _ENTERED.set(_ENTERED.get() + (self,))
+
+    def _leave_current(self) -> None:
+        """Drop this session's innermost entry in this context; a no-op where it was never entered."""
+        entered = _ENTERED.get()
+        for i in range(len(entered) - 1, -1, -1):
+            if entered[i] is self:
+                _ENTERED.set(entered[:i] + entered[i + 1:])
+                return
+
     def __enter__(self) -> "Session":
+        self._enter_current()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._leave_current()
         if self._parent is not None:
             self.finish(ok=exc_type is None)
         elif self._owns_lifecycle:
