@@ -667,7 +667,8 @@ class Builder:
         if due.drop is not None:
             return [], index_row | {"label_version": 0, "reason": due.drop}
         stats = parl.parl_stats(s, self.rewards.parl, due.outcomes)
-        penalties, n_malformed = parl.malformed_penalties(s, self.rewards.penalties.malformed_tool_call)
+        made, finals = turns.turns(s), turns.final_calls(s)
+        penalties, n_malformed = parl.malformed_penalties(s, self.rewards.penalties.malformed_tool_call, made)
         judged = self._judge(s, task, judge_deadline)
         r_judge = judged.r_judge(self.rewards.judge.weight) if judged is not None else None
         detail_base = {
@@ -685,7 +686,6 @@ class Builder:
         }
         scores = {a: outcome_rewards.score_for_agent(self.rewards, task, due.outcomes, a, due.window_closed)
                   for a in s.agents}
-        made, finals = turns.turns(s), turns.final_calls(s)
         checked = turns.call_outcomes(due.outcomes, task.turn_kinds)
         rows = []
         for e in s.llm_calls:

@@ -25,6 +25,7 @@ from typing import Any, Iterable
 
 from flywheel.rewards.config import ParlSettings
 from flywheel.rewards.session import Session
+from flywheel.rewards.turns import Turn, turns
 
 
 @dataclass(frozen=True)
@@ -126,33 +127,21 @@ def parl_stats(s: Session, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]]
     )
 
 
-def malformed_penalties(s: Session, penalty: float) -> tuple[dict[str, float], int]:
+def malformed_penalties(s: Session, penalty: float, made: dict[str, Turn] | None = None) -> tuple[dict[str, float], int]:
     """event_id of an llm_call -> its penalty (<= 0), and the number of malformed tool calls.
 
-    A malformed tool call is charged to the llm_call of the same agent that came just before it
-    (the one that produced it). If the agent made no earlier call, the next one pays; if the
-    agent made none at all, the session's first call pays, so a malformed call is never free.
+    A malformed tool call is charged to the llm_call that produced it, as turns.turns assigns calls
+    (the same agent's call just before it; the agent's first call when it came before any). If the
+    agent made no call at all, the session's first call pays, so a malformed call is never free.
+    `made`: turns(s), when the caller has it already.
     """
-    out: dict[str, float] = {}
-    count = 0
-    for evs in s.agents.values():
-        last_call: str | None = None
-        owed = 0
-        for e in evs:
-            if e["type"] == "llm_call":
-                last_call = e["event_id"]
-                if owed:
-                    out[last_call] = out.get(last_call, 0.0) + owed * penalty
-                    owed = 0
-            elif e["type"] == "tool_call" and e.get("malformed"):
-                count += 1
-                if last_call is None:
-                    owed += 1
-                else:
-                    out[last_call] = out.get(last_call, 0.0) + penalty
-        if owed and s.llm_calls:
-            first = s.llm_calls[0]["event_id"]
-            out[first] = out.get(first, 0.0) + owed * penalty
+    made = turns(s) if made is None else made
+    count = sum(1 for evs in s.agents.values() for e in evs if e["type"] == "tool_call" and e.get("malformed"))
+    out = {eid: t.malformed * penalty for eid, t in made.items() if t.malformed}
+    orphans = count - sum(t.malformed for t in made.values())  # logged by agents that made no llm_call
+    if orphans and s.llm_calls:
+        first = s.llm_calls[0]["event_id"]
+        out[first] = out.get(first, 0.0) + orphans * penalty
     return out, count
 
 

@@ -152,14 +152,6 @@ def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random, 
     return out
 
 
-def call_is_right(part: tasks.Part, tool: Any, arguments: Any) -> bool:
-    """A tool call is right when it names the part's tool and its result is the part's truth."""
-    if tool != part.tool or not isinstance(arguments, dict):
-        return False
-    ok, output = tasks.run_tool(part.tool, arguments)
-    return ok and output == tasks.truth(part)
-
-
 def part_checks(record: dict[str, Any], at: float, line_end: int = 0) -> list[Due]:
     """The verifier's checks below the session: `call_correct` for every well-formed tool call (by its call_id),
     and, for a split task, `task_success` of each sub-agent's own part (by its agent_id).
@@ -182,7 +174,7 @@ def part_checks(record: dict[str, Any], at: float, line_end: int = 0) -> list[Du
             continue
         solved = False
         for call in done.get("calls") or []:
-            right = not solved and call_is_right(part, call.get("tool"), call.get("arguments"))
+            right = not solved and tasks.call_matches(part, call.get("tool"), call.get("arguments"))
             solved = solved or right
             value = 1.0 if right else 0.0
             cid = str(call["call_id"])

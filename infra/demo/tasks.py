@@ -376,9 +376,14 @@ def solve_part(part: Part, generate: Generate, max_turns: int = 3, budget_chars:
 def call_is_correct(part: Part, reply: str) -> bool:
     """The first turn of a part is right when it calls the right tool with the right arguments."""
     parsed = parse_reply(reply)
-    if parsed.kind != "tool_call" or parsed.tool != part.tool or not isinstance(parsed.arguments, dict):
+    return parsed.kind == "tool_call" and call_matches(part, parsed.tool, parsed.arguments)
+
+
+def call_matches(part: Part, tool: Any, arguments: Any) -> bool:
+    """A parsed tool call is the part's: its tool, and arguments whose result is the part's truth."""
+    if tool != part.tool or not isinstance(arguments, dict):
         return False
-    ok, output = run_tool(parsed.tool, parsed.arguments)
+    ok, output = run_tool(part.tool, arguments)
     return ok and output == truth(part)
 
 
