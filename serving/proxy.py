@@ -20,7 +20,8 @@ model name and the policy version (through the SessionLogger SDK, so a broker ou
 the agent nothing).
 
 Routes: POST /v1/chat/completions and /v1/completions (streaming and not), GET /v1/models
-(passed through), GET /health and GET /metrics (the proxy's own counters).
+(passed through), GET /health and GET /metrics (the proxy's own counters and, with the serving router, the aliases it
+routes by and since when).
 
 Headers (all optional; without a session id the request is forwarded but not logged):
   X-Flywheel-Session-Id        the session the call belongs to
@@ -67,6 +68,7 @@ class Routed:
 
 
 RouteFn = Callable[[str], Routed]
+RouterState = Callable[[], dict[str, Any]]  # what a router routes with now (serving.router.Router.snapshot)
 
 H_SESSION = "X-Flywheel-Session-Id"
 H_AGENT = "X-Flywheel-Agent-Id"
@@ -111,8 +113,9 @@ def static_route(model: str, policy_version: int) -> RouteFn:
     return lambda _session_id: fixed
 
 
-def serving_route() -> RouteFn:
-    """flywheel.serving.router.Router (config from FLYWHEEL_* like every process): champion/challenger, sticky per session."""
+def serving_route() -> tuple[RouteFn, RouterState]:
+    """flywheel.serving.router.Router (config from FLYWHEEL_* like every process): champion/challenger, sticky per
+    session; and its snapshot, which GET /metrics shows under "router"."""
     try:
         from flywheel.serving import router as serving_router
     except ImportError as exc:
@@ -125,7 +128,7 @@ def serving_route() -> RouteFn:
         exact = (lambda: router.loaded_version(server)) if chosen.kind == "full" and server else None
         return Routed(str(chosen.model), int(chosen.policy_version), server, exact, chosen.arm)
 
-    return route
+    return route, router.snapshot
 
 
 @dataclass
@@ -168,10 +171,12 @@ class _Call:
 class CaptureProxy:
     """The request handlers and the session bookkeeping; the aiohttp app is built by make_app()."""
 
-    def __init__(self, cfg: ProxyConfig, logger: SessionLogger, route: RouteFn) -> None:
+    def __init__(self, cfg: ProxyConfig, logger: SessionLogger, route: RouteFn,
+                 router_state: RouterState | None = None) -> None:
         self.cfg = cfg
         self.logger = logger
         self.route = route
+        self.router_state = router_state
         self.upstream = cfg.upstream.rstrip("/")
         self.sessions: dict[str, _SessionState] = {}
         self.counters = {"requests": 0, "logged_calls": 0, "unlogged_no_session": 0, "upstream_errors": 0,
@@ -246,7 +251,9 @@ class CaptureProxy:
     async def metrics(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({**self.counters, "open_sessions": len(self.sessions), "sdk": self.logger.metrics()})
+        router = self.router_state() if self.router_state is not None else None
+        return web.json_response({**self.counters, "open_sessions": len(self.sessions), "sdk": self.logger.metrics(),
+                                  "router": router})
 
     async def chat(self, request: Any) -> Any:
         return await self._proxy(request, "chat", "/v1/chat/completions")
@@ -547,18 +554,20 @@ def make_app(proxy: CaptureProxy) -> Any:
     return app
 
 
-def build_route(cfg: ProxyConfig) -> RouteFn:
-    return serving_route() if cfg.router == "serving" else static_route(cfg.static_model, cfg.static_policy_version)
+def build_route(cfg: ProxyConfig) -> tuple[RouteFn, RouterState | None]:
+    if cfg.router == "serving":
+        return serving_route()
+    return static_route(cfg.static_model, cfg.static_policy_version), None
 
 
 def run(cfg: ProxyConfig) -> int:
     from aiohttp import web
 
-    route = build_route(cfg)
+    route, router_state = build_route(cfg)
     log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "flywheel.serving.router.Router")
     logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name)
     log.info("proxy: logging llm_call events to %s on %s", cfg.events_topic, cfg.kafka_bootstrap)
-    proxy = CaptureProxy(cfg, logger, route)
+    proxy = CaptureProxy(cfg, logger, route, router_state)
     log.info("proxy: listening on http://%s:%d/v1, forwarding to %s", cfg.host, cfg.port, cfg.upstream)
     try:
         # run_app handles SIGINT/SIGTERM: it stops accepting, finishes cleanup (on_cleanup ends open sessions).

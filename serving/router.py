@@ -100,6 +100,7 @@ class Router:
         self._slots: dict[str, _Slot] = {}
         self._loaded: dict[str, int] = {}  # server -> full-weight version it holds
         self._fetched_at = float("-inf")
+        self._read_at: float | None = None  # wall clock when the aliases now in use began to be read
         self._refreshing = False
         self.background = background
         self._warned: set[tuple[int, int]] = set()
@@ -133,6 +134,7 @@ class Router:
         threading.Thread(target=self._reload, name="router-refresh", daemon=True).start()
 
     def _reload(self) -> None:
+        read_at = time.time()  # before the read: aliases set before this moment are in what it returns
         try:
             try:
                 slots = {alias: _Slot(rv.policy_version, rv.kind or "lora")
@@ -148,7 +150,7 @@ class Router:
                 log.info("router: aliases now %s", {a: s.version for a, s in slots.items()})
             # plain attribute swaps: a concurrent route() sees the old or the new state, never a mix of fields
             self._loaded, self._slots = loaded, slots
-            self._fetched_at = self._clock()
+            self._fetched_at, self._read_at = self._clock(), read_at
         finally:
             with self._lock:
                 self._refreshing = False
@@ -172,6 +174,12 @@ class Router:
     def aliases(self) -> dict[str, int]:
         self.refresh()
         return {alias: slot.version for alias, slot in self._slots.items()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """What route() answers from now, without refreshing: {"aliases": {alias: version}, "read_at": wall clock
+        when that read began, None before the first}. Every route() after a snapshot whose read_at is later than an
+        alias change routes by the change: how a caller learns that a cleared challenger gets no more sessions."""
+        return {"aliases": {alias: slot.version for alias, slot in self._slots.items()}, "read_at": self._read_at}
 
     # -- routing --------------------------------------------------------------------------------
     def route(self, session_id: str) -> Route:

@@ -14,10 +14,12 @@ What it does, in order (each step logged):
    simulated agent;
 5. a live view (rich) from the processes' heartbeats and the lake: sessions/s, lake lag,
    episodes, learner step, served versions and traffic shares, success per version;
-6. the final window, the last measure_s seconds of traffic: the learner and the gate are stopped
-   and the challenger alias is cleared, so the champion and the control arm serve the same
-   sessions, none of which the gate saw (run_dir/final_window.json says since when);
-7. after N minutes of traffic: the agent stops, the outcomes and the lake catch up, every
+6. the final window, measure_s seconds of traffic from minutes*60 - measure_s on: the learner and
+   the gate are stopped and the challenger alias is cleared, so the champion and the control arm
+   serve the same sessions, none of which the gate saw; it starts when the proxy's router has
+   re-read the aliases and lasts its full measure_s, so the traffic runs past N minutes by the
+   time stopping took (run_dir/final_window.json says since when);
+7. after the final window (N minutes of traffic without one): the agent stops, the outcomes and the lake catch up, every
    process it started is stopped (SIGTERM, then SIGKILL), the stack parts it started are
    stopped, and the report is written to var/report/ (report.md, PNGs, summary.json).
 
@@ -215,7 +217,7 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
 # ---------------------------------------------------------------------------------------------
 class Traffic:
     """The traffic phase: policy-v0 is measured first, then the learner and the gate run, and in the
-    last measure_s seconds (the final window) the champion is measured against the control; tick()
+    final window (measure_s seconds at the end) the champion is measured against the control; tick()
     moves between these, render() draws them."""
 
     def __init__(self, cfg: DemoConfig, plan: RunPlan, ends: Endpoints, procs: Processes, started_at: float) -> None:
@@ -244,23 +246,34 @@ class Traffic:
 
     def start_final_window(self) -> None:
         """Stop the learner and the gate, then clear the challenger alias: every session outside the control
-        arm goes to the champion, so the two are compared on the same sessions, none of which the gate saw."""
-        from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
-        from flywheel.serving.tier import TierConfig
+        arm goes to the champion, so the two are compared on the same sessions, none of which the gate saw.
 
-        log.info("demo: %.0f s of traffic left; stopping the learner and the gate for the final window", self.cfg.measure_s)
+        The window starts when the proxy's router says it routes by aliases read after the clear, not at a
+        guessed delay: its background refresh can run late on a busy machine, and a session routed by the
+        old aliases would put the last challenger into the champion's window."""
+        from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
+
+        log.info("demo: stopping the learner and the gate for the final window (%.0f s of traffic)", self.cfg.measure_s)
         self.procs.stop("learner")
         self.procs.stop("promote")  # after the learner: its last round may still decide the last challenger
         registry = Registry(self.ends.tracking_uri, self.plan.registered_model)
         registry.clear_alias(CHALLENGER)
+        cleared_at = time.time()
         champion = registry.aliases().get(CHAMPION, 0)
-        # the proxy's router re-reads the aliases every alias_refresh_s: a session that starts before then
-        # may still be routed to the old challenger
-        self.final_since = time.time() + TierConfig().alias_refresh_s
-        write_json(self.plan.run_dir / "final_window.json", {"since": self.final_since, "champion": champion},
-                   Durability.ADVISORY)
-        log.info("demo: final window from %.0f: %s against the control %s", self.final_since, version_name(champion),
-                 version_name(CONTROL_VERSION))
+        confirmed = wait_for_router(self.ends.proxy_port, cleared_at)
+        self.final_since = time.time()
+        write_json(self.plan.run_dir / "final_window.json",
+                   {"since": self.final_since, "champion": champion, "challenger_cleared_at": cleared_at,
+                    "router_confirmed": confirmed}, Durability.ADVISORY)
+        log.info("demo: final window from %.0f (%.1f s after the clear): %s against the control %s", self.final_since,
+                 self.final_since - cleared_at, version_name(champion), version_name(CONTROL_VERSION))
+
+    def traffic_ends_at(self) -> float:
+        """The final window gets its full measure_s however long stopping the learner and the gate took, so the
+        traffic runs past `minutes` by that long; without a final window it ends after `minutes`."""
+        if self.final_since is not None:
+            return self.final_since + self.cfg.measure_s
+        return self.traffic_start + self.plan.traffic_s
 
     def phase(self) -> str:
         return ("final window (learner and gate stopped, champion vs control)" if self.final_since is not None else
@@ -285,6 +298,9 @@ class Traffic:
         if dead:
             name, rc = dead[0]
             raise RuntimeError(f"{name} exited with status {rc} during the run; last lines of its log:\n{procs.tail(name)}")
+        if time.time() >= self.traffic_ends_at():
+            procs.stop("agent-sim")  # SIGTERM: it finishes the sessions in flight
+            return False
         return procs.procs["agent-sim"].poll() is None
 
 
@@ -447,6 +463,26 @@ def _wait_for_proxy(port: int, procs: Processes, timeout_s: float = 60.0) -> Non
                 raise RuntimeError(f"proxy exited during start-up:\n{procs.tail('proxy')}")
             time.sleep(0.5)
     raise RuntimeError(f"proxy on port {port} did not answer /health within {timeout_s:.0f}s")
+
+
+def wait_for_router(proxy_port: int, since: float, timeout_s: float = 60.0) -> bool:
+    """Wait until the proxy's router routes by aliases it began reading after `since` (GET /metrics, "router");
+    False, with a warning, when it did not within timeout_s."""
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{proxy_port}/metrics", timeout=2.0) as resp:
+                router = json.loads(resp.read()).get("router") or {}
+            if (router.get("read_at") or 0.0) > since:
+                return True
+        except (OSError, ValueError):
+            pass  # a busy proxy: ask again
+        time.sleep(0.5)
+    log.warning("demo: the proxy's router did not re-read the aliases within %.0f s of clearing the challenger; "
+                "the final window starts anyway", timeout_s)
+    return False
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -89,7 +89,7 @@ class DemoConfig:
     # sessions of two versions alone) that is 400+ sessions, ~330 champion and ~85 control (80/20 once the
     # challenger alias is cleared). The final comparison against the control needs a few hundred: an
     # 18-point lift (that run's 16% -> 34%) is then ~4 standard errors, p ~ 1e-4.
-    measure_s: float = setting(300.0, "the final window, the last seconds of traffic: the learner and the gate are stopped, "
+    measure_s: float = setting(300.0, "the final window, the seconds of traffic at the end: the learner and the gate are stopped, "
                                       "the challenger alias is cleared, and the champion and the control serve the "
                                       "same sessions to be compared on")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
@@ -233,7 +233,9 @@ def outcome_sim_command(run: RunPlan, ends: Endpoints) -> list[str]:
 def agent_sim_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]:
     return ["agent-sim", "--proxy-url", ends.proxy_url, "--kafka-bootstrap", ends.kafka_bootstrap,
             "--events-topic", run.topics["events"], "--concurrency", str(cfg.concurrency),
-            "--duration-s", str(run.traffic_s), "--multi-share", str(cfg.multi_share),
+            # a safety cap: the demo stops the agent (SIGTERM) when the final window has had its measure_s;
+            # traffic_s 0 (the chaos bench): until stopped
+            "--duration-s", str(run.traffic_s + 600.0 if run.traffic_s else 0.0), "--multi-share", str(cfg.multi_share),
             "--handoff", str(run.handoff), "--tokenizer", str(policy_v0(cfg).resolve()),
             "--spool-name", f"{run.run_id}-agent", "--var-dir", str(run.var_dir)]
 

@@ -14,8 +14,8 @@ counts for none), and for the router's arm (control, champion, challenger). A se
 in an infrastructure error is excluded and counted apart; one without the verifier's task_success
 is unlabelled, not a failure. Success is task_success >= 0.5.
 
-The headline is the final window: the last measure_s seconds of traffic, with the learner and the
-gate stopped, so every non-control session goes to the final champion. Its sessions there (started
+The headline is the final window: measure_s seconds of traffic at the end, with the learner and the
+gate stopped and the proxy's router confirmed on the cleared challenger alias, so every non-control session goes to the final champion. Its sessions there (started
 after its promotion too) are compared with the control arm's in the same window, a sample the gate
 never saw when it chose the champion. The whole-run numbers (base_success, champion_success) are
 kept, with their definitions in report.md.

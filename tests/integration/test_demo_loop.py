@@ -33,8 +33,9 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
     from flywheel.serving.publisher import reload_full
 
     assert len(vllm_urls) == 2, f"the test session's stack should run two vLLM servers: {vllm_urls}"
-    # 2.5 minutes: the final window (the last 40 s; stopping the learner and the gate takes up to ~20 s of it)
-    # starts after the learner has had ~110 s (~50 s of it starting up on 2 busy cores) to publish
+    # 2.5 minutes: the final window (40 s, from when the proxy's router has re-read the cleared aliases, so
+    # the traffic runs past 150 s by the time stopping the learner and the gate took) starts after the learner
+    # has had ~110 s (~50 s of it starting up on 2 busy cores) to publish
     cfg = demo.DemoConfig(minutes=2.5, var_dir=tmp_path / "var", report_dir=tmp_path / "report", base_model=base_model_dir,
                           warm_start=False, concurrency=6, learner_batch=16, publish_every_steps=2, publish_every_s=30.0,
                           vllm_servers=2, gate_interval_s=10.0, gate_min_sessions=5, base_sessions=30, measure_s=40.0,
@@ -70,6 +71,7 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
         f"llm_calls per arm (None: no arm logged): {arms}"
     assert "control" in arms, f"no llm_call was served by the control arm: {arms}"
     final = json.loads((run_dir / "final_window.json").read_text())
+    assert final["router_confirmed"], f"the proxy's router never re-read the aliases after the clear: {final}"
     in_window = [r for r in read_sessions(str(run_dir / "lake")) if r.started >= final["since"]]
     assert in_window, f"no session started in the final window (from {final['since']:.0f})"
     on_challenger = [r.session_id for r in in_window if r.arm == "challenger"]

@@ -190,20 +190,10 @@ def test_broker_killed_mid_run_every_event_arrives_once_and_calls_never_block(pr
     assert request_ids == [str(i) for i in range(total)], "some call arrived under two event ids or not at all"
     print(f"outage: {len(raw)} records for {total} events ({len(raw) - total} replay duplicates); {metrics}")
 
-    # The agent's calls never blocked: the worst call during the outage stays under 5 ms.
-    during.sort()
-    worst_ms, p999_ms = during[-1] * 1e3, during[int(0.999 * len(during))] * 1e3
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    message = (f"worst llm_call during the outage {worst_ms:.2f} ms (limit 5 ms), p99.9 {p999_ms:.3f} ms, "
-               f"{len(during)} calls, load average {load:.1f} on {cores} cores; while the broker restarted: "
-               f"{len(restart)} calls, worst {max(restart, default=0) * 1e3:.2f} ms")
-    print("outage:", message)
-    assert p999_ms < 1.0, message  # no systematic blocking: 999 of 1,000 calls well under a millisecond
-    if worst_ms >= 5.0 and load > cores:
-        # More runnable threads than cores: the kernel time-slices them, and a thread waits several ms
-        # for its slice (Linux CFS), whatever it runs. A 5 ms bound on the worst call is not measurable then.
-        pytest.xfail("machine oversubscribed, worst-case bound not measurable: " + message)
-    assert worst_ms < 5.0, message
+    # The agent's calls never blocked (the bounds: `_assert_never_blocked`). While the broker restarted is
+    # reported, not asserted: a JVM starting on the test's two cores.
+    _assert_never_blocked(during, "during the outage",
+                          f"while the broker restarted: {len(restart)} calls, worst {max(restart, default=0) * 1e3:.2f} ms")
 
 
 def test_a_short_lived_process_delivers_at_exit_without_close(kafka_bootstrap: str, new_topic: Callable[..., str],
@@ -311,12 +301,30 @@ def _paced_through_outage(log: SessionLogger, cfg: stack_mod.StackConfig, outage
     return stamps, samples, window, i
 
 
-def _call_bound_message(calls: list[float], what: str) -> tuple[float, float, str]:
+# What "never blocks its host" means in numbers. A call that waits on the broker (a send, a flush, a lock
+# held across one) takes a network timeout or a reconnect backoff: 50 ms and up. A call that never waits can
+# still wait for the GIL while the SDK's own thread runs Python (spilling, replaying the spool): CPython hands
+# the GIL over every switch interval, 5 ms, so the worst call gets a bound of four switch intervals (20 ms) and 999 of 1,000
+# calls one of 2 ms. Tighter bounds (5 ms worst, 1 ms p99.9) failed on loaded CI machines
+# with nothing blocking (7.3 ms worst; p99.9 1.09 ms during a replay).
+WORST_CALL_MS = 4 * sys.getswitchinterval() * 1e3
+P999_CALL_MS = 2.0
+
+
+def _assert_never_blocked(calls: list[float], what: str, also: str = "") -> None:
     calls = sorted(calls)
     worst_ms, p999_ms = calls[-1] * 1e3, calls[int(0.999 * len(calls))] * 1e3
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    return worst_ms, p999_ms, (f"worst llm_call {what} {worst_ms:.2f} ms (limit 5 ms), p99.9 {p999_ms:.3f} ms, "
-                               f"{len(calls)} calls, load average {load:.1f} on {cores} cores")
+    message = (f"worst llm_call {what} {worst_ms:.2f} ms (limit {WORST_CALL_MS:.0f} ms), p99.9 {p999_ms:.3f} ms "
+               f"(limit {P999_CALL_MS:.0f} ms), {len(calls)} calls, load average {load:.1f} on {cores} cores"
+               + (f"; {also}" if also else ""))
+    print(message)
+    assert p999_ms < P999_CALL_MS, message  # no systematic waiting
+    if worst_ms >= WORST_CALL_MS and load > cores:
+        # More runnable threads than cores: the kernel time-slices them, and a thread waits several ms for its
+        # slice (Linux CFS), whatever it runs. A bound on the single worst call is not measurable then.
+        pytest.xfail("machine oversubscribed, worst-case bound not measurable: " + message)
+    assert worst_ms < WORST_CALL_MS, message
 
 
 @pytest.mark.slow
@@ -363,13 +371,8 @@ def test_a_60s_outage_delivery_resumes_within_10s_of_the_broker_and_every_event_
     during = [d for t, d in stamps if window["down"] <= t <= window["restarting"]]
     replaying = [d for t, d in stamps if window["up"] <= t]
     assert len(during) > 0.9 * rate * outage_s, f"only {len(during)} calls fell inside the outage"
-    worst_ms, p999_ms, message = _call_bound_message(during, "during the outage")
-    _, replay_p999_ms, replay_message = _call_bound_message(replaying, "during the replay")
-    print("long outage:", message, "|", replay_message)
-    assert p999_ms < 1.0 and replay_p999_ms < 1.0, f"{message}; {replay_message}"
-    if worst_ms >= 5.0 and os.getloadavg()[0] > (os.cpu_count() or 1):
-        pytest.xfail("machine oversubscribed, worst-case bound not measurable: " + message)
-    assert worst_ms < 5.0, message
+    _assert_never_blocked(during, "during the outage")
+    _assert_never_blocked(replaying, "during the replay")
 
 
 KILLED_AGENT = """

@@ -127,6 +127,35 @@ def test_background_refresh_never_blocks_route_after_the_first_read() -> None:
     assert router.route("s").policy_version == 2, "the background refresh never landed"
 
 
+def test_the_snapshot_says_since_when_the_aliases_in_use_were_read_and_a_hung_refresh_does_not_advance_it() -> None:
+    import threading
+    import time
+
+    tier = TierConfig(servers=["http://a"], challenger_share=0.5, alias_refresh_s=2.0)
+    reg, clock = MemoryRegistry({"champion": (1, "lora"), "challenger": (2, "lora")}), Clock()
+    router = Router(tier, registry=reg, clock=clock, probe=lambda s: 0)
+    assert router.snapshot() == {"aliases": {}, "read_at": None}, "nothing read yet"
+    router.route("s")
+    first = router.snapshot()
+    assert first["aliases"] == {"champion": 1, "challenger": 2} and first["read_at"] <= time.time()
+    gate = threading.Event()
+    slow = reg.alias_versions
+    reg.alias_versions = lambda: (gate.wait(5), slow())[1]
+    reg.set({"champion": (1, "lora")})  # the challenger alias is cleared
+    cleared_at = time.time()
+    clock.now = 3.0
+    router.route("s")  # starts the refresh, which hangs
+    assert router.snapshot() == first, "a refresh in flight is not what routes: the snapshot must not claim it"
+    gate.set()
+    for _ in range(100):
+        if router.snapshot()["read_at"] != first["read_at"]:
+            break
+        threading.Event().wait(0.02)
+    now = router.snapshot()
+    assert now["aliases"] == {"champion": 1} and now["read_at"] > cleared_at
+    assert {router.route(f"s{i}").arm for i in range(200)} == {"champion"}, "read after the clear: no challenger"
+
+
 def test_three_arms_control_challenger_champion_and_the_control_stays_put() -> None:
     tier = TierConfig(servers=["http://a", "http://b", "http://c"], challenger_share=0.4, control_share=0.2,
                       alias_refresh_s=2.0)

@@ -178,3 +178,17 @@ def test_http_errors_are_clear_when_the_body_is_bad_or_vllm_is_down(tmp_path: Pa
     assert [status for status, _ in results] == [400, 400, 502, 502, 200], results
     assert "not valid JSON" in results[0][1] and "expected a JSON object" in results[1][1]
     assert "unavailable" in results[2][1] and "unavailable" in results[3][1]
+
+
+def test_metrics_show_what_the_router_routes_by(tmp_path: Path) -> None:
+    import asyncio
+
+    logger = SessionLogger(_dead_bootstrap(), name="m", spool_dir=tmp_path / "spool", linger_s=0.01)
+    state = {"aliases": {"champion": 3}, "read_at": 1234.5}
+    try:
+        with_router = CaptureProxy(ProxyConfig(heartbeat_s=0), logger, static_route("policy-v3", 3), lambda: state)
+        static = CaptureProxy(ProxyConfig(heartbeat_s=0), logger, static_route("policy-v3", 3))
+        assert json.loads(asyncio.run(with_router.metrics(None)).text)["router"] == state
+        assert json.loads(asyncio.run(static.metrics(None)).text)["router"] is None
+    finally:
+        logger.close(timeout=5)
