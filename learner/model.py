@@ -30,6 +30,48 @@ from flywheel.learner.data import Episode
 
 log = logging.getLogger(__name__)
 
+# a tied model's two names for its one matrix, as Qwen2, Llama and Mistral checkpoints spell them
+EMBED_KEY = "model.embed_tokens.weight"
+HEAD_KEY = "lm_head.weight"
+
+
+def write_tied_head(model_dir: Path) -> bool:
+    """Store a tied model's output head in its model.safetensors as a bitwise copy of the input embeddings.
+
+    Why: HF's save drops lm_head.weight of a tied model, and vLLM's in-place reload_weights then
+    leaves its lm_head stale. The reload puts each layer on the meta device and re-runs a layer's
+    post-load processing only when the file fed that layer; with embed_tokens alone, lm_head is put
+    back unprocessed, and on CPU its processing is the GEMM packing (dispatch_cpu_unquantized_gemm
+    copies the weight into a oneDNN or sgl handle), so logits kept the old head while the embedding
+    lookup used the new matrix: neither version. With both names and equal bits each layer is
+    reloaded and repacked from the same values: the reload is exact (tests/integration/test_tied_reload.py).
+    A fresh load (server start) skips the alias and loads one matrix. Returns whether the file changed.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from flywheel.base.atomic import Durability, write_with
+
+    path = Path(model_dir) / "model.safetensors"
+    with safe_open(str(path), framework="pt") as fh:
+        metadata = fh.metadata() or {"format": "pt"}
+        tensors = {key: fh.get_tensor(key) for key in fh.keys()}
+    if EMBED_KEY not in tensors:
+        raise ValueError(f"{path}: a tied model without {EMBED_KEY}; only Qwen2/Llama-style names are supported")
+    if HEAD_KEY in tensors:
+        if not torch.equal(tensors[HEAD_KEY], tensors[EMBED_KEY]):
+            raise ValueError(f"{path}: config ties the embeddings but {HEAD_KEY} differs from {EMBED_KEY}")
+        return False
+    tensors[HEAD_KEY] = tensors[EMBED_KEY].clone()  # its own storage: safetensors refuses shared tensors
+    write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), Durability.DURABLE)
+    return True
+
+
+def ties_embeddings(model: torch.nn.Module) -> bool:
+    """The HF model shares one Parameter between its input embeddings and its output head."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
 
 @dataclass
 class Policy:
@@ -114,9 +156,26 @@ class Policy:
         model = self.module
         dtype = next(model.parameters()).dtype
         model.save_pretrained(str(out), safe_serialization=True)
+        if ties_embeddings(model):
+            write_tied_head(out)  # else vLLM's in-place reload keeps the old head (write_tied_head says why)
         if dtype != torch.float32:
             log.info("model: saved %s weights (the server loads them in its own --dtype)", dtype)
         return "full"
+
+
+def _warn_untied_file(cfg: LearnerConfig, model: torch.nn.Module) -> None:
+    """A tied base whose file lacks lm_head.weight trains fine, but serving refuses it as policy-v0's restore target."""
+    path = Path(cfg.base_model) / "model.safetensors"
+    if cfg.mode != "full" or not ties_embeddings(model) or not path.is_file():
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        if HEAD_KEY in fh.keys():
+            return
+    log.warning("model: %s ties its embeddings but its file has no %s; the versions this learner writes carry it, "
+                "but a reload of the base (policy-v0) will be refused: run "
+                "flywheel.learner.model.write_tied_head(%r) once", cfg.base_model, HEAD_KEY, cfg.base_model)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -134,9 +193,6 @@ def load_policy(cfg: LearnerConfig) -> Policy:
     device = resolve_device(cfg.device)
     dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
     hf_config = AutoConfig.from_pretrained(cfg.base_model)
-    if cfg.mode == "full" and getattr(hf_config, "tie_word_embeddings", False):
-        # vLLM's in-place reload of tied embeddings matched neither old nor new weights (design.md facts)
-        raise RuntimeError(f"mode=full needs an untied model; {cfg.base_model} ties its embeddings (use mode=lora)")
 
     def load_base() -> Any:
         # eager attention: identical maths on CPU and GPU, and no sdpa kernel choice changing logprobs
@@ -145,6 +201,7 @@ def load_policy(cfg: LearnerConfig) -> Policy:
         return base
 
     model = load_base()
+    _warn_untied_file(cfg, model)
     torch.manual_seed(cfg.seed)
     if cfg.mode == "lora":
         from peft import LoraConfig, get_peft_model

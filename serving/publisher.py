@@ -20,7 +20,9 @@ The learner hands over a finished directory (docs/CONTRIBUTING.md, "Policy versi
      new ones queue), /collective_rpc reload_weights from the directory, /reset_prefix_cache (vLLM
      keeps the old weights' cached KV otherwise), /update_weight_version, POST /resume. A failed
      reload is undone by reloading the weights the server held before.
-     Works for UNTIED embeddings only (design.md facts), so tied models are refused up front.
+     A tied-embedding model reloads exactly only when its file holds lm_head.weight equal to the
+     embeddings (flywheel.learner.model.write_tied_head says why; the learner writes it so): a
+     version or restore directory without it is refused before any server is touched.
    - full, transport "nccl": vLLM's weight-transfer API (NCCL broadcast from this process),
      for a GPU tier started with a NCCL weight-transfer config. Built against vLLM 0.32's
      documented API; NOT tested here (no GPU on these machines).
@@ -169,15 +171,52 @@ def _check_lora(path: Path, tier: TierConfig) -> None:
         raise PublishError(f"{path}/adapter_model.safetensors: no lora_A/lora_B tensors")
 
 
+def tied_config(config: dict[str, Any]) -> bool:
+    """A model config (config.json) that shares one matrix between input embeddings and output head (a
+    multimodal config may say so in its text_config; transformers writes the key, Qwen2 and Llama default to False)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+def tied_head_problem(path: Path, equal: bool = True) -> str | None:
+    """Why vLLM's in-place reload of the model directory `path` would not be exact, or None.
+
+    A tied model must carry lm_head.weight beside the embeddings (learner.model.write_tied_head): the reload
+    re-processes only the layers the file feeds, so without it the server's output head keeps the old weights.
+    equal: also check the two are bitwise equal (reads both tensors; off: the header only).
+    """
+    from flywheel.learner.model import EMBED_KEY, HEAD_KEY
+
+    if not tied_config(_read_json(path / "config.json")):
+        return None
+    shapes = _tensor_shapes(path / "model.safetensors", check_finite=False)
+    if HEAD_KEY not in shapes or EMBED_KEY not in shapes:
+        return (f"{path}: tied embeddings but model.safetensors lacks {HEAD_KEY if EMBED_KEY in shapes else EMBED_KEY}; "
+                f"vLLM's in-place reload would keep the old output head. Add it with "
+                f"flywheel.learner.model.write_tied_head({str(path)!r})")
+    if equal:
+        import torch
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
+            if not torch.equal(fh.get_tensor(HEAD_KEY), fh.get_tensor(EMBED_KEY)):
+                return f"{path}: tied embeddings but {HEAD_KEY} differs from {EMBED_KEY}"
+    return None
+
+
 def _check_full(path: Path, tier: TierConfig) -> None:
-    config = _read_json(path / "config.json")
-    if config.get("tie_word_embeddings", False):
-        # measured (design.md): an in-place reload of a tied model matched neither old nor new weights
-        raise PublishError(f"{path}: tie_word_embeddings is true; in-place reload is only correct for untied models")
+    problem = tied_head_problem(path)
+    if problem is not None:
+        raise PublishError(problem)
     shapes = _tensor_shapes(path / "model.safetensors")
     base_weights = Path(tier.base_model) / "model.safetensors"
     if base_weights.is_file():
         base_shapes = _tensor_shapes(base_weights, check_finite=False)
+        if tied_config(_read_json(path / "config.json")):
+            from flywheel.learner.model import HEAD_KEY
+
+            # a tied base saved by transformers has no lm_head.weight; the version must (tied_head_problem)
+            base_shapes.setdefault(HEAD_KEY, shapes.get(HEAD_KEY, ()))
         missing = sorted(set(base_shapes) - set(shapes))
         extra = sorted(set(shapes) - set(base_shapes))
         wrong = sorted(k for k in set(shapes) & set(base_shapes) if shapes[k] != base_shapes[k])
@@ -272,7 +311,15 @@ def reload_full(server: str, path: Path | str, version: int, timeout: float = 60
     tests' restores): reload_weights, then reset_prefix_cache (else cached prefixes decode on the old
     weights' KV; vllm_client.reset_prefix_cache says why), then update_weight_version (what the router and the gate read). It does not pause:
     a caller with traffic in flight pauses around it (push_full_http), an idle caller need not.
+    A tied model's directory without lm_head.weight is refused first (tied_head_problem): the server keeps what it had.
     """
+    if (Path(path) / "config.json").is_file():  # without one the server's own refusal says more
+        try:
+            problem = tied_head_problem(Path(path), equal=False)  # the header only: a restore need not read weights
+        except PublishError as exc:  # callers handle a failed reload as ServerError (push_full_http restores)
+            raise vllm_client.ServerError(str(exc)) from exc
+        if problem is not None:
+            raise vllm_client.ServerError(problem)
     vllm_client.reload_weights(server, path, timeout)
     vllm_client.reset_prefix_cache(server, timeout)
     vllm_client.update_weight_version(server, version, timeout)

@@ -3,8 +3,8 @@
 No model can be downloaded here, so tests and the demo use a model the project builds
 itself: a byte-level BPE tokenizer trained on a generated corpus, a ChatML chat template,
 and a small Qwen2-style causal LM (head_dim 64, because vLLM's CPU attention rejects 16;
-untied embeddings, because vLLM's in-place `reload_weights` is only exact for untied
-models), saved in Hugging Face format so that vLLM, transformers and peft all load it.
+untied embeddings unless `--tie-word-embeddings`, which builds the shape of most small
+open models), saved in Hugging Face format so that vLLM, transformers and peft all load it.
 Real deployments skip this and pass their own model directory (`--base-model`).
 
     flywheel model init                 # var/models/tiny-base (random weights)
@@ -60,6 +60,8 @@ class ModelInitConfig:
     max_position_embeddings: int = setting(2048, "context length")
     corpus_lines: int = setting(20000, "lines of generated text the tokenizer is trained on")
     seed: int = setting(0, "seed of the corpus and the initial weights (same seed, same model)")
+    tie_word_embeddings: bool = setting(False, "share one matrix between input embeddings and output head, as "
+                                               "Qwen2.5 0.5-3B and Llama 3.2 1-3B do (the demo's model is untied)")
     warm_start: bool = setting(False, "also write a warm-started copy, briefly supervised on the demo task")
     warm_out: Path = setting(Path(WARM_MODEL_DIR), "directory of the warm-started model")
 
@@ -161,7 +163,7 @@ def build_model(cfg: ModelInitConfig, tokenizer: "object", out: Path) -> int:
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=False,  # vLLM's in-place reload is exact only for untied models (design.md)
+        tie_word_embeddings=cfg.tie_word_embeddings,
         bos_token_id=pad,
         eos_token_id=eos,
         pad_token_id=pad,
@@ -170,6 +172,10 @@ def build_model(cfg: ModelInitConfig, tokenizer: "object", out: Path) -> int:
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=pad)
     model.save_pretrained(str(out), safe_serialization=True)
+    if cfg.tie_word_embeddings:
+        from flywheel.learner.model import write_tied_head
+
+        write_tied_head(out)  # the base is a reload target too (policy-v0): vLLM needs lm_head.weight in it
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model init: Qwen2 %d layers, hidden %d, %d heads of 64, %.2fM parameters",
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, n_params / 1e6)

@@ -75,13 +75,3 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(model_dir: Path, t
     for (k, v), (k2, v2) in zip(policy.weights_state().items(), fresh.weights_state().items()):
         assert k == k2 and torch.equal(v, v2), k
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
-
-
-def test_full_mode_refuses_tied_embeddings(tmp_path: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=True)
-                     ).save_pretrained(tmp_path)
-    with pytest.raises(RuntimeError, match="untied"):
-        load_policy(LearnerConfig(base_model=str(tmp_path), device="cpu", mode="full"))
