@@ -2,7 +2,7 @@
 
 The agent-facing API is importable from here on a base install (kafka-python only):
 
-    from flywheel import SessionLogger, OutcomeReporter, current_session
+    from flywheel import SessionLogger, OutcomeReporter, current_session, wrap_openai
 
 Sub-packages follow the data: flywheel.base (config, heartbeats, atomic writes, stop signal,
 version names) <- flywheel.ingest (schema, SDK, lake writer) <- flywheel.rewards (episode
@@ -20,8 +20,8 @@ try:
 except metadata.PackageNotFoundError:  # running from a checkout that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["OutcomeReporter", "SessionLogger", "__version__", "current_session"]
-_SDK_NAMES = frozenset({"OutcomeReporter", "SessionLogger", "current_session"})
+__all__ = ["OutcomeReporter", "Session", "SessionLogger", "__version__", "current_session", "wrap_openai"]
+_SDK_NAMES = frozenset({"OutcomeReporter", "Session", "SessionLogger", "current_session", "wrap_openai"})
 
 
 def __getattr__(name: str) -> Any:

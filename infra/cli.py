@@ -12,6 +12,7 @@ from pathlib import Path
 # sub-command -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
     "infra": ("flywheel.stack:main", "up|down|status of the local stack (Kafka, MLflow, vLLM)"),
+    "topics": ("flywheel.topics:main", "create|check the events, outcomes and DLQ topics on a Kafka cluster"),
     "model": ("flywheel.demo.model_init:main", "init: build the tiny base model (tokenizer + Qwen2-style LM)"),
     "proxy": ("flywheel.serving.proxy:main", "OpenAI-compatible capture proxy in front of vLLM"),
     "lake-writer": ("flywheel.ingest.lake_writer:main", "Kafka -> exactly-once Parquet lake daemon"),
@@ -26,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent-sim": ("flywheel.demo.agent_sim:main", "simulated production agent"),
     "outcome-sim": ("flywheel.demo.outcome_sim:main", "simulated outcome sources (verifier, user)"),
     "demo": ("flywheel.demo.closed_loop:main", "the whole closed loop with a live view and a report"),
+    "report": ("flywheel.demo.report:main", "rewrite a demo run's report.md and summary.json from its folder (--run-dir)"),
     "experiments": ("flywheel.demo.experiments:main", "regenerate (or --check) docs/experiments.md's table of run files"),
 }
 

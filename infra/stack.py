@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable
 
 from flywheel.base import defaults, tracking
 from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base.kafka import KafkaClientConfig, client_kwargs, load_kafka_config
 from flywheel.base.versions import version_name
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class StackConfig:
     kafka_heap: str = setting("512m", "broker JVM heap (-Xmx)")
     kafka_libs: Path = setting(REPO_ROOT / "var" / "kafka" / "libs", "Kafka broker jars (fetched by make setup)")
     kafka_timeout_s: float = setting(90.0, "how long to wait for the broker to answer")
+    kafka_sasl: bool = setting(False, "listen with SASL_PLAINTEXT SCRAM-SHA-256 instead of PLAINTEXT; the user and password "
+                                      "are FLYWHEEL_KAFKA_SASL_USERNAME/PASSWORD, the same settings every client reads")
     mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "tracking store every process uses (sqlite file by default)")
     mlflow_artifacts_dir: Path = setting(Path(defaults.MLFLOW_ARTIFACTS_DIR), "local artifact folder of the embedded store")
     mlflow_host: str = setting("127.0.0.1", "address of the MLflow UI server")
@@ -272,6 +275,44 @@ def _kafka_dir(cfg: StackConfig) -> Path:
     return (Path(cfg.var_dir) / "kafka").resolve()
 
 
+def _kafka_client(cfg: StackConfig) -> KafkaClientConfig:
+    """The client settings (FLYWHEEL_KAFKA_*) the stack's own admin calls use, checked against --kafka-sasl."""
+    try:
+        client = load_kafka_config()
+    except ConfigError as exc:
+        raise StackError(f"kafka: {exc}") from None
+    wanted = ("SASL_PLAINTEXT", "SCRAM-SHA-256") if cfg.kafka_sasl else ("PLAINTEXT", None)
+    if (client.security_protocol, client.sasl_mechanism) != wanted:
+        raise StackError(f"kafka: the local broker {'with' if cfg.kafka_sasl else 'without'} --kafka-sasl takes "
+                         f"FLYWHEEL_KAFKA_SECURITY_PROTOCOL={wanted[0]}" + (f" and FLYWHEEL_KAFKA_SASL_MECHANISM={wanted[1]}"
+                                                                             " (and a user name and password)" if wanted[1] else "")
+                         + f", not {client.describe()}")
+    return client
+
+
+def _listener_props(cfg: StackConfig) -> str:
+    """The client listener: PLAINTEXT, or SASL_PLAINTEXT with SCRAM-SHA-256 for the user of FLYWHEEL_KAFKA_SASL_*."""
+    controller = f"CONTROLLER://{cfg.kafka_host}:{cfg.kafka_controller_port}"
+    if not cfg.kafka_sasl:
+        return (f"listeners=PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port},{controller}\n"
+                f"advertised.listeners=PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port}\n"
+                "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT\n"
+                "inter.broker.listener.name=PLAINTEXT\n")
+    client = _kafka_client(cfg)
+    def quote(text: str | None) -> str:  # a JAAS string literal
+        return str(text).replace("\\", "\\\\").replace('"', '\\"')
+
+    return (f"listeners=SASL_PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port},{controller}\n"
+            f"advertised.listeners=SASL_PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port}\n"
+            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT\n"
+            "inter.broker.listener.name=SASL_PLAINTEXT\n"
+            "sasl.enabled.mechanisms=SCRAM-SHA-256\n"
+            "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-256\n"
+            # the broker's own client on the inter-broker listener logs in as the same SCRAM user
+            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram."
+            f'ScramLoginModule required username="{quote(client.sasl_username)}" password="{quote(client.sasl_password)}";\n')
+
+
 def _write_kafka_config(cfg: StackConfig) -> Path:
     kdir = _kafka_dir(cfg)
     kdir.mkdir(parents=True, exist_ok=True)
@@ -279,11 +320,7 @@ def _write_kafka_config(cfg: StackConfig) -> Path:
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@{cfg.kafka_host}:{cfg.kafka_controller_port}
-listeners=PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port},CONTROLLER://{cfg.kafka_host}:{cfg.kafka_controller_port}
-advertised.listeners=PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port}
-controller.listener.names=CONTROLLER
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
-inter.broker.listener.name=PLAINTEXT
+{_listener_props(cfg)}controller.listener.names=CONTROLLER
 log.dirs={kdir / 'data'}
 num.partitions={cfg.kafka_partitions}
 # A single node: without these three the group coordinator never becomes available
@@ -298,6 +335,7 @@ auto.create.topics.enable=false
 log.retention.hours=168
 """
     path = kdir / "server.properties"
+    path.touch(mode=0o600)  # with --kafka-sasl it holds the SCRAM password
     path.write_text(props)
     (kdir / "log4j2.properties").write_text(
         "status = error\nappender.console.type = Console\nappender.console.name = STDOUT\n"
@@ -331,7 +369,7 @@ def kafka_healthy(cfg: StackConfig, timeout_s: float = 5.0) -> bool:
         from kafka import KafkaAdminClient
 
         admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, request_timeout_ms=int(timeout_s * 1000),
-                                 client_id="flywheel-health")
+                                 **client_kwargs(load_kafka_config(), "flywheel-health"))
     except Exception:  # kafka-python raises several types while a broker starts
         return False
     try:
@@ -348,7 +386,7 @@ def ensure_topics(cfg: StackConfig) -> None:
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, client_id="flywheel-infra")
+    admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, **client_kwargs(_kafka_client(cfg), "flywheel-infra"))
     try:
         existing = set(admin.list_topics())
         missing = [t for t in cfg.kafka_topics if t not in existing]
@@ -364,17 +402,17 @@ def ensure_topics(cfg: StackConfig) -> None:
 
 def start_kafka(cfg: StackConfig) -> dict[str, Any]:
     """Start the broker (formatting its storage on first start) and wait until it answers."""
+    _kafka_client(cfg)  # fail fast on client settings that this broker would refuse
     java = _java()
     classpath = _kafka_classpath(cfg)
     props = _write_kafka_config(cfg)
     kdir = _kafka_dir(cfg)
     if not (kdir / "data" / "meta.properties").exists():
-        cluster_id = _kafka_cluster_id(kdir)
-        out = subprocess.run([java, "-cp", classpath, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",  # "=": an id may start with "-"
-                              "-c", str(props), "--ignore-formatted"], capture_output=True, text=True, timeout=120)
-        if out.returncode != 0:
-            raise StackError(f"kafka: formatting storage in {kdir / 'data'} failed: {out.stderr.strip() or out.stdout.strip()}")
-        log.info("kafka: formatted storage %s (cluster %s)", kdir / "data", cluster_id)
+        _format_storage(cfg, java, classpath, props)
+    elif cfg.kafka_sasl and _scram_user(kdir) != _kafka_client(cfg).sasl_username:
+        # SCRAM users are bootstrapped only when storage is formatted: a broker on other storage would refuse them
+        raise StackError(f"kafka: storage in {kdir / 'data'} was formatted without a SCRAM user "
+                         f"{_kafka_client(cfg).sasl_username!r}; remove {kdir} or choose another --var-dir")
     marker = f"flywheel-kafka-{cfg.kafka_port}"
     cmd = [java, f"-Xmx{cfg.kafka_heap}", f"-Xms{cfg.kafka_heap}", f"-Dflywheel.marker={marker}",
            f"-Dlog4j2.configurationFile={kdir / 'log4j2.properties'}", "-cp", classpath, "kafka.Kafka", str(props)]
@@ -382,6 +420,29 @@ def start_kafka(cfg: StackConfig) -> dict[str, Any]:
     _wait("kafka broker", lambda: kafka_healthy(cfg), cfg.kafka_timeout_s, record, _log_path(cfg, "kafka"))
     ensure_topics(cfg)
     return record
+
+
+def _scram_user(kdir: Path) -> str | None:
+    path = kdir / "scram.user"
+    return path.read_text().strip() if path.exists() else None
+
+
+def _format_storage(cfg: StackConfig, java: str, classpath: str, props: Path) -> None:
+    """Format the broker's storage; with --kafka-sasl, bootstrap the SCRAM-SHA-256 user in the metadata log."""
+    kdir = _kafka_dir(cfg)
+    cluster_id = _kafka_cluster_id(kdir)
+    cmd = [java, "-cp", classpath, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",  # "=": an id may start with "-"
+           "-c", str(props), "--ignore-formatted"]
+    if cfg.kafka_sasl:
+        client = _kafka_client(cfg)
+        cmd += ["--add-scram", f"SCRAM-SHA-256=[name={client.sasl_username},password={client.sasl_password}]"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise StackError(f"kafka: formatting storage in {kdir / 'data'} failed: {out.stderr.strip() or out.stdout.strip()}")
+    if cfg.kafka_sasl:
+        (kdir / "scram.user").write_text(str(_kafka_client(cfg).sasl_username))
+    log.info("kafka: formatted storage %s (cluster %s%s)", kdir / "data", cluster_id,
+             ", SCRAM-SHA-256 user " + str(_kafka_client(cfg).sasl_username) if cfg.kafka_sasl else "")
 
 
 def _kafka_cluster_id(kdir: Path) -> str:
@@ -548,7 +609,7 @@ def _vllm_ready(cfg: StackConfig, i: int) -> bool:
     _stop_one(cfg, name)  # ours but unhealthy (still starting, or hung), or on another model
     if _port_busy(cfg.vllm_host, port):
         raise StackError(f"vllm: port {port} is already in use by another process; stop it or choose another port "
-                         f"(--vllm-port / FLYWHEEL_VLLM_PORT; the servers use {cfg.vllm_ports})")
+                         f"(--vllm-port / FLYWHEEL_INFRA_VLLM_PORT; the servers use {cfg.vllm_ports})")
     return False
 
 
@@ -654,7 +715,7 @@ def _ready(cfg: StackConfig, part: str) -> bool:
     host = {"kafka": cfg.kafka_host, "mlflow": cfg.mlflow_host}[part]
     if _port_busy(host, cfg.port_of(part)):
         raise StackError(f"{part}: port {cfg.port_of(part)} is already in use by another process; "
-                         f"stop it or choose another port (--{part}-port / FLYWHEEL_{part.upper()}_PORT)")
+                         f"stop it or choose another port (--{part}-port / FLYWHEEL_INFRA_{part.upper()}_PORT)")
     if part == "kafka" and _port_busy(cfg.kafka_host, cfg.kafka_controller_port):
         raise StackError(f"kafka: controller port {cfg.kafka_controller_port} is already in use; "
                          "choose another with --kafka-controller-port")

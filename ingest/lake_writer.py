@@ -73,6 +73,8 @@ from flywheel.base.config import (
     write_resolved,
 )
 from flywheel.base.heartbeat import write_status
+from flywheel.base.kafka import client_kwargs, load_kafka_config
+from flywheel.base.metrics import Metrics, Reading, nan_if_negative
 from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
 
@@ -114,6 +116,7 @@ class LakeWriterConfig:
     fetch_partition_bytes: int = setting(1024 * 1024, "bytes fetched per partition per request (a larger record still comes whole)")
     status_interval_s: float = setting(2.0, "how often the status heartbeat and lag are refreshed")
     var_dir: str = setting(defaults.VAR_DIR, "local state directory (status heartbeat, resolved config)")
+    metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9101)")
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
@@ -419,6 +422,7 @@ class LakeWriter:
         self.unchecked: set[Partition] = set()  # assigned partitions whose log check_logs has not seen yet
         self.identities: dict[str, str] = {}  # topic -> the Kafka topic id the lake's files of it came from
         self.stats = Stats()
+        self.lag_records = -1  # consumer lag the last heartbeat measured (-1: unknown)
         self.on_published: Callable[[str, int, int], None] = lambda topic, partition, last: None
 
     # ---- assignment ------------------------------------------------------------------------
@@ -736,8 +740,10 @@ class DeadLetters:
         self.lake_root = lake_root
         self.pending: list[tuple[dict[str, Any], Any]] = []
         self.sent: list[dict[str, Any]] = []  # envelopes, for tests without a producer
+        self.reasons: collections.Counter[str] = collections.Counter()  # envelopes by reason (Prometheus)
 
     def send(self, envelope: dict[str, Any]) -> None:
+        self.reasons[envelope["reason"]] += 1
         payload = json.dumps(envelope).encode()
         if self.producer is None:
             self.sent.append(envelope)
@@ -784,9 +790,9 @@ def _consumer(cfg: LakeWriterConfig) -> "KafkaConsumer":
 
     return KafkaConsumer(
         bootstrap_servers=cfg.kafka_bootstrap,
+        **client_kwargs(load_kafka_config(), f"lake-writer-{cfg.name}"),  # security settings shared by every process
         group_id=cfg.group_id,
         group_instance_id=cfg.instance_id,
-        client_id=f"lake-writer-{cfg.name}",
         enable_auto_commit=False,  # progress lives in the lake; commits are a hint written after publish
         auto_offset_reset="earliest",
         session_timeout_ms=int(cfg.session_timeout_s * 1000),
@@ -807,7 +813,7 @@ def _dlq_producer(cfg: LakeWriterConfig) -> "KafkaProducer":
 
     return KafkaProducer(
         bootstrap_servers=cfg.kafka_bootstrap,
-        client_id=f"lake-writer-{cfg.name}-dlq",
+        **client_kwargs(load_kafka_config(), f"lake-writer-{cfg.name}-dlq"),
         acks="all",
         linger_ms=5,
         retries=5,
@@ -832,6 +838,8 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     consumer, producer = clients
     writer = LakeWriter(cfg, DeadLetters(producer, cfg.dlq_topic, cfg.lake_root))
     writer.on_published = functools.partial(_commit_hint, consumer)
+    metrics = writer_metrics(writer)
+    metrics.serve(cfg.metrics_port)
     rebalance = _Rebalance(writer, consumer)
     ConsumerRebalanceListener.register(_Rebalance)  # kafka-python checks isinstance; see _Rebalance
     consumer.subscribe(topics=sorted(cfg.tables()), listener=rebalance)
@@ -847,6 +855,7 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     finally:
         consumer.close()
         producer.close()
+        metrics.close()
     write_status(status_name, {"state": "stopped", **vars(writer.stats)}, var_dir=cfg.var_dir)
     log.info("stop: %s", vars(writer.stats))
     return 0
@@ -1051,6 +1060,7 @@ def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer
                prev: Stats) -> None:
     ends = _check_logs(consumer, writer, list(writer.next_offset), topic_ids=False)
     lag = -1 if ends is None else sum(max(0, end - (writer.published.get(tp, -1) + 1)) for tp, end in ends.items())
+    writer.lag_records = lag
     s = writer.stats
     fields = {
         "state": "running",
@@ -1069,6 +1079,31 @@ def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer
         "open_records": sum(b.count for b in writer.buffers.values() if not b.empty),
     }
     write_status(status_name, fields, var_dir=cfg.var_dir)
+
+
+def writer_metrics(writer: LakeWriter) -> Metrics:
+    """flywheel_lake_writer_*: the writer's Stats, its dead letters by reason and the heartbeat's lag, read at scrape."""
+    metrics = Metrics("lake_writer")
+
+    def readings() -> list[Reading]:
+        s = writer.stats
+        return [
+            Reading("counter", "consumed", "records", "records taken from Kafka (landed, dead-lettered or dropped)",
+                    s.records),
+            Reading("counter", "consumed", "bytes", "wire bytes of those records", s.wire_bytes),
+            Reading("counter", "landed", "rows", "rows published in lake files", s.rows),
+            Reading("counter", "published", "files", "lake files published", s.files),
+            Reading("counter", "dead_lettered", "records", "records sent to the DLQ, by reason",
+                    dict(writer.dlq.reasons), "reason"),
+            Reading("counter", "duplicate", "rows", "rows dropped: their id landed within dedup_window", s.duplicates),
+            Reading("counter", "gap", "offsets", "offsets skipped by gaps in a partition's log", s.gap_offsets),
+            Reading("gauge", "consumer_lag", "records", "log end minus published offset over the assigned partitions "
+                    "(NaN: the broker did not answer)", nan_if_negative(writer.lag_records)),
+            Reading("gauge", "assigned", "partitions", "partitions this writer owns", len(writer.next_offset)),
+        ]
+
+    metrics.read(readings)
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> int:

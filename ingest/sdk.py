@@ -28,8 +28,10 @@ what it was given (style.md rule 5, modelled on the Langfuse SDK):
 * Recovery needs no restart: a producer whose sends stay unresolved after the broker is back
   (kafka-python's idempotent producer after an outage past its delivery timeout, design.md)
   is closed without waiting and replaced, and what it held is re-sent from the spool.
-* The spool is per logger name and topic (var/spool/<name>@<topic>, the name defaulting to the
-  program's, without the pid): a restarted agent replays its predecessor's spool, and adopts
+* The spool is per logger name and topic (<root>/<name>@<topic>, the name defaulting to the
+  program's, without the pid; the root is FLYWHEEL_SPOOL_DIR, else the user's state directory
+  $XDG_STATE_HOME/flywheel/spool or ~/.local/state/flywheel/spool, never the host's working
+  directory): a restarted agent replays its predecessor's spool, and adopts
   the sibling spools (<spool>-<pid>) that dead processes of the same name and topic left behind
   (each spool's owner.json says whose it is).
 * Bad input (missing fields, wrong types, unknown fields, non-JSON values, oversized text)
@@ -37,7 +39,13 @@ what it was given (style.md rule 5, modelled on the Langfuse SDK):
   cut to schema.MAX_TEXT_CHARS and named in `truncated`; non-JSON values are stored as
   their repr(); JSON nested past schema.MAX_JSON_DEPTH is cut (named in `truncated`); an
   event past another schema limit, or that still fails validation, is dropped and counted.
-* No bootstrap (argument None and no FLYWHEEL_KAFKA_BOOTSTRAP): one warning, then a no-op.
+* No bootstrap (argument None and no FLYWHEEL_KAFKA_BOOTSTRAP), or FLYWHEEL_ENABLED=0: one warning,
+  then a no-op. FLYWHEEL_SAMPLE_RATE=r logs whole sessions, those whose id hashes below r (the same
+  hash in every process, so an OutcomeReporter drops the outcomes of exactly those sessions). Both
+  are read once, when a SessionLogger or OutcomeReporter is made; a bad value warns and logs all.
+* `async with log.session()` as well as `with`; `current_session()` is the innermost session entered
+  in this thread or asyncio task; `session.headers()` are the capture proxy's headers for it, and
+  `wrap_openai(client)` sends them on every request an openai client makes inside the session.
 * `flush(timeout)`, `close()`, atexit, and fork safety (a forked child gets a fresh queue,
   thread, producer and spool of its own).
 
@@ -50,6 +58,8 @@ import array
 import atexit
 import collections
 import contextvars
+import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -63,19 +73,35 @@ import threading
 import time
 import uuid
 import weakref
-import zlib
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
+from flywheel.base.config import ConfigError
+from flywheel.base.kafka import (
+    RECORD_OVERHEAD_BYTES,
+    client_kwargs,
+    load_kafka_config,
+    topic_configs,
+)
 from flywheel.ingest import schema
 from flywheel.ingest.redact import Redactor, redact_json, redact_text
 from flywheel.ingest.spool import SEGMENT_SUFFIX, Spool, SpoolLocked, read_owner
 
 log = logging.getLogger(__name__)
+_C = TypeVar("_C")  # the client wrap_openai is given and returns
 
 BOOTSTRAP_ENV = "FLYWHEEL_KAFKA_BOOTSTRAP"
-DEFAULT_SPOOL_ROOT = Path("var/spool")
+ENABLED_ENV = "FLYWHEEL_ENABLED"
+SAMPLE_RATE_ENV = "FLYWHEEL_SAMPLE_RATE"
+SPOOL_DIR_ENV = "FLYWHEEL_SPOOL_DIR"
+LEGACY_SPOOL_ROOT = Path("var/spool")  # the default before the state directory, relative to the working directory
+# The capture proxy's request headers (serving/proxy.py reads them; Session.headers() writes them).
+HEADER_SESSION_ID = "X-Flywheel-Session-Id"
+HEADER_AGENT_ID = "X-Flywheel-Agent-Id"
+HEADER_PARENT_AGENT_ID = "X-Flywheel-Parent-Agent-Id"
+HEADER_TASK_TYPE = "X-Flywheel-Task-Type"
+HEADER_SESSION_EVENT = "X-Flywheel-Session-Event"
 MAIN_AGENT = "main"
 PARK_AFTER_S = 0.1  # during a replay, queued records older than this are parked in the spool (SIGKILL window)
 
@@ -110,17 +136,67 @@ def _name_component(name: str) -> str:
     return _safe_name(name) or "python"
 
 
+def default_spool_root() -> Path:
+    """FLYWHEEL_SPOOL_DIR, else the user's state directory: a container's working directory is often read-only,
+    and a spool there would be replayed only by an agent restarted in that same directory."""
+    configured = os.environ.get(SPOOL_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    state = os.environ.get("XDG_STATE_HOME")
+    base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"  # XDG: relative = unset
+    return base / "flywheel" / "spool"
+
+
 def default_spool_dir(name: str, topic: str) -> Path:
-    """var/spool/<name>@<topic>: one spool per logger name and topic (a SessionLogger and an OutcomeReporter
+    """<root>/<name>@<topic>: one spool per logger name and topic (a SessionLogger and an OutcomeReporter
     of the same name must not replay each other's records into the wrong topic)."""
-    return DEFAULT_SPOOL_ROOT / f"{_name_component(name)}@{_safe_name(topic)}"
+    return default_spool_root() / f"{_name_component(name)}@{_safe_name(topic)}"
 
 
 def _sampled(session_id: str, rate: float) -> bool:
-    """Per-session sampling by a hash of the id, so every process logging a session agrees."""
+    """Per-session sampling by a hash of the id, so every process logging a session agrees.
+
+    blake2b, not crc32: crc32 is linear, so sequential ids ("s1", "s2" ...) were sampled well off the rate.
+    """
     if rate >= 1.0:
         return True
-    return zlib.crc32(session_id.encode()) / 2**32 < rate
+    digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < rate
+
+
+_ENV_WARNED: set[tuple[str, str]] = set()  # (variable, value) pairs already warned about in this process
+
+
+def _warn_setting(what: str, value: Any, consequence: str) -> None:
+    if (what, repr(value)) not in _ENV_WARNED:
+        _ENV_WARNED.add((what, repr(value)))
+        log.warning("sdk: %s=%r is not valid; %s", what, value, consequence)
+
+
+def _env_enabled() -> bool:
+    """FLYWHEEL_ENABLED: 0/false/no/off turn the SDK into a no-op; unset, or anything else, leaves it on."""
+    raw = os.environ.get(ENABLED_ENV)
+    value = "" if raw is None else raw.strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value not in ("", "1", "true", "yes", "on"):
+        _warn_setting(ENABLED_ENV, raw, "use 0/false/no/off or 1/true/yes/on; logging stays on")
+    return True
+
+
+def _resolve_sample_rate(rate: Any) -> float:
+    """The argument, else FLYWHEEL_SAMPLE_RATE, else 1.0; anything but a number in [0, 1] warns and logs all."""
+    what = "sample_rate"
+    if rate is None:
+        rate, what = os.environ.get(SAMPLE_RATE_ENV, "").strip() or 1.0, SAMPLE_RATE_ENV
+    try:
+        value = float(rate)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        _warn_setting(what, rate, "it must be a number in [0, 1]; every session is logged")
+        return 1.0
+    return value
 
 
 def _json_default(value: Any) -> Any:
@@ -295,7 +371,9 @@ class _Pipeline:
         self.topic = topic
         self.name = name
         self._encode = encode
-        self._spool_dir = Path(spool_dir) if spool_dir is not None else default_spool_dir(name, topic)
+        # Resolved once: FLYWHEEL_SPOOL_DIR may change later in the host, but this pipeline's spool must not move.
+        self._default_dir = default_spool_dir(name, topic)
+        self._spool_dir = Path(spool_dir) if spool_dir is not None else self._default_dir
         self._default_spool = spool_dir is None
         self.max_queue = max_queue
         self.batch_max = batch_max
@@ -365,6 +443,14 @@ class _Pipeline:
         self.adopted = 0
         self.io_errors = 0  # OSErrors (disk full, EIO) that interrupted a background cycle
         self.limited = 0  # values cut or events dropped at a schema limit (MAX_JSON_DEPTH, MAX_TOKENS, ranges)
+        # The record cap: schema.MAX_RECORD_BYTES until the topic's max.message.bytes is read (once, at connect)
+        self.record_cap = schema.MAX_RECORD_BYTES
+        self.topic_max_message_bytes: int | None = None
+        self._cap_learned = False
+        self.dlq_topic = schema.DLQ_TOPIC
+        self._notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)  # DLQ notices not yet sent
+        self.oversized = 0  # records over record_cap: not sent, each named in a DLQ notice
+        self.oversized_noticed = 0  # of those, notices the DLQ topic acknowledged
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"flywheel-sdk-{self.name}", daemon=True)
@@ -403,6 +489,9 @@ class _Pipeline:
             "coerced": self.coerced,
             "truncated": self.truncated,
             "limited": self.limited,
+            "oversized": self.oversized,
+            "oversized_noticed": self.oversized_noticed,
+            "record_cap": self.record_cap,
             "send_errors": self.send_errors,
             "rejected": self.rejected,
             "producer_restarts": self.producer_restarts,
@@ -488,6 +577,7 @@ class _Pipeline:
         self._ensure_producer()
         self._respool_failures()
         self._drain_queue()
+        self._send_notices()
         self._check_health()
         if (self._spool_pending() or self._down) and time.monotonic() >= self._next_replay:
             self._replay()  # also ends an outage that spilled nothing (in-flight records were delivered late)
@@ -543,7 +633,7 @@ class _Pipeline:
                 return
             result = self._send(key, value, _IN_MEMORY)
             if isinstance(result, _Rejected):
-                self._reject(result.exception)
+                self._reject(result.exception, value)
             self._yield_gil()
 
     def _send(self, key: bytes, value: bytes, where: int) -> Any:
@@ -592,13 +682,22 @@ class _Pipeline:
             if entry[2] == _IN_MEMORY and not poison:  # spool records (replayed or copied) stay there until acked
                 self._failed.append((entry[0], entry[1]))
         if poison and entry[2] == _IN_MEMORY:
-            self._reject(exc)
+            self._reject(exc, entry[1])
             return
         self.warn(f"send:{type(exc).__name__}", "sdk %s: Kafka did not take a batch (%s); records go to the spool", self.name, exc)
 
-    def _reject(self, exc: BaseException) -> None:
+    def _reject(self, exc: BaseException, value: bytes | None = None) -> None:
+        """Count a record Kafka refused for good; with its bytes at hand, name it in a DLQ notice too."""
         self.rejected += 1
-        self.warn(f"reject:{type(exc).__name__}", "sdk %s: Kafka refused a record for good (%s); dropped", self.name, exc)
+        self.warn(f"reject:{type(exc).__name__}", "sdk %s: Kafka refused a record for good (%s); dropped%s", self.name,
+                  exc, "" if value is None else f" and named in a notice to {self.dlq_topic}")
+        if value is not None:
+            try:
+                record = json.loads(value)
+            except ValueError:
+                record = {}
+            self._add_notice("oversized" if "TooLarge" in type(exc).__name__ else "rejected",
+                             f"{type(exc).__name__}: {exc}"[:500], record if isinstance(record, dict) else {}, len(value))
 
     def _respool_failures(self) -> None:
         if self._failed:
@@ -726,7 +825,7 @@ class _Pipeline:
                 log.info("sdk %s: leaving spool %s alone: it belongs to %s, not %s", self.name, directory, owner,
                          self._owner())
             return owner == self._owner()
-        default = default_spool_dir(self.name, self.topic)
+        default = self._default_dir
         if directory.parent.resolve() == default.parent.resolve() and re.fullmatch(
                 re.escape(default.name) + r"-\d+(-\d+)?", directory.name):
             log.info("sdk %s: adopting %s, a spool without an owner marker (an older version's), by its name",
@@ -737,18 +836,23 @@ class _Pipeline:
         return False
 
     def _warn_old_path_spool(self) -> None:
-        """Before spools were per topic they lived in var/spool/<name>: say so once if one still holds records."""
+        """Say once if a spool where older SDK versions kept it still holds records: <root>/<name> (before spools
+        were per topic) and var/spool/<name>@<topic> under the working directory (before the state directory)."""
         if not self._default_spool:
             return
-        old = DEFAULT_SPOOL_ROOT / _name_component(self.name)
-        try:
-            records = any(p.stat().st_size > 0 for p in old.glob(f"*{SEGMENT_SUFFIX}"))
-        except OSError:
-            return
-        if records:
-            self.warn(f"old-path:{old}", "sdk %s: %s holds spooled records from an older SDK version (spools are now "
-                      "per topic, %s); they are not replayed: move them into that directory to replay them",
-                      self.name, old, default_spool_dir(self.name, self.topic))
+        name = _name_component(self.name)
+        olds = (self._default_dir.parent / name, LEGACY_SPOOL_ROOT / name, LEGACY_SPOOL_ROOT / self._default_dir.name)
+        for old in dict.fromkeys(olds):
+            try:
+                if old.resolve() == self._default_dir.resolve():
+                    continue
+                records = any(p.stat().st_size > 0 for p in old.glob(f"*{SEGMENT_SUFFIX}"))
+            except OSError:
+                continue
+            if records:
+                self.warn(f"old-path:{old}", "sdk %s: %s holds spooled records from an older SDK version (spools are "
+                          "now per topic, under the state directory: %s); they are not replayed: move them into that "
+                          "directory to replay them", self.name, old, self._default_dir)
 
     def _adopt(self, directory: Path) -> None:
         """Move an orphaned spool's records behind ours (fsynced before they leave it), then remove it."""
@@ -975,13 +1079,25 @@ class _Pipeline:
             self.warn("import", "sdk %s: kafka-python is not installed (%s); records are spooled", self.name, exc)
             self._mark_down("kafka-python missing")
             return
-        config = self._producer_settings()
+        try:
+            config = self._producer_settings()
+        except ConfigError as exc:  # bad FLYWHEEL_KAFKA_* settings: the host keeps running, records are spooled
+            self.warn("kafka-config", "sdk %s: Kafka client settings invalid (%s); records are spooled", self.name, exc)
+            self._mark_down("Kafka client settings invalid")
+            return
         try:
             self._producer = KafkaProducer(**config)
-        except Exception as exc:  # NoBrokersAvailable, KafkaTimeoutError, config errors
+        except Exception as exc:  # NoBrokersAvailable, KafkaTimeoutError, authentication and config errors
             self._mark_down(f"cannot connect: {type(exc).__name__}: {exc}")
             return
         self._delivery_timeout_s = float(config["delivery_timeout_ms"]) / 1000.0
+        if not self._cap_learned:
+            # Once per pipeline, beside this thread: an admin round trip (seconds where describe is slow or refused)
+            # must not hold up delivery. Until it answers the cap is schema.MAX_RECORD_BYTES, and a record the topic
+            # refuses as too large is named in a DLQ notice all the same (_reject).
+            self._cap_learned = True
+            threading.Thread(target=self._learn_record_cap, args=(config,), name=f"flywheel-sdk-{self.name}-cap",
+                             daemon=True).start()
         # kafka-python registers its own atexit close, which would run before ours (atexit is LIFO) and
         # close the producer while our queue still holds records; our hook closes it after draining.
         unregister = getattr(self._producer, "_unregister_cleanup", None)
@@ -990,9 +1106,10 @@ class _Pipeline:
         log.info("sdk %s: connected to Kafka at %s (topic %s, compression %s)", self.name, self.bootstrap, self.topic, self.compression)
 
     def _producer_settings(self) -> dict[str, Any]:
+        """kafka-python settings: ours, then the shared security settings (FLYWHEEL_KAFKA_*), then producer_config."""
         config: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap.split(","),
-            "client_id": f"flywheel-sdk-{self.name}",
+            **client_kwargs(load_kafka_config(), f"flywheel-sdk-{self.name}"),
             "acks": "all",
             "enable_idempotence": True,  # broker-side de-duplication of producer retries
             "compression_type": self.compression,
@@ -1008,11 +1125,72 @@ class _Pipeline:
         config.update(self.producer_config)
         return config
 
+    def _learn_record_cap(self, config: dict[str, Any]) -> None:
+        """Cap records below the topic's max.message.bytes, read once through an admin client with the producer's
+        settings: a default cluster's 1 MiB would otherwise refuse records the schema allows up to 4 MiB."""
+        try:
+            from kafka import KafkaAdminClient
+
+            settings = {k: v for k, v in config.items() if k in KafkaAdminClient.DEFAULT_CONFIG}
+            settings.update(client_id=f"{config.get('client_id', 'flywheel-sdk')}-admin", request_timeout_ms=5000)
+            admin = KafkaAdminClient(**settings)
+            try:
+                limit = int(topic_configs(admin, [self.topic])[self.topic]["max.message.bytes"])
+            finally:
+                admin.close()
+        except Exception as exc:  # no describe rights, an old broker, a topic not created yet: keep the cap we have
+            log.warning("sdk %s: cannot read max.message.bytes of %s (%s: %s); records stay capped at %d bytes",
+                        self.name, self.topic, type(exc).__name__, exc, self.record_cap)
+            return
+        self.topic_max_message_bytes = limit
+        self.record_cap = min(schema.MAX_RECORD_BYTES, limit - RECORD_OVERHEAD_BYTES)
+        log.info("sdk %s: topic %s takes records up to max.message.bytes=%d; records capped at %d bytes",
+                 self.name, self.topic, limit, self.record_cap)
+
+    def oversized_record(self, what: str, record: dict[str, Any], size: int) -> None:
+        """A record over the cap: counted, warned once, and named in a small notice to the DLQ topic.
+
+        Never silently dropped, yet never sent whole: the topic would refuse it. The notice (reason, event id,
+        session id, size, cap) is what the lake writer's dead letters look like, so the same DLQ dashboards and
+        `flywheel status` see it; the record's content is not kept (it may hold the agent's prompts, and a
+        side file on the agent's host is where nobody looks).
+        """
+        self.oversized += 1
+        detail = (f"{size} bytes > cap {self.record_cap} (topic {self.topic} max.message.bytes "
+                  f"{self.topic_max_message_bytes or 'unknown'}, schema.MAX_RECORD_BYTES {schema.MAX_RECORD_BYTES})")
+        self.warn(f"oversized:{what}", "sdk %s: %s not sent: %s; counted as oversized and named in a notice to %s",
+                  self.name, what, detail, self.dlq_topic)
+        self._add_notice("oversized", detail, record, size)
+
+    def _add_notice(self, reason: str, detail: str, record: dict[str, Any], size: int) -> None:
+        self._notices.append({"reason": reason, "detail": detail, "topic": self.topic, "partition": None,
+                              "offset": None, "source": f"sdk:{self.name}",
+                              "id": record.get("event_id") or record.get("outcome_id"), "type": record.get("type"),
+                              "session_id": record.get("session_id"), "bytes": size, "ts": schema.now_ts()})
+
+    def _send_notices(self) -> None:
+        while self._notices and self._producer is not None and not self._down:
+            notice = self._notices[0]
+            try:
+                future = self._producer.send(self.dlq_topic, key=str(notice["id"]).encode(),
+                                             value=json.dumps(notice).encode())
+            except Exception as exc:  # kept for the next cycle (the deque is bounded)
+                self.warn(f"notice:{type(exc).__name__}", "sdk %s: DLQ notice not sent (%s); retried", self.name, exc)
+                return
+            self._notices.popleft()
+            future.add_callback(self._on_notice)
+            future.add_errback(lambda exc: self.warn("notice-failed", "sdk %s: DLQ notice to %s failed (%s); the "
+                                                     "record stays counted as oversized", self.name, self.dlq_topic, exc))
+
+    def _on_notice(self, _metadata: Any) -> None:
+        self.oversized_noticed += 1
+
     # ---------------------------------------------------------------- shutdown and metrics
     def _finish(self) -> None:
         deadline = self._stopping_deadline
         self._respool_failures()
         self._drain_queue()
+        self._send_notices()
         if self._spool_pending() and not self._down:
             self._replay()
         if self._producer is not None and self._pending:
@@ -1162,12 +1340,11 @@ class _Encoder:
             pipe.invalid += 1
             pipe.warn(f"invalid:{what}:{str(exc)[:40]}", "sdk: %s dropped: %s", what, exc)
             return None
-        if len(payload) > schema.MAX_RECORD_BYTES:
-            pipe.invalid += 1
-            pipe.warn(f"size:{what}", "sdk: %s dropped: %d bytes after truncation exceeds MAX_RECORD_BYTES %d",
-                      what, len(payload), schema.MAX_RECORD_BYTES)
+        key = str(record.get("session_id", "")).encode()
+        if len(payload) + len(key) > pipe.record_cap:
+            pipe.oversized_record(what, record, len(payload) + len(key))
             return None
-        return str(record.get("session_id", "")).encode(), payload
+        return key, payload
 
 
 _LIST_KINDS = {c.name: c.kind for c in schema.EVENT_COLUMNS if c.kind in ("ints", "floats")}
@@ -1283,11 +1460,17 @@ class _Client:
         exit_timeout_s: float = 5.0,
         redact: Redactor | None = redact_text,
         producer_config: dict[str, Any] | None = None,
+        sample_rate: float | None = None,
     ) -> None:
         self.topic = topic or self._topic_default
         self.bootstrap = _resolve_bootstrap(bootstrap)
         self.name = name or _default_name()
+        self.sample_rate = _resolve_sample_rate(sample_rate)
+        self.sampled_out = 0  # sessions (SessionLogger) or outcomes (OutcomeReporter) not logged by sample_rate
         self._pipe: _Pipeline | None = None
+        if not _env_enabled():
+            log.warning("sdk: %s=%s; %s logs nothing", ENABLED_ENV, os.environ.get(ENABLED_ENV), type(self).__name__)
+            return
         if self.bootstrap is None:
             log.warning("sdk: no Kafka bootstrap given (argument or %s); %s logs nothing", BOOTSTRAP_ENV, type(self).__name__)
             return
@@ -1317,7 +1500,7 @@ class _Client:
         """Counters: enqueued, sent, spilled, replayed, dropped, invalid ... ({"enabled": False} when disabled)."""
         if self._pipe is None:
             return {"enabled": False}
-        return self._pipe.metrics()
+        return {**self._pipe.metrics(), "sampled_out": self.sampled_out}
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until everything logged so far reached Kafka (True) or timeout (False)."""
@@ -1341,7 +1524,8 @@ class SessionLogger(_Client):
     Options (keyword, defaults in brackets):
       name            logger name [the program's name]; the spool is per name and topic, so a restarted
                       process of the same name replays what an earlier one spooled
-      spool_dir       [var/spool/<name>@<topic>]  spool_max_bytes  [256 MiB; oldest dropped beyond]
+      spool_dir       [<root>/<name>@<topic>, root: FLYWHEEL_SPOOL_DIR, else $XDG_STATE_HOME/flywheel/spool,
+                      else ~/.local/state/flywheel/spool]  spool_max_bytes  [256 MiB; oldest dropped beyond]
       max_queue       records held in memory [20,000]; beyond, new records are dropped and counted
       batch_max       records per background batch [500]
       linger_s        background wake-up [0.01]; short, so queued records are encoded and freed before
@@ -1352,14 +1536,14 @@ class SessionLogger(_Client):
                       resolve before the producer is replaced and they are re-sent from the spool [3.0]
       compression     producer compression [lz4; gzip when the lz4 package is missing]
       redact          Callable[[str], str] applied to text fields [flywheel.ingest.redact.redact_text]; None: off
-      sample_rate     share of sessions logged, by a hash of session_id [1.0]
+      sample_rate     share of sessions logged, whole sessions by a hash of session_id [FLYWHEEL_SAMPLE_RATE, else 1.0]
       metrics_interval_s [60]   exit_timeout_s  how long the exit hook may deliver [5]
       producer_config extra KafkaProducer settings
+    FLYWHEEL_ENABLED=0 makes it a no-op (one warning), whatever the arguments.
     """
 
-    def __init__(self, bootstrap: str | None = None, topic: str | None = None, *, sample_rate: float = 1.0, **options: Any) -> None:
+    def __init__(self, bootstrap: str | None = None, topic: str | None = None, **options: Any) -> None:
         super().__init__(bootstrap, topic, **options)
-        self.sample_rate = sample_rate
         self._seqs: dict[str, itertools.count[int]] = {}
         self._seq_lock = threading.Lock()
 
@@ -1372,14 +1556,23 @@ class SessionLogger(_Client):
 
     def session(self, task_type: str = "unknown", tags: dict[str, Any] | None = None, session_id: str | None = None,
                 agent_id: str = MAIN_AGENT) -> "Session":
-        """Start a session (emits session_start); use as `with log.session(...) as s:` to emit session_end."""
+        """Start a session (emits session_start); use as `with log.session(...) as s:` (or `async with`) to emit
+        session_end when the block ends: ok, or error when it raises."""
         s = Session(self, session_id or uuid.uuid4().hex, agent_id, None, owns_lifecycle=True)
+        if s._pipe is None and self._pipe is not None:
+            self.sampled_out += 1
         s.start(task_type, tags)
         return s
 
-    def attach(self, session_id: str, agent_id: str = MAIN_AGENT, parent_agent_id: str | None = None) -> "Session":
-        """Log into an existing session (started by another process or thread); emits nothing by itself."""
-        return Session(self, session_id, agent_id, parent_agent_id, owns_lifecycle=False)
+    def attach(self, session_id: str, agent_id: str = MAIN_AGENT, parent_agent_id: str | None = None,
+               task_type: str | None = None) -> "Session":
+        """Log into an existing session (started by another process or thread); emits nothing by itself.
+
+        `task_type` is only for `headers()` (the proxy's task header); the session's own is in its session_start.
+        """
+        s = Session(self, session_id, agent_id, parent_agent_id, owns_lifecycle=False)
+        s.task_type = task_type
+        return s
 
 
 class Session:
@@ -1396,10 +1589,27 @@ class Session:
         self._owns_lifecycle = owns_lifecycle
         self._parent = parent
         self._ended = False
+        self.task_type: str | None = parent.task_type if parent is not None else None
 
     @property
     def sampled(self) -> bool:
+        """Whether this session is logged (False: sampled out by sample_rate, or the logger is a no-op)."""
         return self._pipe is not None
+
+    def headers(self) -> dict[str, str]:
+        """The capture proxy's headers for this agent of this session, for requests made on its behalf.
+
+        Empty when the session is not logged (sampled out, FLYWHEEL_ENABLED=0, no bootstrap): the proxy would
+        otherwise log its model calls without the rest of the session, half a session that trains on nothing.
+        """
+        if self._pipe is None:
+            return {}
+        headers = {HEADER_SESSION_ID: self.session_id, HEADER_AGENT_ID: self.agent_id}
+        if self.parent_agent_id is not None:
+            headers[HEADER_PARENT_AGENT_ID] = str(self.parent_agent_id)
+        if self.task_type and self.task_type != "unknown":  # "unknown" is the default, not something known
+            headers[HEADER_TASK_TYPE] = str(self.task_type)
+        return headers
 
     # ---------------------------------------------------------------- hot path
     def _emit(self, etype: str, fields: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
@@ -1439,6 +1649,7 @@ class Session:
 
     def start(self, task_type: str = "unknown", tags: dict[str, Any] | None = None, **extra: Any) -> None:
         """Emit session_start (done by SessionLogger.session(); call it yourself after attach())."""
+        self.task_type = task_type
         self._emit("session_start", {"task_type": task_type, "tags": tags}, extra)
 
     def end(self, status: str = "ok", **extra: Any) -> None:
@@ -1537,9 +1748,76 @@ class Session:
         elif self._owns_lifecycle:
             self.end("error" if exc_type is not None else "ok")
 
+    # `async with log.session() as s:`. session() has emitted session_start before these are looked up, so they
+    # only enter and leave, like the sync pair; without them `async with` raised TypeError after session_start.
+    async def __aenter__(self) -> "Session":
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+def _session_header_pairs() -> list[tuple[str, str]]:
+    """The current session's headers as (name, value), or none where one cannot go into an HTTP header."""
+    session = current_session()
+    if session is None:
+        return []
+    pairs = list(session.headers().items())
+    if all(v.isascii() and v.isprintable() for _, v in pairs):
+        return pairs
+    pipe = session._pipe
+    if pipe is not None:
+        pipe.warn("headers:non-ascii", "sdk: session %r has ids an HTTP header cannot carry; its requests go "
+                  "without flywheel headers (the proxy does not log them)", session.session_id)
+    return []
+
+
+def _add_session_headers(request: Any) -> None:
+    """httpx request hook: the current session's headers, where the request does not set them itself."""
+    try:
+        for name, value in _session_header_pairs():
+            if name not in request.headers:
+                request.headers[name] = value
+    except Exception as exc:  # the SDK never breaks its host's requests
+        log.debug("sdk: session headers not added (%s)", exc)
+
+
+async def _add_session_headers_async(request: Any) -> None:
+    _add_session_headers(request)
+
+
+def wrap_openai(client: _C) -> _C:
+    """Make an openai client (`OpenAI` or `AsyncOpenAI`; or an `httpx.Client`/`AsyncClient`) send the current
+    session's headers (`Session.headers()`) on every request; returns the same client, instrumented in place.
+
+        client = wrap_openai(openai.OpenAI(base_url="http://proxy:8100/v1"))
+        async with log.session(task_type="code_edit"):
+            await aclient.chat.completions.create(...)   # carries X-Flywheel-Session-Id ...
+
+    The session is looked up per request (`current_session()`), so one client serves every thread and task;
+    outside a session a request carries none. Headers a request sets itself win. Copies made with
+    `client.with_options(...)` share its HTTP client, so they carry the headers too. openai is never imported.
+    """
+    # openai keeps its httpx client in `_client` (every release since 1.0); an httpx request hook sees the
+    # request after openai built it and before it is sent, in the caller's thread or task.
+    http = client if hasattr(client, "event_hooks") else getattr(client, "_client", None)
+    hooks = getattr(http, "event_hooks", None)
+    if not isinstance(hooks, dict):
+        raise TypeError(f"wrap_openai: {type(client).__name__} is neither an openai client nor an httpx client")
+    hook = _add_session_headers_async if inspect.iscoroutinefunction(http.send) else _add_session_headers
+    requests = list(hooks.get("request", []))
+    if hook not in requests:  # wrapping twice adds nothing
+        http.event_hooks = {**hooks, "request": [*requests, hook]}
+    return client
+
 
 class OutcomeReporter(_Client):
-    """Reports outcomes (flywheel.outcomes) from any process, at any later time; same non-blocking machinery."""
+    """Reports outcomes (flywheel.outcomes) from any process, at any later time; same non-blocking machinery.
+
+    Takes SessionLogger's options. With sample_rate (or FLYWHEEL_SAMPLE_RATE) below 1 it drops the outcomes of
+    exactly the sessions a SessionLogger of the same rate drops (the same hash of session_id in every process).
+    """
 
     _topic_default = schema.OUTCOMES_TOPIC
     _id_field = "outcome_id"
@@ -1566,6 +1844,9 @@ class OutcomeReporter(_Client):
         if pipe is None:
             return outcome_id
         try:
+            if self.sample_rate < 1.0 and not _sampled(str(session_id), self.sample_rate):
+                self.sampled_out += 1  # its session's events were never logged: the outcome would reward nothing
+                return outcome_id
             record = {"schema_version": schema.SCHEMA_VERSION, "outcome_id": outcome_id, "session_id": session_id,
                       "kind": kind, "value": value, "ts": ts or schema.now_ts()}
             if agent_id is not None:

@@ -1,6 +1,7 @@
 """The learner's one typed config (`flywheel learner --help` lists every field).
 
-Resolved by infra.config.load_config: defaults < TOML (--config) < FLYWHEEL_<FIELD> < flags.
+Resolved by infra.config.load_config: defaults < TOML (--config) < FLYWHEEL_LEARNER_<FIELD>
+(or the flat FLYWHEEL_<FIELD> of a shared field, flywheel.base.config) < flags.
 The resolved copy is written to <run_dir>/learner-config.toml at start-up.
 """
 
@@ -98,6 +99,7 @@ class LearnerConfig:
     status_every_s: float = setting(5.0, "heartbeat period of <var_dir>/run/status/<status_name>.json while waiting")
     status_name: str = setting("learner", "name of the heartbeat file `flywheel status` shows")
     var_dir: str = setting(defaults.VAR_DIR, "local state root holding run/status/")
+    metrics_port: int = setting(0, "Prometheus endpoint of rank 0, http://0.0.0.0:<port>/metrics (0: off; e.g. 9103)")
 
     def check(self) -> None:
         if self.loss not in LOSSES:

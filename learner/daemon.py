@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flywheel.base.config import load_config, setup_logging, write_resolved
+from flywheel.base.metrics import Metrics, Reading
 from flywheel.base.stop import stop_on_signals
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.gate import GateFollower, gate_ruled, rebase_onto
@@ -93,6 +94,7 @@ class Learner:
         self.run_id: str | None = None  # the learner's MLflow run (run() sets it): each version names it
         self._last_beat = 0.0
         self._publish_checked = 0.0
+        self.prom: LearnerMetrics | None = None  # rank 0's Prometheus metrics (run() makes them)
 
     def _resume(self) -> TrainerState:
         """The newest checkpoint's state, its weights and optimizer loaded; else a fresh state at start_version."""
@@ -228,6 +230,8 @@ class Learner:
         if published:
             metrics.update(self.versions.push(batch))
         tracker.log(self.state.step, metrics)
+        if self.prom is not None:
+            self.prom.observe_step(lags, result.tokens_per_s)
         mean_r, mean_lag = metrics["reward_mean"], metrics["policy_lag_mean"]
         self.heartbeat("training", policy_lag=round(mean_lag, 2), reward=round(mean_r, 4),
                        tokens_per_s=round(result.tokens_per_s), dropped_stale=counters["stale"],
@@ -263,6 +267,46 @@ class Learner:
         }, var_dir=self.cfg.var_dir)
 
 
+# Policy lag in learner steps: 0 is on-policy; max_staleness_steps (default 4) is where rows stop being trained.
+LAG_BUCKETS_STEPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+class LearnerMetrics:
+    """flywheel_learner_*: per step the tokens/s and each trained row's policy lag; the state and the stream's
+    counts read at scrape."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+        self.metrics = Metrics("learner")
+        self.throughput = self.metrics.gauge("training_throughput", "tokens_per_second", "tokens/s of the last step")
+        self.steps = self.metrics.counter("trained", "steps", "optimizer steps of this process")
+        self.lag = self.metrics.histogram("policy_lag", "steps", "each trained row: learner steps since the version "
+                                          "that sampled it", LAG_BUCKETS_STEPS)
+        self.metrics.read(self.readings)
+
+    def observe_step(self, lags: Counter, tokens_per_s: float) -> None:
+        """lags: policy lag -> rows of the step's batch."""
+        self.throughput.set(tokens_per_s)
+        for lag, rows in lags.items():
+            for _ in range(rows):
+                self.lag.observe(lag)
+        self.steps.inc()  # last: a scrape that sees the step sees its lags too
+
+    def readings(self) -> list[Reading]:
+        learner, stream = self.learner, self.learner.stream
+        return [
+            Reading("gauge", "policy", "version", "the policy version the weights are at", learner.state.policy_version),
+            Reading("counter", "published", "versions", "versions this learner's state has published",
+                    len(learner.state.published)),
+            Reading("counter", "trained", "episodes", "episodes trained (the state's lifetime)",
+                    len(stream.trained) if stream else 0),
+            Reading("counter", "dropped", "episodes", "episodes not trained, by reason (stale, corrupt, duplicate ...)",
+                    dict(stream.counters) if stream else {}, "reason"),
+            Reading("gauge", "pending", "episodes", "episodes read and waiting for a batch",
+                    len(stream.pending) if stream else 0),
+        ]
+
+
 def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
     """Set up (logging each phase), then loop: batch -> step -> checkpoint -> maybe publish."""
     from flywheel.learner import dist
@@ -276,6 +320,8 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
         tracker.tag("policy_version_start", str(learner.state.policy_version))
         learner.run_id = tracker.run_id
         learner.versions.republish_latest()
+        learner.prom = LearnerMetrics(learner)
+        learner.prom.metrics.serve(cfg.metrics_port)  # rank 0 only: the other ranks' would share its port
     status = "FINISHED"
     try:
         while True:
@@ -303,6 +349,8 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
         tracker.end(status)
         if world.is_main:
             learner.heartbeat("stopped")
+        if learner.prom is not None:
+            learner.prom.metrics.close()
         dist.shutdown(world)
     log.info("learner: stopped at step %d, policy_version %d", learner.state.step, learner.state.policy_version)
     return 0

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from flywheel.base import defaults
 from flywheel.base.config import load_config, setting, setup_logging, write_resolved
 from flywheel.base.heartbeat import write_status
+from flywheel.base.metrics import Metrics, Reading
 from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
 from flywheel.rewards import config as reward_config
@@ -107,6 +108,7 @@ class EpisodesConfig:
     judge_url: str = setting(defaults.VLLM_URL, "OpenAI-compatible endpoint of the LLM judge")
     judge_model: str = setting("", "judge model name (empty: [judge].model of the rewards TOML)")
     var_dir: str = setting(defaults.VAR_DIR, "where the status heartbeat is written")
+    metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9102)")
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
@@ -895,6 +897,49 @@ class Builder:
 
 
 # ---------------------------------------------------------------------------------------------
+# Prometheus
+# ---------------------------------------------------------------------------------------------
+PASS_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class EpisodesMetrics:
+    """flywheel_episodes_*: the state's lifetime counters and the last pass's gauges, read at scrape; pass durations."""
+
+    def __init__(self, builder: Builder) -> None:
+        self.builder = builder
+        self.last: PassResult | None = None
+        self.metrics = Metrics("episodes")
+        self.pass_seconds = self.metrics.histogram("pass_duration", "seconds", "passes that read or labelled something",
+                                                   PASS_BUCKETS_S)
+        self.metrics.read(self.readings)
+
+    def observe(self, res: PassResult) -> None:
+        self.last = res
+        if not res.idle:
+            self.pass_seconds.observe(res.seconds)
+
+    def readings(self) -> list[Reading]:
+        b, c = self.builder, dict(self.builder.state.counters)
+        drops = {k[len("dropped_"):]: v for k, v in c.items() if k.startswith("dropped_")}
+        return [
+            Reading("counter", "written", "episodes", "episode rows written (every label version)",
+                    c.get("rows_written", 0)),
+            Reading("counter", "labelled", "sessions", "sessions given their first label", c.get("sessions_emitted", 0)),
+            Reading("counter", "relabelled", "sessions", "sessions labelled again (a later outcome)", c.get("relabels", 0)),
+            Reading("counter", "read_event", "rows", "event rows read from the lake", c.get("event_rows_read", 0)),
+            Reading("counter", "read_outcome", "rows", "outcome rows read from the lake", c.get("outcome_rows_read", 0)),
+            Reading("counter", "dropped", "records", "events, outcomes and sessions skipped, by reason", drops, "reason"),
+            Reading("counter", "judge", "calls", "LLM judge calls", b.judge.calls),
+            Reading("counter", "judge_failed", "calls", "LLM judge calls that failed", b.judge.failures),
+            Reading("gauge", "pending", "sessions", "sessions open or waiting for outcomes (NaN before the first pass)",
+                    self.last.pending_sessions if self.last else float("nan")),
+            Reading("gauge", "held", "outcomes", "outcomes kept for a later pass", len(b.state.held_outcomes)),
+            Reading("gauge", "backlog", "files", "lake files past the last pass's input", b.backlog_files),
+            Reading("counter", "committed", "passes", "passes committed to this state", b.state.pass_no),
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
 # Process entry points
 # ---------------------------------------------------------------------------------------------
 def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
@@ -910,12 +955,18 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
         if any(t.judge for t in rewards.task_types.values()):
             log.info("episodes: LLM judge on for %s via %s model %s",
                      [t.name for t in rewards.task_types.values() if t.judge], cfg.judge_url, builder.judge.model)
-        passes = _pass_loop(builder, cfg, stop)
+        metrics = EpisodesMetrics(builder)
+        metrics.metrics.serve(cfg.metrics_port)
+        try:
+            passes = _pass_loop(builder, cfg, stop, metrics)
+        finally:
+            metrics.metrics.close()
         log.info("episodes: stopped after %d passes; %d rows in the episodes table", passes, builder.state.next_seq)
     return 0
 
 
-def _pass_loop(builder: Builder, cfg: EpisodesConfig, stop: Callable[[], bool] | None) -> int:
+def _pass_loop(builder: Builder, cfg: EpisodesConfig, stop: Callable[[], bool] | None,
+               metrics: EpisodesMetrics | None = None) -> int:
     """Passes until caught up (or, following, until SIGTERM or `stop()`); how many ran."""
     stop_flag = stop_on_signals("finishing the pass in hand, then exiting", signals=(signal.SIGTERM,))
     passes = 0
@@ -923,6 +974,8 @@ def _pass_loop(builder: Builder, cfg: EpisodesConfig, stop: Callable[[], bool] |
     while not stop_flag.is_set() and not (stop is not None and stop()):
         res = builder.run_pass()
         passes += 1
+        if metrics is not None:
+            metrics.observe(res)
         if not res.idle:
             log.info("pass %d: read %d events, %d outcomes; labelled %d sessions, %d relabels, %d rows; "
                      "%d sessions pending, %d outcomes held; drops %s; %.2fs; %d lake files to go",

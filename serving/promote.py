@@ -40,6 +40,7 @@ from typing import Any
 
 from flywheel.base import defaults
 from flywheel.base.config import setting
+from flywheel.base.metrics import Metrics
 from flywheel.base.stop import stop_on_signals
 from flywheel.serving import evaluate, publisher, vllm_client
 from flywheel.serving.decision import GateRule, Verdict, concurrent
@@ -66,6 +67,7 @@ class PromoteConfig(TierConfig, GateRule):
     interval_s: float = setting(30.0, "seconds between rounds with --auto")
     rounds: int = setting(0, "with --auto, stop after this many rounds (0: until SIGTERM)")
     var_dir: str = setting(defaults.VAR_DIR, "local state folder; the heartbeat goes to <var_dir>/run/status/promote.json")
+    metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9104)")
 
     def check(self) -> None:
         TierConfig.check(self)
@@ -380,10 +382,45 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
         decisions.append(back)
     return decisions
 
+ACTIONS = ("promote", "reject", "expire", "hold", "rollback", "keep", "none")
+ROUND_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# decisions[0] tests the challenger against the champion, decisions[1] (auto_rollback) the champion against control
+_TESTS = (("challenger", "champion", "challenger"), ("rollback", "control", "champion"))
+
+
+class GateMetrics:
+    """flywheel_promote_*: decisions by action, the sessions each test compared, rounds and how long they took."""
+
+    def __init__(self) -> None:
+        self.metrics = m = Metrics("promote")
+        self.decisions = m.counter("gate", "decisions", "decisions by action: promote, reject, expire, hold (challenger "
+                                   "test), rollback, keep (champion vs control), none (no challenger, failed round)",
+                                   labels=("action",))
+        for action in ACTIONS:  # present at 0 from the start, so rate() sees the first one
+            self.decisions.labels(action)
+        self.compared = m.gauge("compared", "sessions", "mature concurrent sessions of each arm in the last round's "
+                                "tests", labels=("test", "arm"))
+        self.failed = m.counter("failed", "rounds", "rounds that raised (MLflow or a server down); retried next round")
+        self.round_seconds = m.histogram("round_duration", "seconds", "one gate round, lake read to MLflow record",
+                                         ROUND_BUCKETS_S)
+        self.champion = m.gauge("champion", "version", "the champion's policy version after the last round")
+
+    def observe_round(self, decisions: list[Decision], seconds: float, failed: bool) -> None:
+        self.round_seconds.observe(seconds)
+        if failed:
+            self.failed.inc()
+        for d in decisions:
+            self.decisions.labels(d.action).inc()
+        for (test, arm_a, arm_b), d in zip(_TESTS, decisions):
+            if "online_n_a" in d.numbers:
+                self.compared.labels(test, arm_a).set(d.numbers["online_n_a"])
+                self.compared.labels(test, arm_b).set(d.numbers["online_n_b"])
+        if decisions[0].champion >= 0:
+            self.champion.set(decisions[0].champion)
+
+
 def run(cfg: PromoteConfig) -> int:
     from rich.console import Console
-
-    from flywheel.base.heartbeat import write_status
 
     console = Console()
     if cfg.auto:  # a daemon: keep the resolved config so this run can be reproduced with --config
@@ -396,8 +433,21 @@ def run(cfg: PromoteConfig) -> int:
     stop = threading.Event()
     if cfg.auto:
         stop_on_signals("finishing the current round, then exiting", stop, signals=(signal.SIGTERM,))
+    metrics = GateMetrics()
+    metrics.metrics.serve(cfg.metrics_port)
+    try:
+        return _rounds(cfg, registry, stop, metrics, console)
+    finally:
+        metrics.metrics.close()
+
+
+def _rounds(cfg: PromoteConfig, registry: Registry, stop: threading.Event, metrics: GateMetrics, console: Any) -> int:
+    """Gate rounds until the last one (one without --auto; --rounds or SIGTERM with it)."""
+    from flywheel.base.heartbeat import write_status
+
     rounds = 0
     while True:
+        started, failed = time.monotonic(), False
         try:
             repair_serving(registry, cfg)
             decisions = gate_once(cfg, registry)
@@ -405,7 +455,8 @@ def run(cfg: PromoteConfig) -> int:
             if not cfg.auto:
                 raise
             log.error("promote: round failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc, cfg.interval_s)
-            decisions = [Decision("none", f"round failed: {exc}", -1, None)]
+            decisions, failed = [Decision("none", f"round failed: {exc}", -1, None)], True
+        metrics.observe_round(decisions, time.monotonic() - started, failed)
         for d in decisions:
             show(d, console)
         rounds += 1

@@ -20,8 +20,9 @@ model name and the policy version (through the SessionLogger SDK, so a broker ou
 the agent nothing).
 
 Routes: POST /v1/chat/completions and /v1/completions (streaming and not), GET /v1/models
-(passed through), GET /health and GET /metrics (the proxy's own counters and, with the serving router, the aliases it
-routes by and since when).
+(passed through), GET /health, GET /metrics (Prometheus text: flywheel_proxy_* and its SDK's delivery, see
+docs/serving.md) and GET /stats (the same counters as JSON and, with the serving router, the aliases it routes by
+and since when).
 
 Headers (all optional; without a session id the request is forwarded but not logged):
   X-Flywheel-Session-Id        the session the call belongs to
@@ -50,9 +51,18 @@ from typing import Any, Callable
 
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base.metrics import CONTENT_TYPE, Metrics, Reading
 from flywheel.base.versions import version_name
 from flywheel.ingest import schema
-from flywheel.ingest.sdk import MAIN_AGENT, SessionLogger
+from flywheel.ingest.sdk import (
+    HEADER_AGENT_ID,
+    HEADER_PARENT_AGENT_ID,
+    HEADER_SESSION_EVENT,
+    HEADER_SESSION_ID,
+    HEADER_TASK_TYPE,
+    MAIN_AGENT,
+    SessionLogger,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +80,14 @@ class Routed:
 RouteFn = Callable[[str], Routed]
 RouterState = Callable[[], dict[str, Any]]  # what a router routes with now (serving.router.Router.snapshot)
 
-H_SESSION = "X-Flywheel-Session-Id"
-H_AGENT = "X-Flywheel-Agent-Id"
-H_PARENT = "X-Flywheel-Parent-Agent-Id"
-H_TASK = "X-Flywheel-Task-Type"
-H_EVENT = "X-Flywheel-Session-Event"
+# The header names are defined once, in the SDK, whose Session.headers() sends them.
+H_SESSION, H_AGENT, H_PARENT, H_TASK, H_EVENT = (HEADER_SESSION_ID, HEADER_AGENT_ID, HEADER_PARENT_AGENT_ID,
+                                                  HEADER_TASK_TYPE, HEADER_SESSION_EVENT)
 # Request parameters copied into the event's `sampling` (what the behaviour policy sampled with).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "n", "seed",
                  "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+# An LLM call takes from tens of milliseconds (a short completion) to minutes (a long stream).
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 @dataclass
@@ -96,7 +106,7 @@ class ProxyConfig:
     log_completion_text: bool = setting(True, "log the completion text (redacted) next to the token ids")
     log_prompt_text: bool = setting(False, "log the rendered prompt text (redacted); token ids are always logged")
     upstream_timeout_s: float = setting(600.0, "longest a forwarded request may take")
-    spool_name: str = setting("proxy", "name of the SDK's spill spool (var/spool/<name>), stable so a restart replays it")
+    spool_name: str = setting("proxy", "name of the SDK's spill spool (<FLYWHEEL_SPOOL_DIR or state dir>/<name>@<topic>), stable so a restart replays it")
     heartbeat_s: float = setting(5.0, "how often the status heartbeat (var/run/status/proxy*.json) is written; 0: never")
     log_level: str = setting("INFO", "logging level")
 
@@ -115,7 +125,7 @@ def static_route(model: str, policy_version: int) -> RouteFn:
 
 def serving_route() -> tuple[RouteFn, RouterState]:
     """flywheel.serving.router.Router (config from FLYWHEEL_* like every process): champion/challenger, sticky per
-    session; and its snapshot, which GET /metrics shows under "router"."""
+    session; and its snapshot, which GET /stats shows under "router"."""
     try:
         from flywheel.serving import router as serving_router
     except ImportError as exc:
@@ -183,6 +193,10 @@ class CaptureProxy:
                          "bad_requests": 0, "log_errors": 0, "client_disconnects": 0, "idle_timeouts": 0,
                          "version_ambiguous": 0}
         self._http: Any = None
+        self.prom = Metrics("proxy")
+        self.prom.read(self._readings)
+        self.latency = self.prom.histogram("request_duration", "seconds", "forwarded request, first byte in to last "
+                                           "byte out (a stream counts whole)", LATENCY_BUCKETS_S, labels=("route",))
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -248,18 +262,52 @@ class CaptureProxy:
 
         return web.json_response({"ok": True})
 
-    async def metrics(self, request: Any) -> Any:
+    async def stats(self, request: Any) -> Any:
         from aiohttp import web
 
         router = self.router_state() if self.router_state is not None else None
         return web.json_response({**self.counters, "open_sessions": len(self.sessions), "sdk": self.logger.metrics(),
                                   "router": router})
 
+    async def metrics(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.Response(body=self.prom.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    def _readings(self) -> list[Reading]:
+        """The counters GET /stats shows, for Prometheus (read at scrape time, see flywheel.base.metrics)."""
+        c, sdk = dict(self.counters), self.logger.metrics()
+        unlogged = {"no_session": c["unlogged_no_session"], "log_error": c["log_errors"],
+                    "version_ambiguous": c["version_ambiguous"], "client_disconnect": c["client_disconnects"]}
+        return [
+            Reading("counter", "http", "requests", "completion requests received", c["requests"]),
+            Reading("counter", "logged", "calls", "llm_call events handed to the SDK", c["logged_calls"]),
+            Reading("counter", "unlogged", "calls", "answered calls not logged, by reason", unlogged, "reason"),
+            Reading("counter", "upstream", "errors", "routing failures, upstream non-200s and broken upstreams",
+                    c["upstream_errors"]),
+            Reading("counter", "bad", "requests", "requests answered 400 (body not a JSON object)", c["bad_requests"]),
+            Reading("counter", "idle_ended", "sessions", "started sessions ended by idle_timeout_s", c["idle_timeouts"]),
+            Reading("gauge", "open", "sessions", "sessions seen within idle_timeout_s", len(self.sessions)),
+            Reading("counter", "sdk_sent", "records", "events the SDK delivered to Kafka", sdk.get("sent", 0)),
+            Reading("counter", "sdk_dropped", "records", "events the SDK dropped (queue or spool full)",
+                    sdk.get("dropped", 0)),
+            Reading("gauge", "sdk_spool", "records", "events spilled to disk, waiting for the broker",
+                    sdk.get("spool_records", 0)),
+            Reading("gauge", "sdk_broker", "down", "1 while the SDK finds Kafka unreachable", bool(sdk.get("broker_down"))),
+        ]
+
     async def chat(self, request: Any) -> Any:
-        return await self._proxy(request, "chat", "/v1/chat/completions")
+        return await self._timed(request, "chat", "/v1/chat/completions")
 
     async def completions(self, request: Any) -> Any:
-        return await self._proxy(request, "completion", "/v1/completions")
+        return await self._timed(request, "completion", "/v1/completions")
+
+    async def _timed(self, request: Any, kind: str, path: str) -> Any:
+        started = time.monotonic()
+        try:
+            return await self._proxy(request, kind, path)
+        finally:
+            self.latency.labels(kind).observe(time.monotonic() - started)
 
     async def _proxy(self, request: Any, kind: str, path: str) -> Any:
         import aiohttp
@@ -538,6 +586,7 @@ def make_app(proxy: CaptureProxy) -> Any:
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/metrics", proxy.metrics)
+    app.router.add_get("/stats", proxy.stats)
 
     async def on_startup(_app: Any) -> None:
         await proxy.start()

@@ -1,17 +1,32 @@
 """Typed process configuration: one dataclass per process, resolved in one way everywhere.
 
 A process declares its config as a dataclass whose fields carry a default and a one-line help
-(`setting(default, "help")`). `load_config(Cls, argv)` resolves it, lowest precedence first:
+(`setting(default, "help")`). `load_config(Cls, argv, prog)` resolves it, lowest precedence first:
 
-    field defaults  <  TOML file (--config PATH)  <  FLYWHEEL_<FIELD> environment  <  --flags
+    field defaults  <  TOML file (--config PATH)  <  environment  <  --flags
 
 Unknown TOML keys are rejected by name; values are converted to the field's type; a
 dataclass may define `check(self)` for cross-field rules and raise ConfigError naming the
 fields. `write_resolved(cfg, path)` stores the result as TOML so a run can be reproduced
 with `--config that-file`.
 
-Environment variables are shared across processes on purpose: FLYWHEEL_KAFKA_BOOTSTRAP
-points every process at the same broker.
+The environment rule, chosen so that one variable can never mean two things:
+
+* `FLYWHEEL_<PROCESS>_<FIELD>` sets one process's field; PROCESS is the sub-command after
+  `flywheel`, upper-cased, `-` and spaces as `_` (`flywheel proxy --port` is FLYWHEEL_PROXY_PORT,
+  `flywheel lake-writer` FLYWHEEL_LAKE_WRITER_*, `flywheel bench learner` FLYWHEEL_BENCH_LEARNER_*;
+  the router inside the proxy reads FLYWHEEL_ROUTER_*). An unknown FLYWHEEL_<PROCESS>_* variable
+  of the running process is an error naming it: a typo must not be silently ignored.
+* `FLYWHEEL_<FIELD>` (flat) only for the SHARED_FIELDS below, which mean the same thing in
+  every process that has them (the broker, the topics, the registry, the state and lake roots,
+  the serving tier that the router, publisher, promoter and learner must agree on). A
+  prefixed variable wins over the flat one, so one process can still differ.
+* A flat variable naming a field of the running process that is not shared is an error, not a
+  warning: under the old rule it applied, so ignoring it would start e.g. the proxy on the wrong
+  port with only a log line to show for it.
+* FLYWHEEL_KAFKA_* is the Kafka client settings' own namespace (security, SASL, SSL: one
+  for every process, flywheel.base.kafka), and FLYWHEEL_ENABLED / SAMPLE_RATE / SPOOL_DIR are
+  the SDK's; load_config never reads or rejects those (FLYWHEEL_KAFKA_BOOTSTRAP is shared).
 """
 
 from __future__ import annotations
@@ -30,6 +45,22 @@ from flywheel.base.atomic import Durability, write_text
 
 T = TypeVar("T")
 ENV_PREFIX = "FLYWHEEL_"
+
+# Fields read from the flat FLYWHEEL_<FIELD>: the same meaning in every process that has them.
+# Every TierConfig field is here because the proxy's router, the publisher, the promoter and the
+# learner's publisher each read the tier from the environment and must see one tier
+# (tests/unit/test_config.py checks that the list covers TierConfig).
+SHARED_FIELDS: frozenset[str] = frozenset({
+    "kafka_bootstrap", "events_topic", "outcomes_topic", "dlq_topic",
+    "mlflow_tracking_uri", "registered_model", "var_dir", "lake_root", "base_model", "policies_dir",
+    # the serving tier (flywheel.serving.tier.TierConfig)
+    "servers", "base_served_name", "keep_loras", "max_loras", "max_lora_rank", "replace_live", "transport",
+    "challenger_share", "control_share", "control_version", "control_kind", "alias_refresh_s",
+    "http_timeout_s", "pause_timeout_s",
+})
+# FLYWHEEL_<name...> owned by other readers than load_config (the Kafka client settings, the SDK,
+# the test fixtures); a process field never claims these names flat.
+FOREIGN_PREFIXES: tuple[str, ...] = ("KAFKA_", "ENABLED", "SAMPLE_RATE", "SPOOL_DIR", "KEEP_STACK")
 
 
 class ConfigError(ValueError):
@@ -99,15 +130,33 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def process_env_name(prog: str) -> str:
+    """The PROCESS of FLYWHEEL_<PROCESS>_<FIELD> for a prog: "flywheel lake-writer" -> "LAKE_WRITER"."""
+    words = prog.split()
+    if words and words[0] == "flywheel":
+        words = words[1:]
+    name = "_".join(words).upper().replace("-", "_")
+    assert name and not name.startswith(FOREIGN_PREFIXES), f"prog {prog!r} gives no usable environment prefix"
+    return name
+
+
+def env_keys(name: str, process: str | None) -> list[str]:
+    """The variables that may set field `name`, lowest precedence first."""
+    flat = [ENV_PREFIX + name.upper()] if name in SHARED_FIELDS else []
+    return flat + ([f"{ENV_PREFIX}{process}_{name.upper()}"] if process else [])
+
+
 def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", type=Path, default=None, help="TOML file with settings (flags and FLYWHEEL_* win over it)")
     hints = _hints(cls)
+    process = process_env_name(prog)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         base, _ = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_text = f"{f.metadata.get('help', '')} (default: {default!r}; env {ENV_PREFIX}{f.name.upper()})"
+        help_text = f"{f.metadata.get('help', '')} (default: {default!r}; env {' or '.join(reversed(env_keys(f.name, process)))})"
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help: "60% of traffic" broke `flywheel demo --help`
         if base is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
@@ -115,21 +164,43 @@ def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPar
     return parser
 
 
-def resolve(cls: type[T], toml_values: dict[str, Any], env: typing.Mapping[str, str], flags: dict[str, Any]) -> T:
-    """Merge defaults < TOML < environment < flags into a checked instance of `cls`."""
+def check_env(names: set[str], env: typing.Mapping[str, str], process: str | None) -> None:
+    """Refuse the variables that look meant for this process but set nothing (see the module docstring)."""
+    own = f"{ENV_PREFIX}{process}_" if process else None
+    flat_shared = {ENV_PREFIX + n.upper() for n in SHARED_FIELDS}
+    unknown = sorted(k for k in env if own and k.startswith(own) and k[len(own):].lower() not in names
+                     and k not in flat_shared and not k[len(ENV_PREFIX):].startswith(FOREIGN_PREFIXES))
+    if unknown:
+        raise ConfigError(f"unknown environment variable(s) {unknown} for {process}; known: "
+                          f"{sorted(own + n.upper() for n in names)}")
+    flat = sorted(k for k in env if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() in names - SHARED_FIELDS
+                  and not k[len(ENV_PREFIX):].startswith(FOREIGN_PREFIXES))
+    if flat:
+        hint = f"set {[own + k[len(ENV_PREFIX):] for k in flat]} instead" if own else "pass it as a flag"
+        raise ConfigError(f"{flat}: not a shared setting, so a flat FLYWHEEL_<FIELD> would reach every process; {hint}")
+
+
+def resolve(cls: type[T], toml_values: dict[str, Any], env: typing.Mapping[str, str], flags: dict[str, Any],
+            process: str | None = None) -> T:
+    """Merge defaults < TOML < environment < flags into a checked instance of `cls`.
+
+    `process` is the PROCESS of FLYWHEEL_<PROCESS>_<FIELD> (process_env_name); None reads only the
+    shared flat variables, as a part built inside another process does.
+    """
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(toml_values) - names)
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown} for {cls.__name__}; known: {sorted(names)}")
+    check_env(names, env, process)
     values: dict[str, Any] = {}
     for name in names:
         raw: Any = dataclasses.MISSING
         if name in toml_values:
             raw = toml_values[name]
-        env_key = ENV_PREFIX + name.upper()
-        if env_key in env:
-            raw = env[env_key]
+        for env_key in env_keys(name, process):
+            if env_key in env:
+                raw = env[env_key]
         if flags.get(name) is not None:
             raw = flags[name]
         if raw is not dataclasses.MISSING:
@@ -156,7 +227,7 @@ def load_config(cls: type[T], argv: list[str] | None, prog: str, description: st
         except (OSError, tomllib.TOMLDecodeError) as exc:
             parser.error(f"--config {args.config}: {exc}")
     try:
-        return resolve(cls, toml_values, os.environ, flags)
+        return resolve(cls, toml_values, os.environ, flags, process_env_name(prog))
     except ConfigError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

@@ -52,7 +52,6 @@ from flywheel.demo.plan import (
     RunPlan,
     agent_sim_command,
     episodes_command,
-    gate_rule,
     lake_writer_command,
     learner_command,
     outcome_sim_command,
@@ -62,6 +61,7 @@ from flywheel.demo.plan import (
     proxy_command,
     tier_env,
 )
+from flywheel.ingest.sdk import LEGACY_SPOOL_ROOT, SPOOL_DIR_ENV
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -86,8 +86,10 @@ class Processes:
         cmd = [sys.executable, "-m", "flywheel.cli", *argv]
         out = open(self.log_dir / f"{name}.log", "ab")
         log.info("demo: starting %s: flywheel %s (log %s)", name, " ".join(argv), self.log_dir / f"{name}.log")
+        # The demo's SDK spools stay in the checkout's var/spool (the SDK's own default is the user's state directory).
+        child_env = {SPOOL_DIR_ENV: str(REPO_ROOT / LEGACY_SPOOL_ROOT), **os.environ, **(env or {})}
         self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            cwd=str(REPO_ROOT), env={**os.environ, **(env or {})}, start_new_session=True)
+                                            cwd=str(REPO_ROOT), env=child_env, start_new_session=True)
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None and n not in self.stopped]
@@ -406,11 +408,8 @@ def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, wa
     context = {"run_id": plan.run_id, "minutes": cfg.minutes, "started": time.strftime("%H:%M:%S", time.gmtime(started_at)),
                "ended": time.strftime("%H:%M:%S", time.gmtime()), "total_s": round(time.time() - t_setup, 1),
                "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}
-    summary = report.write_report(cfg.report_dir, str(plan.lake_root), started_at, str(plan.learner_dir),
-                                  str(plan.policies_dir), ends.tracking_uri, plan.registered_model, context=context,
-                                  final_since=final_since(plan), control_version=CONTROL_VERSION, gate_rule=gate_rule(cfg),
-                                  gate_interval_s=cfg.gate_interval_s,
-                                  shares={"control": cfg.control_share, "challenger": cfg.challenger_share})
+    summary = report.write_run_report(cfg.report_dir, cfg, plan, ends.tracking_uri, context, final_since(plan),
+                                      since=started_at)
     record_evidence(cfg, summary, warm, started_at)
     console.print(Path(cfg.report_dir, "report.md").read_text())
     print(json.dumps(summary))
@@ -466,14 +465,14 @@ def _wait_for_proxy(port: int, procs: Processes, timeout_s: float = 60.0) -> Non
 
 
 def wait_for_router(proxy_port: int, since: float, timeout_s: float = 60.0) -> bool:
-    """Wait until the proxy's router routes by aliases it began reading after `since` (GET /metrics, "router");
+    """Wait until the proxy's router routes by aliases it began reading after `since` (GET /stats, "router");
     False, with a warning, when it did not within timeout_s."""
     import urllib.request
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{proxy_port}/metrics", timeout=2.0) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{proxy_port}/stats", timeout=2.0) as resp:
                 router = json.loads(resp.read()).get("router") or {}
             if (router.get("read_at") or 0.0) > since:
                 return True

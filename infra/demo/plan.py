@@ -200,7 +200,8 @@ class Endpoints:
 def tier_env(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> dict[str, str]:
     """The serving tier's config for the router inside the proxy, which reads it from the environment
     (serving/proxy.py); the learner's publisher reads it too (learner/versions.py serving_tier), so it
-    knows every server and keeps the control's and the champion's."""
+    knows every server and keeps the control's and the champion's. Every key is a shared field
+    (flywheel.base.config.SHARED_FIELDS), so the flat names mean the same to each child that has them."""
     return {"FLYWHEEL_SERVERS": ",".join(ends.vllm_urls), "FLYWHEEL_REGISTERED_MODEL": run.registered_model,
             "FLYWHEEL_MLFLOW_TRACKING_URI": ends.tracking_uri, "FLYWHEEL_BASE_MODEL": str(policy_v0(cfg).resolve()),
             "FLYWHEEL_POLICIES_DIR": str(run.policies_dir), "FLYWHEEL_CONTROL_SHARE": str(cfg.control_share),

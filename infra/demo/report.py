@@ -1,6 +1,6 @@
 """The demo report: what the online loop achieved, computed from the lake and the registry, never typed in.
 
-    flywheel demo ... (writes it at the end)      or      python -m flywheel.demo.report --lake-root var/lake
+    flywheel demo ... (writes it at the end)      or      flywheel report --run-dir var/demo/<run id>
 
 Inputs: the lake's events (sessions, their llm_calls' policy versions and router arms, session ends),
 outcomes (the verifier's task_success) and episodes; the learner's trained-episode log and the policy
@@ -721,27 +721,75 @@ def write_report(out_dir: str | Path, lake_root: str, since: float, learner_run_
     return summary
 
 
+def write_run_report(out_dir: str | Path, cfg: Any, plan: Any, tracking_uri: str, context: dict[str, Any],
+                     final_since: float | None, since: float = 0.0) -> dict[str, Any]:
+    """write_report for one demo run: its DemoConfig and RunPlan say where everything is and what the gate's
+    rule and shares were (the demo at its end and `flywheel report --run-dir` both call this)."""
+    from flywheel.demo.plan import CONTROL_VERSION, gate_rule
+
+    return write_report(out_dir, str(plan.lake_root), since, str(plan.learner_dir), str(plan.policies_dir), tracking_uri,
+                        plan.registered_model, context=context, final_since=final_since, control_version=CONTROL_VERSION,
+                        gate_rule=gate_rule(cfg), gate_interval_s=cfg.gate_interval_s,
+                        shares={"control": cfg.control_share, "challenger": cfg.challenger_share})
+
+
+def run_report(run_dir: Path, out_dir: Path, tracking_uri: str) -> dict[str, Any]:
+    """Rewrite a finished demo run's report from its folder (var/demo/<run id>), as the demo wrote it at the end.
+
+    The folder holds demo.toml (the resolved DemoConfig), the lake, policies, learner and final_window.json;
+    the registered model is named by the run id. `since` is 0: the run's lake and registered model hold only
+    that run's data.
+    """
+    import tomllib
+
+    from flywheel.base.config import resolve
+    from flywheel.demo.plan import DemoConfig, RunPlan
+
+    toml_path = run_dir / "demo.toml"
+    if not toml_path.is_file():
+        raise FileNotFoundError(f"{toml_path}: not a demo run folder (the demo writes demo.toml there at start)")
+    cfg = resolve(DemoConfig, tomllib.loads(toml_path.read_text()), {}, {})
+    plan = RunPlan(run_id=run_dir.name, var_dir=run_dir.parent.parent, traffic_s=cfg.minutes * 60.0)
+    window = run_dir / "final_window.json"
+    final = float(json.loads(window.read_text())["since"]) if window.exists() else None
+    warm_path = Path(cfg.warm_model) / "warm_start.json"
+    warm = json.loads(warm_path.read_text()) if cfg.warm_start and warm_path.exists() else {}
+    context = {"run_id": plan.run_id, "minutes": cfg.minutes, "regenerated": True,
+               "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}
+    return write_run_report(out_dir, cfg, plan, tracking_uri, context, final)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`flywheel report --run-dir var/demo/<run id>` rewrites that run's report; without --run-dir, from the flags."""
     import argparse
 
     from flywheel.base import defaults
     from flywheel.base.config import setup_logging
 
-    parser = argparse.ArgumentParser(prog="python -m flywheel.demo.report", description="write the demo report from the lake")
+    parser = argparse.ArgumentParser(prog="flywheel report", description="write the demo report from the lake and the registry")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="a demo run's folder (var/demo/<run id>): every input below but the tracking URI comes from it")
     parser.add_argument("--lake-root", default=defaults.LAKE_ROOT)
-    parser.add_argument("--out", default="var/report")
+    parser.add_argument("--out", default=None, help="output folder (default: <run-dir>/report, or var/report)")
     parser.add_argument("--since", type=float, default=0.0, help="only sessions ending after this epoch time")
     parser.add_argument("--learner-run-dir", default="var/learner")
     parser.add_argument("--policies-dir", default=defaults.POLICIES_DIR)
-    parser.add_argument("--mlflow-tracking-uri", default=defaults.MLFLOW_TRACKING_URI)
+    # the tracking store is the stack's, not the run's: the shared FLYWHEEL_MLFLOW_TRACKING_URI, as every process reads it
+    parser.add_argument("--mlflow-tracking-uri", default=os.environ.get("FLYWHEEL_MLFLOW_TRACKING_URI", defaults.MLFLOW_TRACKING_URI))
     parser.add_argument("--registered-model", default=defaults.REGISTERED_MODEL)
     parser.add_argument("--final-since", type=float, default=None, help="epoch time the final window began (none: no window)")
     parser.add_argument("--control-version", type=int, default=0, help="the control arm's policy version")
     args = parser.parse_args(argv)
     setup_logging()
-    summary = write_report(args.out, args.lake_root, args.since, args.learner_run_dir, args.policies_dir,
-                           args.mlflow_tracking_uri, args.registered_model, final_since=args.final_since,
-                           control_version=args.control_version)
+    if args.run_dir is not None:
+        try:
+            summary = run_report(args.run_dir, Path(args.out or args.run_dir / "report"), args.mlflow_tracking_uri)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
+    else:
+        summary = write_report(args.out or "var/report", args.lake_root, args.since, args.learner_run_dir, args.policies_dir,
+                               args.mlflow_tracking_uri, args.registered_model, final_since=args.final_since,
+                               control_version=args.control_version)
     print(json.dumps(summary))
     return 0
 

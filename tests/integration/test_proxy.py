@@ -145,9 +145,9 @@ def test_session_headers_idle_timeout_and_unlogged_requests(proxy: dict, kafka_b
                                                           "X-Flywheel-Task-Type": "qa", "X-Flywheel-Agent-Id": "a1"})
     client.chat.completions.create(**args, extra_headers={"X-Flywheel-Session-Id": ended, "X-Flywheel-Session-Event": "end"})
     client.chat.completions.create(**args, extra_headers={"X-Flywheel-Session-Id": idle, "X-Flywheel-Session-Event": "start"})
-    before = json.loads(urllib.request.urlopen(f"{proxy['url']}/metrics").read())
+    before = json.loads(urllib.request.urlopen(f"{proxy['url']}/stats").read())
     client.chat.completions.create(**args)  # no session id: forwarded, not logged
-    after = json.loads(urllib.request.urlopen(f"{proxy['url']}/metrics").read())
+    after = json.loads(urllib.request.urlopen(f"{proxy['url']}/stats").read())
     assert after["unlogged_no_session"] == before["unlogged_no_session"] + 1
     assert after["logged_calls"] == before["logged_calls"]
 

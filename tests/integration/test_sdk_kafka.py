@@ -395,6 +395,7 @@ def test_a_restarted_agent_replays_its_predecessors_spool(kafka_bootstrap: str, 
     then a logger that reaches Kafka: it delivers all of their records, each once, in the order logged."""
     topic = new_topic("restart")
     unreachable = f"127.0.0.1:{_free_port()}"
+    monkeypatch.setenv("FLYWHEEL_SPOOL_DIR", str(tmp_path / "spool"))  # the default layout, under a root of our own
     killed = subprocess.Popen([sys.executable, "-c", KILLED_AGENT, unreachable, topic], cwd=tmp_path,
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -403,7 +404,6 @@ def test_a_restarted_agent_replays_its_predecessors_spool(kafka_bootstrap: str, 
     finally:
         killed.kill()  # SIGKILL: no close, no atexit; only what reached the spool survives
         killed.wait(10)
-    monkeypatch.chdir(tmp_path)  # the default spool root, var/spool, is relative to the working directory
     second = SessionLogger(unreachable, topic=topic, name="restarted", linger_s=0.01, retry_s=0.2)
     s = second.attach("sess-restart")
     for i in range(300, 400):

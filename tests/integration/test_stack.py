@@ -180,9 +180,9 @@ def _flywheel(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 def test_infra_up_twice_is_harmless_and_down_leaves_nothing(tmp_path):
     """A private broker (own ports, own var dir) so the shared stack is untouched."""
     kafka_port, controller = _free_port(), _free_port()
-    env = {"FLYWHEEL_VAR_DIR": str(tmp_path / "var"), "FLYWHEEL_KAFKA_PORT": str(kafka_port),
-           "FLYWHEEL_KAFKA_CONTROLLER_PORT": str(controller), "FLYWHEEL_MLFLOW_PORT": str(_free_port()),
-           "FLYWHEEL_VLLM_PORT": str(_free_port()), "FLYWHEEL_PARTS": "kafka"}
+    env = {"FLYWHEEL_VAR_DIR": str(tmp_path / "var"), "FLYWHEEL_INFRA_KAFKA_PORT": str(kafka_port),
+           "FLYWHEEL_INFRA_KAFKA_CONTROLLER_PORT": str(controller), "FLYWHEEL_INFRA_MLFLOW_PORT": str(_free_port()),
+           "FLYWHEEL_INFRA_VLLM_PORT": str(_free_port()), "FLYWHEEL_INFRA_PARTS": "kafka"}
     first = _flywheel("infra", "up", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     pid_file = tmp_path / "var" / "run" / "kafka.pid.json"
@@ -206,7 +206,8 @@ def test_busy_port_gets_a_clear_error(tmp_path):
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", port))
         blocker.listen(1)
-        env = {"FLYWHEEL_VAR_DIR": str(tmp_path / "var"), "FLYWHEEL_MLFLOW_PORT": str(port), "FLYWHEEL_PARTS": "mlflow"}
+        env = {"FLYWHEEL_VAR_DIR": str(tmp_path / "var"), "FLYWHEEL_INFRA_MLFLOW_PORT": str(port),
+               "FLYWHEEL_INFRA_PARTS": "mlflow"}
         out = _flywheel("infra", "up", env=env)
     assert out.returncode == 1, out.stdout + out.stderr
     text = " ".join((out.stdout + out.stderr).split())

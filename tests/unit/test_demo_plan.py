@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.base.config import ConfigError, build_parser, resolve
+from flywheel.base.config import SHARED_FIELDS, ConfigError, build_parser, resolve
 from flywheel.cli import COMMANDS
 from flywheel.demo import plan as demo_plan
 from flywheel.demo.agent_sim import AgentSimConfig
@@ -72,7 +72,10 @@ def test_every_command_is_a_flywheel_sub_command_its_config_accepts(tmp_path: Pa
         assert argv[0] in COMMANDS, f"{argv[0]!r} is not a flywheel sub-command"
         assert all(isinstance(a, str) for a in argv), f"{argv[0]}: non-string arguments in {argv}"
         _parse(cls, argv[1:])
-    router = resolve(RouterConfig, {}, demo_plan.tier_env(cfg, run, ENDS), {})
+    env = demo_plan.tier_env(cfg, run, ENDS)
+    not_shared = sorted(k for k in env if k.removeprefix("FLYWHEEL_").lower() not in SHARED_FIELDS)
+    assert not not_shared, f"tier_env sets {not_shared}, which no process reads flat (flywheel.base.config)"
+    router = resolve(RouterConfig, {}, env, {})
     assert (router.servers, router.registered_model, router.policies_dir) == \
         (SERVERS, run.registered_model, str(run.policies_dir)), router
     assert (router.control_share, router.control_version, router.challenger_share) == (0.2, 0, 0.4), router

@@ -25,7 +25,7 @@ FOLDERS = {"infra": "flywheel", "ingest": "flywheel.ingest", "rewards": "flywhee
 STAGES = ["flywheel.base", "flywheel.ingest", "flywheel.rewards", "flywheel.learner", "flywheel.serving"]
 HANDOFFS = {"flywheel.learner": {"flywheel.serving.publisher", "flywheel.serving.registry", "flywheel.serving.tier"}}
 SDK = {"flywheel.ingest.schema", "flywheel.ingest.sdk", "flywheel.ingest.spool", "flywheel.ingest.redact"}
-TOP = ["flywheel.demo", "flywheel.stack", "flywheel.status", "flywheel.cli"]
+TOP = ["flywheel.demo", "flywheel.stack", "flywheel.status", "flywheel.cli", "flywheel.topics"]
 MAX_FUNCTION_LINES = 60
 
 

@@ -180,7 +180,7 @@ def test_http_errors_are_clear_when_the_body_is_bad_or_vllm_is_down(tmp_path: Pa
     assert "unavailable" in results[2][1] and "unavailable" in results[3][1]
 
 
-def test_metrics_show_what_the_router_routes_by(tmp_path: Path) -> None:
+def test_stats_show_what_the_router_routes_by(tmp_path: Path) -> None:
     import asyncio
 
     logger = SessionLogger(_dead_bootstrap(), name="m", spool_dir=tmp_path / "spool", linger_s=0.01)
@@ -188,7 +188,7 @@ def test_metrics_show_what_the_router_routes_by(tmp_path: Path) -> None:
     try:
         with_router = CaptureProxy(ProxyConfig(heartbeat_s=0), logger, static_route("policy-v3", 3), lambda: state)
         static = CaptureProxy(ProxyConfig(heartbeat_s=0), logger, static_route("policy-v3", 3))
-        assert json.loads(asyncio.run(with_router.metrics(None)).text)["router"] == state
-        assert json.loads(asyncio.run(static.metrics(None)).text)["router"] is None
+        assert json.loads(asyncio.run(with_router.stats(None)).text)["router"] == state
+        assert json.loads(asyncio.run(static.stats(None)).text)["router"] is None
     finally:
         logger.close(timeout=5)

@@ -309,6 +309,7 @@ time.sleep(60)
 
 def test_a_killed_agent_is_replayed_by_the_next_process_of_that_name(fakes: _Fakes, listening: str, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLYWHEEL_SPOOL_DIR", str(tmp_path / "var" / "spool"))  # the default layout, in tmp_path
     proc = subprocess.Popen([sys.executable, "-c", KILLED, _dead_bootstrap()], cwd=tmp_path, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -327,7 +328,7 @@ def test_a_killed_agent_is_replayed_by_the_next_process_of_that_name(fakes: _Fak
 
 
 def test_default_spool_is_stable_and_per_topic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLYWHEEL_SPOOL_DIR", str(tmp_path / "var" / "spool"))
     monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
     dead = _dead_bootstrap()
     log = SessionLogger(dead, name="same", linger_s=0.01)
@@ -522,7 +523,7 @@ def test_adoption_refuses_another_loggers_or_topics_spool(tmp_path: Path) -> Non
 
 def test_an_unmarked_sibling_is_adopted_only_under_the_default_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLYWHEEL_SPOOL_DIR", str(tmp_path / "var" / "spool"))
     root = tmp_path / "var" / "spool"
     for directory in (root / "rec@flywheel.events-999", root / "rec"):  # an older version's sibling; the old path
         old = Spool(directory)
