@@ -16,6 +16,7 @@ LOSSES = ("tis", "ppo")
 AGGS = ("token", "sequence")
 MODES = ("lora", "full")
 BASELINES = ("batch", "running", "none")
+SHARDS = ("ddp", "fsdp2")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -67,7 +68,9 @@ class LearnerConfig:
     grad_clip: float = setting(1.0, "global gradient-norm clip; 0 disables it")
     seed: int = setting(0, "seed of the LoRA initialisation (every rank uses the same)")
     dtype: str = setting("float32", "training dtype: float32 (CPU, parity within 1e-3) or bfloat16 (GPU)")
-    device: str = setting("auto", "auto (cuda when present, else cpu), cpu or cuda")
+    device: str = setting("auto", "auto (cuda when present, else cpu), cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    shard: str = setting("ddp", "under torchrun: ddp (every rank holds all weights; gradients all-reduced) or fsdp2 "
+                                "(fully_shard: each rank holds 1/N of each block's weights and Adam moments)")
     cpu_threads: int = setting(0, "torch intra-op threads on CPU (0: torch's default, one per core). On a CPU shared with "
                                   "the serving tier use 1: with 2 threads the learner ran 5-20x slower in the demo")
     # -- state, publishing, tracking --------------------------------------------------------
@@ -116,6 +119,12 @@ class LearnerConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not float32 or bfloat16")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device: {self.device!r} is not auto, cpu or cuda")
+        if self.shard not in SHARDS:
+            raise ConfigError(f"shard: {self.shard!r} is not one of {SHARDS}")
+        if self.shard == "fsdp2" and self.publish and self.parity_samples > 0:
+            # rank 0 scores the parity sample alone, and a sharded forward needs every rank's all-gather
+            raise ConfigError(f"shard fsdp2 needs parity_samples 0 (got {self.parity_samples}) while publish is on: "
+                              "the served-parity forward runs on rank 0 alone")
         for name in ("batch_size", "min_batch", "micro_batch", "lora_rank", "keep_checkpoints", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")

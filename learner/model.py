@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -27,6 +28,7 @@ import torch
 
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.data import Episode
+from flywheel.learner.dist import Sharded, local_device, shard_module
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Policy:
     vocab_size: int
     device: torch.device
     ref_module: torch.nn.Module | None = None  # full mode with a KL anchor: a frozen copy of the base
+    sharded: Sharded | None = None  # --shard fsdp2 under torchrun: module is fully_shard'ed (learner/dist.py)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -100,13 +103,18 @@ class Policy:
 
     # -- checkpoint state (trainable weights only: the base is re-read from base_model) -------
     def weights_state(self) -> dict[str, torch.Tensor]:
+        """The checkpointed weights, full tensors on CPU (sharded: rank 0's copy from the last gather)."""
+        entries = self.sharded.weights if self.sharded is not None else self.module.state_dict()
         if self.mode == "lora":
             from peft import get_peft_model_state_dict
 
-            return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.module).items()}
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+            entries = get_peft_model_state_dict(self.module, state_dict=entries)
+        return {k: v.detach().cpu().clone() for k, v in entries.items()}
 
     def load_weights_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights_state()'s form (full tensors) on every rank: a sharded rank keeps its shards."""
+        if self.sharded is not None:
+            state = self.sharded.local_state(state)
         if self.mode == "lora":
             from peft import set_peft_model_state_dict
 
@@ -120,7 +128,8 @@ class Policy:
         """Make the trainable weights those of a published version directory (None: policy-v0, the base).
 
         In place (the optimizer keeps its parameter references). Full mode reads the directory as an
-        HF model, so it briefly holds a second copy of the weights.
+        HF model, so it briefly holds a second copy of the weights. Sharded, each rank loads its shards
+        and rank 0 also its gathered copy, from the same file: no collective, so rank 0 may rebase alone.
         """
         if self.mode == "lora":
             if path is None:
@@ -128,26 +137,36 @@ class Policy:
                 for name, param in self.module.named_parameters():
                     if "lora_B" in name:
                         param.data.zero_()
+                if self.sharded is not None:
+                    self.sharded.weights = {k: torch.zeros_like(v) if "lora_B" in k else v
+                                            for k, v in self.sharded.weights.items()}
                 return
             from peft import set_peft_model_state_dict
             from peft.utils import load_peft_weights
 
-            result = set_peft_model_state_dict(self.module, load_peft_weights(str(path), device=str(self.device)))
+            adapter = load_peft_weights(str(path), device=str(self.device))
+            if self.sharded is not None:
+                self.sharded.weights = adapter_entries(self.sharded.weights, adapter)
+                adapter = self.sharded.local_state(adapter)
+            result = set_peft_model_state_dict(self.module, adapter)
             unexpected = getattr(result, "unexpected_keys", [])
             assert not unexpected, f"{path}: adapter has keys this model lacks: {unexpected[:3]}"
             return
         from transformers import AutoModelForCausalLM
 
         dtype = next(self.module.parameters()).dtype
-        source = AutoModelForCausalLM.from_pretrained(str(path or self.base_model), dtype=dtype)
-        self.module.load_state_dict(source.state_dict(), strict=True)
+        source = AutoModelForCausalLM.from_pretrained(str(path or self.base_model), dtype=dtype).state_dict()
+        if self.sharded is not None:
+            self.sharded.weights = {k: source[k].detach().cpu().clone() for k in self.sharded.names}
+            source = self.sharded.local_state(source)
+        self.module.load_state_dict(source, strict=True)
 
     # -- publishing -------------------------------------------------------------------------
     def save_weights(self, out: Path) -> str:
         """Write the servable weights into `out` (adapter or full HF weights); returns the kind."""
         if self.mode == "lora":
             # adapter_model.safetensors + adapter_config.json: the layout /v1/load_lora_adapter reads
-            self.module.save_pretrained(str(out), safe_serialization=True)
+            self.module.save_pretrained(str(out), safe_serialization=True, state_dict=self._full_entries())
             config_path = out / "adapter_config.json"
             config = json.loads(config_path.read_text())
             config["base_model_name_or_path"] = str(Path(self.base_model).resolve())
@@ -155,12 +174,30 @@ class Policy:
             return "lora"
         model = self.module
         dtype = next(model.parameters()).dtype
-        model.save_pretrained(str(out), safe_serialization=True)
+        model.save_pretrained(str(out), safe_serialization=True, state_dict=self._full_entries())
         if ties_embeddings(model):
             write_tied_head(out)  # else vLLM's in-place reload keeps the old head (write_tied_head says why)
         if dtype != torch.float32:
             log.info("model: saved %s weights (the server loads them in its own --dtype)", dtype)
         return "full"
+
+    def _full_entries(self) -> dict[str, torch.Tensor] | None:
+        """What save_pretrained writes: the gathered full copy when sharded, else the module's own state (None)."""
+        return dict(self.sharded.weights) if self.sharded is not None else None
+
+
+def adapter_entries(entries: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`entries` (the model's names, e.g. ...q_proj.lora_A.default.weight) with the values of an adapter file's
+    `adapter` (peft's names, ...q_proj.lora_A.weight: the adapter name left out)."""
+    out = dict(entries)
+    for name in entries:
+        parts = name.split(".")
+        short = ".".join(parts[:-2] + parts[-1:]) if len(parts) > 2 and parts[-3].startswith("lora_") else name
+        if short in adapter:
+            out[name] = adapter[short].detach().cpu().clone()
+    missing = [n for n in entries if "lora_" in n and out[n] is entries[n]]
+    assert not missing, f"adapter lacks entries of this model: {missing[:3]}"
+    return out
 
 
 def _warn_untied_file(cfg: LearnerConfig, model: torch.nn.Module) -> None:
@@ -179,11 +216,11 @@ def _warn_untied_file(cfg: LearnerConfig, model: torch.nn.Module) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda but torch sees no CUDA device")
-    return torch.device(name)
+    """The config's device as this process's (under torchrun: its LOCAL_RANK GPU, made the current one)."""
+    device = torch.device(local_device(name, torch.cuda.is_available(), os.environ))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # nccl and DDP's device_ids follow the current device
+    return device
 
 
 def load_policy(cfg: LearnerConfig) -> Policy:
@@ -222,7 +259,10 @@ def load_policy(cfg: LearnerConfig) -> Policy:
     if cfg.mode == "full" and cfg.kl_coef > 0:
         # a second copy of the base: full training has no adapter to switch off (memory: one more model)
         ref = load_base().eval().requires_grad_(False)
-    return Policy(module, cfg.mode, cfg.base_model, int(hf_config.vocab_size), device, ref)
+    sharded = None
+    if cfg.shard == "fsdp2" and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        sharded = shard_module(module, device, trainable_only=cfg.mode == "lora")
+    return Policy(module, cfg.mode, cfg.base_model, int(hf_config.vocab_size), device, ref, sharded)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The plan is rank 0's global batch with its advantages [(episode, advantage)], the same on every
 rank (learner/dist.py broadcasts it). Each rank runs its shard in micro-batches of micro_batch
-rows, accumulating gradients (DDP averages them over ranks at the last backward), then steps
+rows, accumulating gradients (DDP or FSDP2 averages them over ranks at the last backward), then steps
 AdamW with the warm-up lr. With epochs > 1 (ppo only) the same micro-batches are passed again,
 one optimizer step per pass. The figures a step reports (StepResult) are reduced over ranks, so
 every rank returns the same ones; the loss itself is learner/loss.py.
@@ -63,6 +63,7 @@ class MicroBatch:
     packed: Packed
     adv: torch.Tensor  # [B]
     logp_ref: torch.Tensor | None  # [B, T] base-model logprobs, plain log-softmax (KL term only)
+    filler: bool = False  # a zero-weight pass: a sharded rank with fewer rows still joins every all-gather
 
 
 @dataclass
@@ -118,6 +119,9 @@ class Trainer:
         self.optimizer = optimizer
         self.state = state
         self.ddp = dist.wrap(policy.module, world)
+        if policy.sharded is not None:
+            policy.sharded.adopt(optimizer)  # moments resumed from a checkpoint become this rank's shards
+            policy.sharded.gather(optimizer)  # rank 0 may write a version before the first step
 
     def warmup_factor(self) -> float:
         """lr multiplier of the coming step."""
@@ -149,6 +153,8 @@ class Trainer:
             [stats.tokens, stats.ratio_sum, stats.clipped, stats.kl_sum, loss_sum, gap.total, gap.tokens],
             [stats.ratio_max, gap.max], world)
         tokens, ratio_sum, clipped, kl_sum, loss_total, gap_sum, gap_n = sums
+        if self.policy.sharded is not None:
+            self.policy.sharded.gather(self.optimizer)  # what rank 0 checkpoints and publishes after this step
         if self.policy.device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult(
@@ -172,8 +178,13 @@ class Trainer:
         # sorted by length: a micro-batch is padded to its longest row, and demo rows run from 30 to 120
         # tokens (64 of them: 2.2 s as they came, 1.2 s sorted, one thread)
         mine = sorted(dist.shard(rows, self.world), key=lambda row: row[0].seq_len)
+        chunks = [mine[i:i + cfg.micro_batch] for i in range(0, len(mine), cfg.micro_batch)]
+        if self.policy.sharded is not None:
+            # every forward all-gathers each block's shards: a rank with fewer micro-batches than another
+            # would leave it waiting in a collective, so it repeats one row at weight 0
+            chunks += [mine[:1]] * (dist.most_micro_batches(len(rows), self.world, cfg.micro_batch) - len(chunks))
         out = []
-        for chunk in (mine[i:i + cfg.micro_batch] for i in range(0, len(mine), cfg.micro_batch)):
+        for j, chunk in enumerate(chunks):
             packed = pack([e for e, _ in chunk], device)
             adv = torch.tensor([a for _, a in chunk], dtype=torch.float32, device=device)  # [B]
             logp_ref = None
@@ -182,7 +193,7 @@ class Trainer:
                 # distributions: a served token outside the base's top-p set would make it infinite
                 with torch.no_grad(), self.policy.reference() as ref:
                     logp_ref = token_logprobs(ref, packed, processed=False)  # [B, T]
-            out.append(MicroBatch([e for e, _ in chunk], packed, adv, logp_ref))
+            out.append(MicroBatch([e for e, _ in chunk], packed, adv, logp_ref, filler=j * cfg.micro_batch >= len(mine)))
         return out
 
     def backward_pass(self, micro: list[MicroBatch], normalizer: float,
@@ -193,9 +204,10 @@ class Trainer:
         stats = LossStats()
         loss_sum = 0.0
         for j, mb in enumerate(micro):
-            # DDP all-reduces at the last micro-batch's backward only: the earlier ones just accumulate
+            # DDP all-reduces (FSDP2 reduce-scatters) at the last micro-batch's backward only: the earlier ones
+            # just accumulate
             accumulate = world.distributed and j < len(micro) - 1
-            with self.ddp.no_sync() if accumulate else contextlib.nullcontext():
+            with dist.no_sync(self.ddp) if accumulate else contextlib.nullcontext():
                 # logp under each row's sampling settings (the behaviour logprobs' terms); logp_raw,
                 # the plain log-softmax, is what the KL term compares with logp_ref
                 if mb.logp_ref is not None:
@@ -206,7 +218,11 @@ class Trainer:
                 loss, s = policy_loss(logp, mb.packed.logp_old, mb.packed.mask, mb.adv, kind=cfg.loss,
                                       tis_cap=cfg.tis_cap, ppo_eps=cfg.ppo_eps, token_normalizer=normalizer / world.size,
                                       logp_ref=mb.logp_ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg, logp_kl=logp_raw)
+                if mb.filler:
+                    loss = loss * 0.0  # [] a gradient of exactly 0: the row counts once, on the rank that owns it
                 loss.backward()
+            if mb.filler:
+                continue
             stats.add(s)
             loss_sum += float(loss.detach()) / world.size
             if gap is not None:
@@ -218,9 +234,10 @@ class Trainer:
         cfg = self.cfg
         params = self.policy.trainable_parameters()
         if cfg.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:
-            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = float(dist.full(norm))  # sharded gradients give a sharded norm: every rank computes the total
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.lr * self.warmup_factor()
         self.optimizer.step()
