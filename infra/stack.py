@@ -10,6 +10,9 @@ a busy port with one line naming it, and stops what it started if a later part f
 
 - Kafka: a single-node KRaft broker from the jars infra/setup.sh fetched from Maven Central,
   storage formatted on first start, topics created with the configured partitions.
+  `--kafka-brokers 3` runs a KRaft cluster instead: 3 combined broker+controller nodes, node i
+  on kafka_port + 2i (clients) and kafka_controller_port + 2i (its controller), each with its own
+  pid file (kafka-<node.id>), log and data dir, and topics on 3 replicas (min.insync.replicas 2).
 - MLflow: the embedded default store is a sqlite file and a local artifact folder under var/,
   usable with no server at all; `up` also starts `mlflow server` on the same store for its UI.
 - vLLM: the OpenAI-compatible server on CPU serving the base model as `policy-v0`, with
@@ -30,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -45,7 +49,8 @@ from flywheel.base.versions import version_name
 
 log = logging.getLogger(__name__)
 
-PARTS = ("kafka", "mlflow", "vllm")
+PARTS = ("kafka", "mlflow", "vllm", "s3")
+DEFAULT_PARTS = ("kafka", "mlflow", "vllm")  # s3 is an option: the default lake is a local folder
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,7 +63,8 @@ class StackConfig:
     """The local stack: ports, paths and limits of Kafka, MLflow and vLLM."""
 
     action: str = setting("status", "up, down or status")
-    parts: list[str] = setting(list(PARTS), "which parts to act on (comma-separated): kafka, mlflow, vllm")
+    parts: list[str] = setting(list(DEFAULT_PARTS), "which parts to act on (comma-separated): kafka, mlflow, vllm, "
+                                                   "s3 (an S3-compatible server for an s3:// lake; not in the default)")
     var_dir: Path = setting(Path(defaults.VAR_DIR), "state directory (data, logs, pid files)")
     kafka_host: str = setting("127.0.0.1", "address the broker listens on")
     kafka_port: int = setting(9092, "broker port")
@@ -70,6 +76,8 @@ class StackConfig:
     kafka_timeout_s: float = setting(90.0, "how long to wait for the broker to answer")
     kafka_sasl: bool = setting(False, "listen with SASL_PLAINTEXT SCRAM-SHA-256 instead of PLAINTEXT; the user and password "
                                       "are FLYWHEEL_KAFKA_SASL_USERNAME/PASSWORD, the same settings every client reads")
+    kafka_brokers: int = setting(1, "Kafka nodes: 1 (one broker) or a KRaft cluster of >= 3 combined broker+controller nodes, "
+                                    "node i on kafka_port + 2i and kafka_controller_port + 2i, topics on 3 replicas")
     mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "tracking store every process uses (sqlite file by default)")
     mlflow_artifacts_dir: Path = setting(Path(defaults.MLFLOW_ARTIFACTS_DIR), "local artifact folder of the embedded store")
     mlflow_host: str = setting("127.0.0.1", "address of the MLflow UI server")
@@ -88,6 +96,15 @@ class StackConfig:
     vllm_dtype: str = setting("float32", "weights dtype; float32 keeps learner and server logprobs within 1e-4")
     vllm_extra_args: list[str] = setting([], "extra vLLM server flags, comma-separated")
     vllm_timeout_s: float = setting(300.0, "how long to wait for vLLM to serve")
+    s3_host: str = setting("127.0.0.1", "address the S3-compatible server (S3Proxy) listens on")
+    s3_port: int = setting(9000, "S3 port; clients use AWS_ENDPOINT_URL=http://<s3_host>:<s3_port>")
+    s3_bucket: str = setting("flywheel", "bucket `up` creates; the lake root is then s3://<bucket>/lake")
+    s3_access_key: str = setting("flywheel", "the one identity S3Proxy accepts (clients: AWS_ACCESS_KEY_ID)")
+    s3_secret_key: str = setting("flywheel-local-secret", "its secret (clients: AWS_SECRET_ACCESS_KEY); loopback only")
+    s3_jar: Path = setting(REPO_ROOT / "var" / "s3proxy" / "s3proxy-4.1.0-jar-with-dependencies.jar",
+                           "S3Proxy jar (fetched from Maven Central by make setup)")
+    s3_heap: str = setting("256m", "S3Proxy JVM heap (-Xmx)")
+    s3_timeout_s: float = setting(60.0, "how long to wait for S3Proxy to answer")
 
     def check(self) -> None:
         unknown = sorted(set(self.parts) - set(PARTS))
@@ -104,10 +121,36 @@ class StackConfig:
         clash = {name: port for name, port in ports.items() if port in self.vllm_ports}
         if clash:
             raise ConfigError(f"vllm_port and vllm_servers: the vLLM servers' ports {self.vllm_ports} collide with {clash}")
+        if self.kafka_brokers > 1:
+            self._check_kafka_cluster(ports)
+
+    def _check_kafka_cluster(self, ports: dict[str, int]) -> None:
+        if self.kafka_brokers < 3:
+            raise ConfigError(f"kafka_brokers: 1 or at least 3, got {self.kafka_brokers} (a KRaft quorum of 2 "
+                              "stops when either node does, and 3 replicas need 3 nodes)")
+        node_ports = [port for _, client, controller in self.kafka_nodes for port in (client, controller)]
+        taken = {name: port for name, port in ports.items() if not name.startswith("kafka_")}
+        taken |= {f"vllm server {i}": port for i, port in enumerate(self.vllm_ports)}
+        clash = {name: port for name, port in taken.items() if port in node_ports}
+        if len(set(node_ports)) != len(node_ports) or clash:
+            raise ConfigError(f"kafka_brokers, kafka_port and kafka_controller_port: the {self.kafka_brokers} nodes' ports "
+                              f"{node_ports} (client, controller per node) must differ from each other and from {clash or taken}")
+
+    @property
+    def kafka_nodes(self) -> list[tuple[int, int, int]]:
+        """(node.id, client port, controller port) of each Kafka node; ports step by 2 so the defaults interleave
+        (9092/9093, 9094/9095, 9096/9097) and one node keeps exactly kafka_port and kafka_controller_port."""
+        return [(i + 1, self.kafka_port + 2 * i, self.kafka_controller_port + 2 * i) for i in range(self.kafka_brokers)]
+
+    @property
+    def kafka_replication(self) -> int:
+        """Replicas of each topic partition: 1 on one node, 3 on a cluster (with min.insync.replicas 2)."""
+        return 1 if self.kafka_brokers == 1 else 3
 
     @property
     def kafka_bootstrap(self) -> str:
-        return f"{self.kafka_host}:{self.kafka_port}"
+        """Every node's client address, comma-separated (the form every flywheel client takes)."""
+        return ",".join(f"{self.kafka_host}:{port}" for _, port, _ in self.kafka_nodes)
 
     @property
     def vllm_ports(self) -> list[int]:
@@ -127,11 +170,15 @@ class StackConfig:
         return f"http://{self.mlflow_host}:{self.mlflow_port}"
 
     def port_of(self, part: str) -> int:
-        return {"kafka": self.kafka_port, "mlflow": self.mlflow_port, "vllm": self.vllm_port}[part]
+        return {"kafka": self.kafka_port, "mlflow": self.mlflow_port, "vllm": self.vllm_port, "s3": self.s3_port}[part]
 
     def address_of(self, part: str) -> str:
         return {"kafka": self.kafka_bootstrap, "mlflow": f"{self.mlflow_tracking_uri} (UI {self.mlflow_ui_url})",
-                "vllm": ", ".join(self.vllm_urls)}[part]
+                "vllm": ", ".join(self.vllm_urls), "s3": f"{self.s3_url} (bucket s3://{self.s3_bucket})"}[part]
+
+    @property
+    def s3_url(self) -> str:
+        return f"http://{self.s3_host}:{self.s3_port}"
 
 
 def load_stack_config(argv: list[str] | None) -> StackConfig:
@@ -272,7 +319,20 @@ def _tail(path: Path, lines: int = 15) -> str:
 # Kafka
 # ---------------------------------------------------------------------------------------------
 def _kafka_dir(cfg: StackConfig) -> Path:
-    return (Path(cfg.var_dir) / "kafka").resolve()
+    """The broker's folder, var/kafka; a cluster's is var/kafka-<N>-nodes, holding its cluster id and a node-<id>
+    folder per node (a quorum of another size is another cluster: it never shares storage with this one)."""
+    name = "kafka" if cfg.kafka_brokers == 1 else f"kafka-{cfg.kafka_brokers}-nodes"
+    return (Path(cfg.var_dir) / name).resolve()
+
+
+def _node_dir(cfg: StackConfig, node_id: int) -> Path:
+    """A node's server.properties and data/ (the broker's own folder when there is one node)."""
+    return _kafka_dir(cfg) if cfg.kafka_brokers == 1 else _kafka_dir(cfg) / f"node-{node_id}"
+
+
+def kafka_node_name(cfg: StackConfig, node_id: int) -> str:
+    """A node's name for its pid file and log: kafka for the one broker, kafka-<node.id> in a cluster."""
+    return "kafka" if cfg.kafka_brokers == 1 else f"kafka-{node_id}"
 
 
 def _kafka_client(cfg: StackConfig) -> KafkaClientConfig:
@@ -290,20 +350,21 @@ def _kafka_client(cfg: StackConfig) -> KafkaClientConfig:
     return client
 
 
-def _listener_props(cfg: StackConfig) -> str:
+def _listener_props(cfg: StackConfig, node_id: int = 1) -> str:
     """The client listener: PLAINTEXT, or SASL_PLAINTEXT with SCRAM-SHA-256 for the user of FLYWHEEL_KAFKA_SASL_*."""
-    controller = f"CONTROLLER://{cfg.kafka_host}:{cfg.kafka_controller_port}"
+    _, port, controller_port = cfg.kafka_nodes[node_id - 1]
+    controller = f"CONTROLLER://{cfg.kafka_host}:{controller_port}"
     if not cfg.kafka_sasl:
-        return (f"listeners=PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port},{controller}\n"
-                f"advertised.listeners=PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port}\n"
+        return (f"listeners=PLAINTEXT://{cfg.kafka_host}:{port},{controller}\n"
+                f"advertised.listeners=PLAINTEXT://{cfg.kafka_host}:{port}\n"
                 "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT\n"
                 "inter.broker.listener.name=PLAINTEXT\n")
     client = _kafka_client(cfg)
     def quote(text: str | None) -> str:  # a JAAS string literal
         return str(text).replace("\\", "\\\\").replace('"', '\\"')
 
-    return (f"listeners=SASL_PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port},{controller}\n"
-            f"advertised.listeners=SASL_PLAINTEXT://{cfg.kafka_host}:{cfg.kafka_port}\n"
+    return (f"listeners=SASL_PLAINTEXT://{cfg.kafka_host}:{port},{controller}\n"
+            f"advertised.listeners=SASL_PLAINTEXT://{cfg.kafka_host}:{port}\n"
             "listener.security.protocol.map=CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT\n"
             "inter.broker.listener.name=SASL_PLAINTEXT\n"
             "sasl.enabled.mechanisms=SCRAM-SHA-256\n"
@@ -313,28 +374,45 @@ def _listener_props(cfg: StackConfig) -> str:
             f'ScramLoginModule required username="{quote(client.sasl_username)}" password="{quote(client.sasl_password)}";\n')
 
 
-def _write_kafka_config(cfg: StackConfig) -> Path:
-    kdir = _kafka_dir(cfg)
-    kdir.mkdir(parents=True, exist_ok=True)
-    props = f"""# written by infra/stack.py; regenerated on every start
-process.roles=broker,controller
-node.id=1
-controller.quorum.voters=1@{cfg.kafka_host}:{cfg.kafka_controller_port}
-{_listener_props(cfg)}controller.listener.names=CONTROLLER
-log.dirs={kdir / 'data'}
-num.partitions={cfg.kafka_partitions}
-# A single node: without these three the group coordinator never becomes available
+def _replication_props(cfg: StackConfig) -> str:
+    if cfg.kafka_brokers == 1:
+        return """# A single node: without these three the group coordinator never becomes available
 # (reported against Kafka 4.0 in kafkajs issue 1752).
 offsets.topic.replication.factor=1
 transaction.state.log.replication.factor=1
 transaction.state.log.min.isr=1
-offsets.topic.num.partitions=4
+"""
+    # 3 replicas and an acks=all write on at least 2: one node can die without losing an acknowledged
+    # record or refusing writes; only a replica that was in sync may become leader.
+    return """default.replication.factor=3
+min.insync.replicas=2
+offsets.topic.replication.factor=3
+transaction.state.log.replication.factor=3
+transaction.state.log.min.isr=2
+unclean.leader.election.enable=false
+"""
+
+
+def _write_kafka_config(cfg: StackConfig, node_id: int = 1) -> Path:
+    """Node node_id's server.properties (and the shared log4j2 file). Every node of a cluster is broker and
+    controller (combined mode) and lists all of them as a static quorum (controller.quorum.voters)."""
+    kdir, ndir = _kafka_dir(cfg), _node_dir(cfg, node_id)
+    ndir.mkdir(parents=True, exist_ok=True)
+    voters = ",".join(f"{n}@{cfg.kafka_host}:{controller}" for n, _, controller in cfg.kafka_nodes)
+    props = f"""# written by infra/stack.py; regenerated on every start
+process.roles=broker,controller
+node.id={node_id}
+controller.quorum.voters={voters}
+{_listener_props(cfg, node_id)}controller.listener.names=CONTROLLER
+log.dirs={ndir / 'data'}
+num.partitions={cfg.kafka_partitions}
+{_replication_props(cfg)}offsets.topic.num.partitions=4
 group.initial.rebalance.delay.ms=0
 message.max.bytes=8388608
 auto.create.topics.enable=false
 log.retention.hours=168
 """
-    path = kdir / "server.properties"
+    path = ndir / "server.properties"
     path.touch(mode=0o600)  # with --kafka-sasl it holds the SCRAM password
     path.write_text(props)
     (kdir / "log4j2.properties").write_text(
@@ -362,7 +440,9 @@ def _java() -> str:
 
 
 def kafka_healthy(cfg: StackConfig, timeout_s: float = 5.0) -> bool:
-    """The broker answers a metadata request (not only an open port)."""
+    """The broker answers a metadata request (not only an open port); a cluster lists every node as a live broker."""
+    if cfg.kafka_brokers > 1:
+        return kafka_live_brokers(cfg, timeout_s) == cfg.kafka_brokers
     if not _port_open(cfg.kafka_host, cfg.kafka_port):
         return False  # nothing listens: skip kafka-python's bootstrap retries and their error logs
     try:
@@ -381,6 +461,28 @@ def kafka_healthy(cfg: StackConfig, timeout_s: float = 5.0) -> bool:
         admin.close()
 
 
+def kafka_live_brokers(cfg: StackConfig, timeout_s: float = 5.0) -> int:
+    """How many brokers the cluster's metadata lists (a killed node drops out once the controller fences it,
+    broker.session.timeout.ms after its last heartbeat); 0 when no node answers."""
+    listening = [f"{cfg.kafka_host}:{port}" for _, port, _ in cfg.kafka_nodes if _port_open(cfg.kafka_host, port)]
+    if not listening:
+        return 0  # only nodes that listen: kafka-python logs an error for each dead bootstrap address it tries
+    try:
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=listening, request_timeout_ms=int(timeout_s * 1000),
+                                 **client_kwargs(load_kafka_config(), "flywheel-health"))
+    except Exception:  # kafka-python raises several types while a broker starts
+        return 0
+    try:
+        # fenced brokers are listed too (kafka-python asks with include_fenced_brokers): a fenced one serves nothing
+        return sum(1 for broker in admin.describe_cluster()["brokers"] if not broker.get("is_fenced"))
+    except Exception:
+        return 0
+    finally:
+        admin.close()
+
+
 def ensure_topics(cfg: StackConfig) -> None:
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
@@ -392,34 +494,66 @@ def ensure_topics(cfg: StackConfig) -> None:
         missing = [t for t in cfg.kafka_topics if t not in existing]
         if missing:
             try:
-                admin.create_topics([NewTopic(t, num_partitions=cfg.kafka_partitions, replication_factor=1) for t in missing])
+                admin.create_topics([NewTopic(t, num_partitions=cfg.kafka_partitions,
+                                              replication_factor=cfg.kafka_replication) for t in missing])
             except TopicAlreadyExistsError:
                 pass
-            log.info("kafka: created topics %s with %d partitions", missing, cfg.kafka_partitions)
+            log.info("kafka: created topics %s with %d partitions, %d replicas", missing, cfg.kafka_partitions,
+                     cfg.kafka_replication)
     finally:
         admin.close()
 
 
 def start_kafka(cfg: StackConfig) -> dict[str, Any]:
-    """Start the broker (formatting its storage on first start) and wait until it answers."""
+    """Start the broker, or every node of a cluster (formatting storage on first start), and wait until it answers;
+    returns the (first) node's pid record. A cluster that does not come up whole is stopped whole."""
     _kafka_client(cfg)  # fail fast on client settings that this broker would refuse
     java = _java()
     classpath = _kafka_classpath(cfg)
-    props = _write_kafka_config(cfg)
-    kdir = _kafka_dir(cfg)
-    if not (kdir / "data" / "meta.properties").exists():
-        _format_storage(cfg, java, classpath, props)
+    if cfg.kafka_brokers == 1:
+        record = _spawn_kafka_node(cfg, 1, java, classpath)
+        _wait("kafka broker", lambda: kafka_healthy(cfg), cfg.kafka_timeout_s, record, _log_path(cfg, "kafka"))
+        ensure_topics(cfg)
+        return record
+    records: list[dict[str, Any]] = []
+    try:
+        # all spawned before any is waited on: a node serves nothing until a majority of the quorum runs
+        for node_id, _, _ in cfg.kafka_nodes:
+            records.append(_spawn_kafka_node(cfg, node_id, java, classpath))
+        _wait(f"kafka cluster of {cfg.kafka_brokers} nodes", lambda: _cluster_up(cfg, records), cfg.kafka_timeout_s,
+              records[0], _log_path(cfg, kafka_node_name(cfg, 1)))
+        ensure_topics(cfg)
+    except BaseException:
+        stop_kafka(cfg)
+        raise
+    return records[0]
+
+
+def _cluster_up(cfg: StackConfig, records: list[dict[str, Any]]) -> bool:
+    """Every node lists every node as a broker; a node that exited fails the start at once, naming its log."""
+    for (node_id, _, _), record in zip(cfg.kafka_nodes, records):
+        # /proc/PID/cmdline reads empty for a few ms while the child is still in exec(): look twice.
+        if not _alive_and_ours(record) and (time.sleep(0.2) or not _alive_and_ours(record)):
+            log_path = _log_path(cfg, kafka_node_name(cfg, node_id))
+            raise StackError(f"kafka node {node_id} exited during start-up; last lines of {log_path}:\n{_tail(log_path)}")
+    return kafka_healthy(cfg)
+
+
+def _spawn_kafka_node(cfg: StackConfig, node_id: int, java: str, classpath: str) -> dict[str, Any]:
+    """Write node node_id's config, format its storage on first start, and start its JVM (not waited on)."""
+    props = _write_kafka_config(cfg, node_id)
+    kdir, data = _kafka_dir(cfg), _node_dir(cfg, node_id) / "data"
+    if not (data / "meta.properties").exists():
+        _format_storage(cfg, java, classpath, props, node_id)
     elif cfg.kafka_sasl and _scram_user(kdir) != _kafka_client(cfg).sasl_username:
         # SCRAM users are bootstrapped only when storage is formatted: a broker on other storage would refuse them
-        raise StackError(f"kafka: storage in {kdir / 'data'} was formatted without a SCRAM user "
+        raise StackError(f"kafka: storage in {data} was formatted without a SCRAM user "
                          f"{_kafka_client(cfg).sasl_username!r}; remove {kdir} or choose another --var-dir")
-    marker = f"flywheel-kafka-{cfg.kafka_port}"
+    port = cfg.kafka_nodes[node_id - 1][1]
+    marker = f"flywheel-kafka-{port}"
     cmd = [java, f"-Xmx{cfg.kafka_heap}", f"-Xms{cfg.kafka_heap}", f"-Dflywheel.marker={marker}",
            f"-Dlog4j2.configurationFile={kdir / 'log4j2.properties'}", "-cp", classpath, "kafka.Kafka", str(props)]
-    record = _spawn(cfg, "kafka", cmd, dict(os.environ), marker)
-    _wait("kafka broker", lambda: kafka_healthy(cfg), cfg.kafka_timeout_s, record, _log_path(cfg, "kafka"))
-    ensure_topics(cfg)
-    return record
+    return _spawn(cfg, kafka_node_name(cfg, node_id), cmd, dict(os.environ), marker, port=port)
 
 
 def _scram_user(kdir: Path) -> str | None:
@@ -427,9 +561,10 @@ def _scram_user(kdir: Path) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
-def _format_storage(cfg: StackConfig, java: str, classpath: str, props: Path) -> None:
-    """Format the broker's storage; with --kafka-sasl, bootstrap the SCRAM-SHA-256 user in the metadata log."""
-    kdir = _kafka_dir(cfg)
+def _format_storage(cfg: StackConfig, java: str, classpath: str, props: Path, node_id: int = 1) -> None:
+    """Format a node's storage with the cluster's one id (every node of a cluster shares it); with --kafka-sasl,
+    bootstrap the SCRAM-SHA-256 user in the metadata log."""
+    kdir, data = _kafka_dir(cfg), _node_dir(cfg, node_id) / "data"
     cluster_id = _kafka_cluster_id(kdir)
     cmd = [java, "-cp", classpath, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",  # "=": an id may start with "-"
            "-c", str(props), "--ignore-formatted"]
@@ -438,10 +573,10 @@ def _format_storage(cfg: StackConfig, java: str, classpath: str, props: Path) ->
         cmd += ["--add-scram", f"SCRAM-SHA-256=[name={client.sasl_username},password={client.sasl_password}]"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
-        raise StackError(f"kafka: formatting storage in {kdir / 'data'} failed: {out.stderr.strip() or out.stdout.strip()}")
+        raise StackError(f"kafka: formatting storage in {data} failed: {out.stderr.strip() or out.stdout.strip()}")
     if cfg.kafka_sasl:
         (kdir / "scram.user").write_text(str(_kafka_client(cfg).sasl_username))
-    log.info("kafka: formatted storage %s (cluster %s%s)", kdir / "data", cluster_id,
+    log.info("kafka: formatted storage %s (cluster %s%s)", data, cluster_id,
              ", SCRAM-SHA-256 user " + str(_kafka_client(cfg).sasl_username) if cfg.kafka_sasl else "")
 
 
@@ -486,6 +621,66 @@ def start_mlflow(cfg: StackConfig) -> dict[str, Any]:
            "--workers", "1"]
     record = _spawn(cfg, "mlflow", cmd, dict(os.environ), marker)
     _wait("mlflow server", lambda: mlflow_healthy(cfg), cfg.mlflow_timeout_s, record, _log_path(cfg, "mlflow"))
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# S3 (S3Proxy on its filesystem backend: a real S3 server, so an s3:// lake runs here as at scale)
+# ---------------------------------------------------------------------------------------------
+def s3_env(cfg: StackConfig) -> dict[str, str]:
+    """The environment an s3:// lake's processes need for this server (pyarrow and the lake's claims read it)."""
+    return {"AWS_ENDPOINT_URL": cfg.s3_url, "AWS_ACCESS_KEY_ID": cfg.s3_access_key,
+            "AWS_SECRET_ACCESS_KEY": cfg.s3_secret_key, "AWS_REGION": "us-east-1"}
+
+
+def _s3_filesystem(cfg: StackConfig, create_buckets: bool = False) -> Any:
+    import pyarrow.fs as pafs
+
+    return pafs.S3FileSystem(access_key=cfg.s3_access_key, secret_key=cfg.s3_secret_key, region="us-east-1",
+                             endpoint_override=cfg.s3_url, connect_timeout=2.0, request_timeout=5.0,
+                             allow_bucket_creation=create_buckets,
+                             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+
+
+def s3_healthy(cfg: StackConfig) -> bool:
+    """The server accepts our credentials and has the bucket (an open port alone could be anything)."""
+    if not _port_open(cfg.s3_host, cfg.s3_port):
+        return False
+    import pyarrow.fs as pafs
+
+    try:
+        return _s3_filesystem(cfg).get_file_info(cfg.s3_bucket).type == pafs.FileType.Directory
+    except OSError:
+        return False
+
+
+def _write_s3_config(cfg: StackConfig) -> Path:
+    sdir = Path(cfg.var_dir).resolve() / "s3"
+    (sdir / "data").mkdir(parents=True, exist_ok=True)
+    path = sdir / "s3proxy.conf"
+    path.touch(mode=0o600)  # it holds the secret
+    # filesystem-nio2 creates an If-None-Match object with a hard link, so the conditional create
+    # the lake's claims rely on is atomic in the server too (tests/integration/test_lake_s3.py races it)
+    path.write_text(f"""s3proxy.endpoint={cfg.s3_url}
+s3proxy.authorization=aws-v2-or-v4
+s3proxy.identity={cfg.s3_access_key}
+s3proxy.credential={cfg.s3_secret_key}
+jclouds.provider=filesystem-nio2
+jclouds.filesystem.basedir={sdir / 'data'}
+""")
+    return path
+
+
+def start_s3(cfg: StackConfig) -> dict[str, Any]:
+    jar = Path(cfg.s3_jar)
+    if not jar.is_file():
+        raise StackError(f"s3: {jar} not found; run `make setup` (infra/setup.sh fetches S3Proxy from Maven Central)")
+    props = _write_s3_config(cfg)
+    cmd = [_java(), f"-Xmx{cfg.s3_heap}", "-jar", str(jar), "--properties", str(props)]
+    record = _spawn(cfg, "s3", cmd, dict(os.environ), marker=str(props))
+    _wait("s3proxy", lambda: _port_open(cfg.s3_host, cfg.s3_port), cfg.s3_timeout_s, record, _log_path(cfg, "s3"))
+    _s3_filesystem(cfg, create_buckets=True).create_dir(cfg.s3_bucket)
+    _wait("s3proxy bucket", lambda: s3_healthy(cfg), cfg.s3_timeout_s, record, _log_path(cfg, "s3"))
     return record
 
 
@@ -629,13 +824,19 @@ def ensure_vllm(cfg: StackConfig) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # the stack as a whole
 # ---------------------------------------------------------------------------------------------
-_HEALTH: dict[str, Callable[[StackConfig], bool]] = {"kafka": kafka_healthy, "mlflow": mlflow_healthy, "vllm": vllm_healthy}
-_START: dict[str, Callable[[StackConfig], dict[str, Any]]] = {"kafka": start_kafka, "mlflow": start_mlflow}
+_HEALTH: dict[str, Callable[[StackConfig], bool]] = {"kafka": kafka_healthy, "mlflow": mlflow_healthy, "vllm": vllm_healthy,
+                                                     "s3": s3_healthy}
+_START: dict[str, Callable[[StackConfig], dict[str, Any]]] = {"kafka": start_kafka, "mlflow": start_mlflow, "s3": start_s3}
 
 
 def _processes(cfg: StackConfig, part: str) -> list[str]:
     """The process names of a part: the part itself, or each vLLM server (with any server beyond
-    vllm_servers that an earlier `up --vllm-servers N` left, so `down` stops it too)."""
+    vllm_servers that an earlier `up --vllm-servers N` left, so `down` stops it too), or each Kafka node
+    (with the broker or the cluster nodes an `up` with another --kafka-brokers left)."""
+    if part == "kafka":
+        names = [kafka_node_name(cfg, node_id) for node_id, _, _ in cfg.kafka_nodes]
+        left = sorted(p.name[: -len(".pid.json")] for p in _run_dir(cfg).glob("kafka*.pid.json"))
+        return names + [n for n in left if n not in names]
     if part != "vllm":
         return [part]
     names = [vllm_name(i) for i in range(cfg.vllm_servers)]
@@ -656,7 +857,22 @@ def _stop_one(cfg: StackConfig, name: str) -> bool:
 
 def stop_part(cfg: StackConfig, part: str) -> bool:
     """Stop a part this stack started (by its pid files; every server of vllm); anything else is left alone."""
+    if part == "kafka":
+        return _stop_together(cfg, _processes(cfg, part))
     return any([_stop_one(cfg, name) for name in _processes(cfg, part)])  # a list: stop them all
+
+
+def _stop_together(cfg: StackConfig, names: list[str]) -> bool:
+    """Stop these processes at the same time: one after the other, the last nodes of a cluster would each wait
+    out their controlled shutdown (20 s, then SIGKILL) for a controller quorum the nodes stopped before took away."""
+    stopped: dict[str, bool] = {}
+    stoppers = [threading.Thread(target=lambda name=name: stopped.update({name: _stop_one(cfg, name)}),
+                                 name=f"stop-{name}") for name in names]
+    for thread in stoppers:
+        thread.start()
+    for thread in stoppers:
+        thread.join()
+    return any(stopped.values())
 
 
 @contextlib.contextmanager
@@ -712,13 +928,20 @@ def _ready(cfg: StackConfig, part: str) -> bool:
         log.info("%s: already healthy at %s", part, cfg.address_of(part))
         return True
     stop_part(cfg, part)  # ours but unhealthy (still starting, or hung): give it a fresh start
-    host = {"kafka": cfg.kafka_host, "mlflow": cfg.mlflow_host}[part]
+    host = {"kafka": cfg.kafka_host, "mlflow": cfg.mlflow_host, "s3": cfg.s3_host}[part]
     if _port_busy(host, cfg.port_of(part)):
         raise StackError(f"{part}: port {cfg.port_of(part)} is already in use by another process; "
                          f"stop it or choose another port (--{part}-port / FLYWHEEL_INFRA_{part.upper()}_PORT)")
     if part == "kafka" and _port_busy(cfg.kafka_host, cfg.kafka_controller_port):
         raise StackError(f"kafka: controller port {cfg.kafka_controller_port} is already in use; "
                          "choose another with --kafka-controller-port")
+    if part == "kafka" and cfg.kafka_brokers > 1:
+        busy = [port for _, client, controller in cfg.kafka_nodes[1:] for port in (client, controller)
+                if _port_busy(cfg.kafka_host, port)]
+        if busy:
+            raise StackError(f"kafka: ports {busy} of the cluster's other nodes are already in use (node i listens on "
+                             "kafka_port + 2i and kafka_controller_port + 2i); choose another --kafka-port or "
+                             "--kafka-controller-port")
     return False
 
 
@@ -751,6 +974,8 @@ def status_table(cfg: StackConfig) -> Any:
         if part == "vllm" and ok:
             names = sorted({str(m.get("id")) for url in cfg.vllm_urls for m in vllm_models(cfg, url) or []})
             detail = f" serving {', '.join(names)}" + (f" on {cfg.vllm_servers} servers" if cfg.vllm_servers > 1 else "")
+        if part == "kafka" and cfg.kafka_brokers > 1:  # a cluster that lost a node still serves: say how many are left
+            detail = f" ({kafka_live_brokers(cfg)} of {cfg.kafka_brokers} brokers live)"
         table.add_row(part, cfg.address_of(part), ("[green]healthy[/green]" if ok else "[red]down[/red]") + detail, owner)
     return table
 

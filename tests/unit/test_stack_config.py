@@ -50,3 +50,54 @@ def test_the_vllm_part_names_every_server_and_any_an_earlier_up_left(tmp_path: P
     (run_dir / "vllm-weights.lock").write_text("")
     assert stack._processes(cfg, "vllm") == ["vllm", "vllm-1", "vllm-3"]
     assert stack._processes(cfg, "kafka") == ["kafka"]
+
+
+def _props(path: Path) -> dict[str, str]:
+    lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_one_broker_keeps_its_ports_dir_and_replication_of_one(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    assert cfg.kafka_bootstrap == "127.0.0.1:9092" and cfg.kafka_replication == 1
+    props = _props(stack._write_kafka_config(cfg))
+    assert props["node.id"] == "1" and props["controller.quorum.voters"] == "1@127.0.0.1:9093", props
+    assert props["log.dirs"] == str((tmp_path / "var" / "kafka" / "data").resolve()), props["log.dirs"]
+    assert props["offsets.topic.replication.factor"] == "1" and "min.insync.replicas" not in props, props
+    assert stack.kafka_node_name(cfg, 1) == "kafka"
+
+
+def test_a_cluster_gives_each_node_its_id_ports_and_storage_and_one_quorum(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, kafka_brokers=3, kafka_port=19092, kafka_controller_port=19093)
+    assert cfg.kafka_nodes == [(1, 19092, 19093), (2, 19094, 19095), (3, 19096, 19097)], cfg.kafka_nodes
+    assert cfg.kafka_bootstrap == "127.0.0.1:19092,127.0.0.1:19094,127.0.0.1:19096", cfg.kafka_bootstrap
+    nodes = [_props(stack._write_kafka_config(cfg, node_id)) for node_id in (1, 2, 3)]
+    assert [p["node.id"] for p in nodes] == ["1", "2", "3"]
+    assert {p["controller.quorum.voters"] for p in nodes} == {"1@127.0.0.1:19093,2@127.0.0.1:19095,3@127.0.0.1:19097"}
+    assert [p["listeners"] for p in nodes] == [f"PLAINTEXT://127.0.0.1:{c},CONTROLLER://127.0.0.1:{k}"
+                                               for c, k in ((19092, 19093), (19094, 19095), (19096, 19097))]
+    assert len({p["log.dirs"] for p in nodes}) == 3, [p["log.dirs"] for p in nodes]
+    for p in nodes:
+        got = {k: p[k] for k in ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
+                                 "transaction.state.log.replication.factor", "unclean.leader.election.enable")}
+        assert got == {"default.replication.factor": "3", "min.insync.replicas": "2", "offsets.topic.replication.factor": "3",
+                       "transaction.state.log.replication.factor": "3", "unclean.leader.election.enable": "false"}, got
+    assert [stack.kafka_node_name(cfg, n) for n in (1, 2, 3)] == ["kafka-1", "kafka-2", "kafka-3"]
+    assert stack.load_stack_config(["--kafka-brokers", "3"]).kafka_brokers == 3
+
+
+def test_a_cluster_of_two_or_with_colliding_ports_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="kafka_brokers: 1 or at least 3, got 2"):
+        _cfg(tmp_path, kafka_brokers=2)
+    with pytest.raises(ConfigError, match="must differ"):  # 9092 + 2 is node 2's client port and node 1's controller
+        _cfg(tmp_path, kafka_brokers=3, kafka_port=9092, kafka_controller_port=9094)
+    with pytest.raises(ConfigError, match=re.escape("{'mlflow_port': 9096}")):
+        _cfg(tmp_path, kafka_brokers=3, mlflow_port=9096)
+
+
+def test_the_kafka_part_names_every_node_and_any_an_earlier_up_left(tmp_path: Path) -> None:
+    run_dir = tmp_path / "var" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "kafka-2.pid.json").write_text(json.dumps({"pid": 1, "marker": "x"}))
+    assert stack._processes(_cfg(tmp_path), "kafka") == ["kafka", "kafka-2"], "down after `up --kafka-brokers 3` stops the nodes"
+    assert stack._processes(_cfg(tmp_path, kafka_brokers=3), "kafka") == ["kafka-1", "kafka-2", "kafka-3"]
