@@ -28,10 +28,15 @@ Every file therefore starts at a claimed offset and ends where its claim says, s
 files of one stream never partly overlap. Claims are kept (a few bytes each): deleting
 the claim of a range a zombie still holds would let it claim a different end.
 On a local filesystem the exclusive create is a hard link (atomic, fails if the name
-exists). pyarrow exposes no conditional PUT for object stores, so there the claim is a
-check-then-write: two writers claiming the same offset within one round trip of each other
-(only a stale owner racing the new one) could both win. Not closed here; on S3 the fix is
-a conditional PUT (If-None-Match: *) through boto3 for the claim only.
+exists). On S3 (and S3-compatible stores) it is a conditional PUT, `If-None-Match: *`: the
+store creates the key only if it is absent and answers 412 otherwise, atomically, so of two
+writers racing on one offset exactly one wins. pyarrow's S3FileSystem cannot send that
+header, so the claim alone goes through a small SigV4-signed request (`s3_put_if_absent`, the
+standard library only); the endpoint and credentials are the environment variables pyarrow
+reads too (AWS_ENDPOINT_URL[_S3], AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+AWS_REGION). Other remote schemes (gs://, hdfs://) keep a check-then-write claim: two writers
+claiming one offset within a round trip of each other (only a stale owner racing the new one)
+could both win there.
 
 Readers keep a cursor: {"<source>/<partition>": last offset consumed}. `files_since(cursor)`
 returns the files with anything past it; rows at or below the cursor inside a file that
@@ -40,13 +45,19 @@ straddles it (only after compaction) are filtered by `rows_after_cursor`.
 
 from __future__ import annotations
 
+import datetime as _dt
+import hashlib
+import hmac
+import http.client
 import json
 import os
 import re
+import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from flywheel.base.atomic import Durability, write_json, write_with
 
@@ -334,6 +345,8 @@ def claim_range(root: str, table: str, source: str, partition: int, first: int, 
 def _create_once(root: str, path: str, text: str) -> str:
     """Create `path` holding `text` unless it exists; return the content in force (the first writer's)."""
     fs, _ = filesystem(root)
+    if root.startswith("s3://"):  # no directories to make: a key is its whole path
+        return _s3_create_once(fs, path, text)
     directory = path.rsplit("/", 1)[0]
     fs.create_dir(directory, recursive=True)
     if "://" in root:  # check-then-write: see the module docstring
@@ -362,12 +375,119 @@ def _create_once(root: str, path: str, text: str) -> str:
         os.unlink(tmp)
 
 
+# ---------------------------------------------------------------------------------------------
+# The conditional create on S3 (the claim's atomic primitive there; see the module docstring)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class S3Endpoint:
+    """Where and as whom the claims talk to S3, read from the variables pyarrow's S3FileSystem reads."""
+
+    url: str  # scheme://host[:port]; requests are path-style: <url>/<bucket>/<key>
+    region: str
+    access_key: str
+    secret_key: str
+    session_token: str | None = None
+
+
+def s3_endpoint(env: Mapping[str, str] | None = None) -> S3Endpoint:
+    """The S3 endpoint of an s3:// lake from the environment (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL,
+    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION or AWS_DEFAULT_REGION)."""
+    env = os.environ if env is None else env
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+    url = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or f"https://s3.{region}.amazonaws.com"
+    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if not key or not secret:
+        raise RuntimeError("lake: an s3:// lake needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment "
+                           "(its range claims are signed conditional PUTs); none set, so nothing can be claimed")
+    return S3Endpoint(url.rstrip("/"), region, key, secret, env.get("AWS_SESSION_TOKEN") or None)
+
+
+def _sigv4_headers(ep: S3Endpoint, method: str, uri: str, headers: dict[str, str], body: bytes,
+                   now: _dt.datetime) -> dict[str, str]:
+    """`headers` plus the AWS Signature Version 4 ones (x-amz-date, x-amz-content-sha256, authorization)."""
+    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
+    out = {k.lower(): v for k, v in headers.items()}
+    out.update({"host": urllib.parse.urlsplit(ep.url).netloc, "x-amz-date": amz_date,
+                "x-amz-content-sha256": hashlib.sha256(body).hexdigest()})
+    if ep.session_token:
+        out["x-amz-security-token"] = ep.session_token
+    names = sorted(out)
+    signed = ";".join(names)
+    canonical = "\n".join([method, uri, "", *(f"{k}:{out[k].strip()}" for k in names), "", signed,
+                           out["x-amz-content-sha256"]])
+    scope = f"{amz_date[:8]}/{ep.region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key = ("AWS4" + ep.secret_key).encode()
+    for part in (amz_date[:8], ep.region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    out["authorization"] = (f"AWS4-HMAC-SHA256 Credential={ep.access_key}/{scope}, SignedHeaders={signed}, "
+                            f"Signature={signature}")
+    return out
+
+
+_S3_ATTEMPTS = 4  # a 409 (another conditional write of the key in flight), a 5xx or a dropped connection
+
+
+def s3_put_if_absent(ep: S3Endpoint, bucket: str, key: str, body: bytes, timeout_s: float = 30.0) -> bool:
+    """PUT s3://bucket/key with `If-None-Match: *`: True when this call created it, False when it already existed.
+
+    Retrying is safe: a PUT that landed before its answer was lost is answered 412 on the retry, and the
+    caller then reads back the content in force, which is its own.
+    """
+    uri = urllib.parse.urlsplit(ep.url).path + "/" + urllib.parse.quote(f"{bucket}/{key}", safe="/~")
+    parts = urllib.parse.urlsplit(ep.url)
+    connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    for attempt in range(_S3_ATTEMPTS):
+        headers = _sigv4_headers(ep, "PUT", uri, {"If-None-Match": "*", "Content-Type": "application/json"}, body,
+                                 _dt.datetime.now(_dt.timezone.utc))
+        conn = connection(parts.netloc, timeout=timeout_s)
+        try:
+            conn.request("PUT", uri, body=body, headers=headers)
+            resp = conn.getresponse()
+            status, detail = resp.status, resp.read()[:300].decode(errors="replace")
+        except OSError as e:
+            status, detail = 0, repr(e)
+        finally:
+            conn.close()
+        if status in (200, 201):
+            return True
+        if status == 412:
+            return False
+        if status not in (0, 409) and status < 500:
+            break
+        time.sleep(0.1 * 2**attempt)
+    raise OSError(f"lake: conditional PUT of s3://{bucket}/{key} at {ep.url} failed (last answer {status}: "
+                  f"{detail}); the claim was not made")
+
+
+def _s3_create_once(fs: "pafs.FileSystem", path: str, text: str) -> str:
+    """_create_once on S3: a conditional PUT, then the content in force (ours, or the first writer's)."""
+    bucket, _, key = path.partition("/")
+    if s3_put_if_absent(s3_endpoint(), bucket, key, text.encode()):
+        return text
+    with fs.open_input_stream(path) as fh:
+        return fh.read().decode()
+
+
 def stream_identity(root: str, table: str, source: str, identity: str) -> str:
     """Record which incarnation of `source` (its Kafka topic id) the table's files come from, once;
     return the identity recorded first: equal to `identity` unless the topic was recreated since."""
     _, base = filesystem(root)
     path = f"{base}/{CLAIMS_DIR}/{table}/{source}.identity.json"
     return str(json.loads(_create_once(root, path, json.dumps({"identity": identity})))["identity"])
+
+
+def read_identity(root: str, table: str, source: str) -> str | None:
+    """The identity `stream_identity` recorded for `source`, or None when none was (reads, never creates)."""
+    import pyarrow.fs as pafs
+
+    fs, base = filesystem(root)
+    path = f"{base}/{CLAIMS_DIR}/{table}/{source}.identity.json"
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return None
+    with fs.open_input_stream(path) as fh:
+        return str(json.loads(fh.read().decode())["identity"])
 
 
 def delete_files(root: str, files: Iterable[LakeFile]) -> int:

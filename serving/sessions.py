@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
@@ -65,14 +64,36 @@ def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
-def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", outcomes: list[str]) -> None:
+def _files_view(con: "duckdb.DuckDBPyConnection", name: str, lake_root: str, table: str, paths: list[str]) -> None:
+    """View `name` over lake files of `table`, columns matched by name across files.
+
+    A remote lake (s3://...) is scanned through pyarrow's filesystem, with the endpoint and credentials pyarrow
+    reads from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), because DuckDB's own S3 reader is
+    its httpfs extension, downloaded at run time from DuckDB's extension site and configured apart; DuckDB
+    then scans the dataset lazily and reads only the columns the query uses.
+    """
+    if "://" not in lake_root:
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({_sql_list(paths)}, union_by_name = true)")
+        return
+    import pyarrow.dataset as ds
+
+    from flywheel.ingest import lake, schema
+
+    fs, _ = lake.filesystem(lake_root)
+    # the lake schema of today: a column an older file lacks reads as null, as union_by_name does
+    wanted = {"events": schema.event_arrow_schema, "outcomes": schema.outcome_arrow_schema}[table]()
+    con.register(f"{name}_files", ds.dataset(paths, schema=wanted, filesystem=fs, format="parquet"))
+    con.execute(f"CREATE VIEW {name} AS SELECT * FROM {name}_files")
+
+
+def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", lake_root: str, outcomes: list[str]) -> None:
     """View `oc`: the outcomes about whole sessions. One about one agent (a sub-agent's part) or one tool call
     (a turn check, schema v2) is narrower than the session and says nothing of the session's success."""
     if not outcomes:
         con.execute("CREATE VIEW oc AS SELECT NULL::VARCHAR AS session_id, NULL::VARCHAR AS kind, "
                     "NULL::DOUBLE AS value, NULL::TIMESTAMPTZ AS ts WHERE false")
         return
-    con.execute(f"CREATE VIEW oc_all AS SELECT * FROM read_parquet({_sql_list(outcomes)}, union_by_name = true)")
+    _files_view(con, "oc_all", lake_root, "outcomes", outcomes)
     cols = {r[0] for r in con.execute("DESCRIBE oc_all").fetchall()}
     narrow = " AND ".join(f"{c} IS NULL" for c in ("agent_id", "call_id") if c in cols) or "true"
     con.execute(f"CREATE VIEW oc AS SELECT session_id, kind, value, ts FROM oc_all WHERE {narrow}")
@@ -94,16 +115,13 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
     if not events:
         return []
     outcomes = [f.path for f in lake.list_files(lake_root, "outcomes")]
-    local = "://" not in lake_root
-    if local:
-        events, outcomes = [str(Path(p)) for p in events], [str(Path(p)) for p in outcomes]
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone='UTC'")
-        con.execute(f"CREATE VIEW ev AS SELECT * FROM read_parquet({_sql_list(events)}, union_by_name = true)")
+        _files_view(con, "ev", lake_root, "events", events)
         has_arm = "arm" in {r[0] for r in con.execute("DESCRIBE ev").fetchall()}
         arm = "min(arm)" if has_arm else "NULL"
-        _session_outcomes_view(con, outcomes)
+        _session_outcomes_view(con, lake_root, outcomes)
         rows = con.execute(
             f"""
             WITH firsts AS (SELECT session_id, min(ts) AS first_ts FROM ev GROUP BY 1),
