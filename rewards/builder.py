@@ -8,6 +8,7 @@ Sessions still waiting live in the builder's state (rewards/state.py), not in a 
     flywheel episodes                       # catch up with the lake, then exit
     flywheel episodes --follow              # keep polling (SIGTERM finishes the pass and exits 0)
     flywheel episodes --rewards-toml my.toml --state-dir var/state/episodes
+    flywheel episodes --member 1 --members 2 --state-dir var/state/episodes-1   # one of two builders
 
 One pass (`Builder.run_pass`):
 1. plan: the lake files new since the committed cursors (at most max_files_per_pass per table)
@@ -41,10 +42,17 @@ Join rules (the numbers are in the rewards TOML; see rewards/rewards.toml):
   status heartbeat; late events are logged.
 
 Output rows: one per llm_call (every agent's, sub-agents included), in the schema of
-ingest.schema.EPISODE_COLUMNS; the file is lake/episodes/date=<pass day>/episodes-0000-F-L.parquet
+ingest.schema.EPISODE_COLUMNS; the file is lake/episodes/date=<pass day>/episodes-<stream>-F-L.parquet
 with F..L the rows' sequence numbers, so the learner reads new rows with lake.files_since.
 Every decision of a pass uses the clock recorded in its intent, so a killed pass re-runs to the
 same rows (see rewards/state.py); only `emitted_ts` tells when a row was written.
+
+Split by partition (`Assignment`): events and outcomes are both keyed by session_id, so N builders
+can each own some Kafka partitions (`--partitions 0,2`, or `--member K --members N`: p % N == K),
+each with its own state dir and cursor, writing stream <stream> (a partition it owns, so names never
+collide). Each records its partitions in the lake once (`claim_partitions`), so an overlapping or
+re-split builder is refused, and a split over topics of unequal partition counts is refused at start.
+A killed builder is taken over by restarting it with the same assignment and state dir.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from flywheel.base import defaults
 from flywheel.base.config import load_config, setting, setup_logging, write_resolved
@@ -71,6 +79,7 @@ from flywheel.rewards import judge as judge_mod
 from flywheel.rewards import outcome_rewards, parl, turns
 from flywheel.rewards.session import Session, assemble
 from flywheel.rewards.state import (
+    ALL_PARTITIONS,
     BuilderState,
     Intent,
     StateLock,
@@ -109,6 +118,12 @@ class EpisodesConfig:
     judge_model: str = setting("", "judge model name (empty: [judge].model of the rewards TOML)")
     var_dir: str = setting(defaults.VAR_DIR, "where the status heartbeat is written")
     metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9102)")
+    partitions: list[int] = setting([], "Kafka partitions (of events and outcomes alike) this builder owns (empty: all, "
+                                        "or by --member)")
+    member: int = setting(0, "this builder's index among --members: it owns partition p when p % members == member")
+    members: int = setting(1, "builders splitting the partitions by p % members (1: no split)")
+    partition_count: int = setting(0, "partitions of the events and outcomes topics, checked against the lake when "
+                                      "split (0: inferred from the lake)")
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
@@ -118,6 +133,15 @@ class EpisodesConfig:
             raise ConfigError(f"max_files_per_pass must be >= 1, got {self.max_files_per_pass}")
         if self.poll_interval_s <= 0:
             raise ConfigError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
+        if self.members < 1 or not 0 <= self.member < self.members:
+            raise ConfigError(f"member must be in [0, members): member {self.member}, members {self.members}")
+        if self.partitions and self.members > 1:
+            raise ConfigError(f"partitions {self.partitions} and members {self.members}: give a static list or "
+                              "member/members, not both")
+        if any(p < 0 for p in self.partitions) or len(set(self.partitions)) != len(self.partitions):
+            raise ConfigError(f"partitions must be distinct and >= 0, got {self.partitions}")
+        if self.partition_count < 0 or any(p >= self.partition_count > 0 for p in self.partitions):
+            raise ConfigError(f"partitions {self.partitions} must lie below partition_count {self.partition_count}")
 
 
 @dataclass
@@ -133,6 +157,92 @@ class PassResult:
     drops: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     idle: bool = False  # nothing new and nothing due: no file, no commit
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting by partition: which Kafka partitions a builder owns
+# ---------------------------------------------------------------------------------------------
+class AssignmentError(RuntimeError):
+    """This builder's partitions clash with the lake, its state, or another builder's; it does not start."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The partitions one builder owns, of events and outcomes alike.
+
+    Both topics are keyed by session_id, so with equal partition counts a session's events and
+    its outcomes share a partition number and one builder sees all of a session. `stream` is the
+    partition number of the episode files it writes: a partition it owns (the lowest of a static
+    list, or `member`), so two builders with the same stream both own that partition, which the
+    lake's partition records refuse (`claim_partitions`): episode file names never collide.
+    """
+
+    partitions: frozenset[int] = frozenset()  # a static list; empty: by member
+    member: int = 0
+    members: int = 1
+
+    @classmethod
+    def of(cls, cfg: EpisodesConfig) -> "Assignment":
+        return cls(frozenset(cfg.partitions), cfg.member, cfg.members)
+
+    @property
+    def split(self) -> bool:
+        return bool(self.partitions) or self.members > 1
+
+    @property
+    def stream(self) -> int:
+        return min(self.partitions) if self.partitions else self.member
+
+    def owns(self, partition: int) -> bool:
+        return partition in self.partitions if self.partitions else partition % self.members == self.member
+
+    def describe(self) -> str:
+        if self.partitions:
+            return "partitions " + ",".join(str(p) for p in sorted(self.partitions))
+        return f"member {self.member} of {self.members}" if self.members > 1 else ALL_PARTITIONS
+
+
+def check_partition_counts(root: str, declared: int) -> None:
+    """Refuse a split over topics whose partition counts differ (a session's outcomes would reach another builder).
+
+    The lake only shows the partitions that have files: with `declared` (the topics' count) a
+    partition at or past it is the evidence; without, the highest partition of each table is.
+    """
+    seen = {t: {f.partition for f in lake.list_files(root, t)} for t in ("events", "outcomes")}
+    if declared:
+        over = {t: sorted(p for p in ps if p >= declared) for t, ps in seen.items()}
+        if over["events"] or over["outcomes"]:
+            raise AssignmentError(f"episodes: --partition-count {declared} but the lake holds files of partitions "
+                                  f"{over} past it: the topics' counts differ or the declared count is wrong; "
+                                  "a split needs events and outcomes with one partition count (`flywheel topics check`)")
+        return
+    if seen["events"] and seen["outcomes"] and max(seen["events"]) != max(seen["outcomes"]):
+        raise AssignmentError(f"episodes: the lake's events span partitions 0..{max(seen['events'])} and its outcomes "
+                              f"0..{max(seen['outcomes'])}: split by partition, a session's outcomes would reach "
+                              "another builder than its events. Give both topics one partition count, run one "
+                              "builder (no --partitions/--members), or, when the lake is only sparse so far, "
+                              "declare the topics' count with --partition-count")
+
+
+def claim_partitions(root: str, assignment: Assignment, partitions: Iterable[int]) -> None:
+    """Record in the lake, once per partition, which assignment builds its episodes; refuse another's.
+
+    Two builders owning one partition would both emit its sessions (duplicates the learner trains
+    twice), and re-splitting a lake would hand a partition to a builder without its pending
+    sessions and index. The record is the lake's create-once file (the one the lake writer's
+    topic identity uses: exclusive on a local disk, a conditional PUT on S3).
+    """
+    mine = assignment.describe()
+    names = {p: f"partition-{p:04d}" for p in sorted(partitions)}
+    # every record read before any is made, so a refused builder leaves no partition recorded as its own
+    holders = {p: lake.read_identity(root, "episodes", name) for p, name in names.items()}
+    for p, name in sorted(names.items(), key=lambda item: holders[item[0]] in (None, mine)):
+        holder = holders[p] or lake.stream_identity(root, "episodes", name, mine)  # a racing builder may win it here
+        if holder != mine:
+            raise AssignmentError(f"episodes: partition {p} is built by the builder with {holder!r}, not {mine!r}; "
+                                  "two owners would emit its sessions twice. Run that assignment, or rebuild the "
+                                  f"episodes table from scratch (delete lake/episodes, lake/{lake.CLAIMS_DIR}/episodes "
+                                  "and every builder's state)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +297,10 @@ def _read_columns(root: str, f: lake.LakeFile, names: list[str]) -> "pa.Table":
                             "restore or remove the file, then restart") from exc
 
 
-def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int) -> tuple[lake.Cursor, list[lake.LakeFile], int]:
-    """The cursor after the next `max_files` new files, those files, and how many new files remain after them."""
-    files = lake.files_since(root, table, cursor)
+def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int, owns: Callable[[int], bool] = lambda p: True
+               ) -> tuple[lake.Cursor, list[lake.LakeFile], int]:
+    """The cursor after the next `max_files` new files of the owned partitions, those files, and how many remain after them."""
+    files = [f for f in lake.files_since(root, table, cursor) if owns(f.partition)]
     return lake.advance(cursor, files[:max_files]), files[:max_files], max(0, len(files) - max_files)
 
 
@@ -473,6 +584,8 @@ class Builder:
             self.judge = judge_mod.Judge(cfg.judge_url, cfg.judge_model or rewards.judge.model, rewards.judge.timeout_s,
                                          Path(cfg.state_dir) / "judge_cache")
             self.state = self.store.load()
+            self.assignment = Assignment.of(cfg)
+            self._check_assignment()
             self.store.cleanup(self.state)
             self.emitted = self._load_emitted()
         except BaseException:
@@ -480,6 +593,7 @@ class Builder:
             raise
         self.judge_memo: dict[str, tuple[int | None, str]] = {}
         self.backlog_files = 0  # lake files past this pass's input (catch-up progress)
+        self.claimed: set[int] = set()  # partitions this process has recorded as its own in the lake
         full = schema.event_arrow_schema()
         self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED])
         self.outcome_schema = schema.outcome_arrow_schema()
@@ -495,6 +609,28 @@ class Builder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_assignment(self) -> None:
+        """Refuse a state of other partitions and, split, topics of unequal partition counts (before any cleanup)."""
+        mine = self.assignment.describe()
+        if self.state.assignment not in (None, mine):
+            raise AssignmentError(
+                f"episodes: state dir {self.cfg.state_dir} holds the cursors, pending sessions and index of "
+                f"{self.state.assignment!r}, this builder was given {mine!r}; a state cannot change its partitions. "
+                "Restart it with that assignment, or give this one its own --state-dir (see docs/rewards.md)")
+        if self.assignment.split:
+            check_partition_counts(self.cfg.lake_root, self.cfg.partition_count)
+
+    def _claim(self, intent: Intent) -> None:
+        """Record the partitions a plan reads as this builder's before any of their rows is consumed."""
+        parts = {int(key.rsplit("/", 1)[1]) for key in (*intent.events_until, *intent.outcomes_until)}
+        foreign = sorted(p for p in parts if not self.assignment.owns(p))
+        if foreign:  # only the intent of a killed first pass, resumed under another assignment, can hold them
+            raise AssignmentError(f"episodes: the pass in flight in {self.cfg.state_dir} reads partitions {foreign}, "
+                                  f"which {self.assignment.describe()!r} does not own; restart with the assignment "
+                                  "it was started with")
+        claim_partitions(self.cfg.lake_root, self.assignment, parts - self.claimed)
+        self.claimed |= parts
 
     def _load_emitted(self) -> set[int]:
         """Hashes of every session in the live index: read once per process, then kept up to date.
@@ -514,6 +650,7 @@ class Builder:
         t0 = time.perf_counter()
         st = self.state
         plan = self._plan(now)
+        self._claim(plan.intent)
         intent = plan.intent
         clock = schema.parse_ts(intent.now)
         res = PassResult(st.pass_no + 1)
@@ -566,9 +703,11 @@ class Builder:
             return Plan(intent, resumed=True, files={"events": None, "outcomes": None})
         clock = now or dt.datetime.now(dt.timezone.utc)
         max_files = self.cfg.max_files_per_pass
-        events_until, event_files, events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, max_files)
+        owns = self.assignment.owns
+        events_until, event_files, events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, max_files,
+                                                            owns)
         outcomes_until, outcome_files, outcomes_left = plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor,
-                                                                  max_files)
+                                                                  max_files, owns)
         self.backlog_files = events_left + outcomes_left
         intent = Intent(
             base_pass=st.pass_no,
@@ -795,9 +934,9 @@ class Builder:
             return fs, path
         parsed = lake.parse_file_name(rel.rsplit("/", 1)[-1])
         assert parsed is not None, f"index holds a bad episode file name {rel!r}"
-        _, _, first, last = parsed
+        _, stream, first, last = parsed
         for f in lake.list_files(self.cfg.lake_root, "episodes"):
-            if f.first <= first and f.last >= last:
+            if f.partition == stream and f.first <= first and f.last >= last:
                 return fs, f.path
         raise LakeReadError(f"episodes: the rows of {rel} are in no episodes file (deleted outside compaction?)")
 
@@ -824,6 +963,7 @@ class Builder:
             segments=segments,
             counters=lifetime_counters(self.state.counters, drops, res),
             pending=pending,
+            assignment=self.assignment.describe(),
         )
         self.store.commit(new_state, retired)
         self.state = new_state
@@ -837,7 +977,9 @@ class Builder:
             return ""
         first, last = first_seq, first_seq + len(rows) - 1
         table = pa.Table.from_pylist([r | {"emitted_ts": clock} for r in rows], schema=self.episode_schema)
-        written = lake.write_file(self.cfg.lake_root, "episodes", clock.date().isoformat(), SOURCE, 0, first, last, table)
+        # each builder numbers its own rows: its stream (a partition it owns) keeps the names of two builders apart
+        written = lake.write_file(self.cfg.lake_root, "episodes", clock.date().isoformat(), SOURCE, self.assignment.stream,
+                                  first, last, table)
         return f"episodes/date={written.date}/{Path(written.path).name}"
 
     def _write_segment(self, pass_no: int, index_rows: list[dict[str, Any]], episode_rel: str,
@@ -884,6 +1026,7 @@ class Builder:
     def status(self, res: PassResult | None) -> dict[str, Any]:
         st = self.state
         return {
+            "assignment": self.assignment.describe(),
             "pass": st.pass_no,
             "rows_total": st.next_seq,
             "pending_sessions": res.pending_sessions if res else None,
@@ -942,6 +1085,11 @@ class EpisodesMetrics:
 # ---------------------------------------------------------------------------------------------
 # Process entry points
 # ---------------------------------------------------------------------------------------------
+def heartbeat_name(assignment: Assignment) -> str:
+    """`episodes` for the one builder; a split one's heartbeat carries its stream so builders do not overwrite it."""
+    return f"episodes-{assignment.stream}" if assignment.split else "episodes"
+
+
 def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
         stop: Callable[[], bool] | None = None) -> int:
     """Catch up with the lake (or follow it) until caught up, SIGTERM, or `stop()` (the demo runs it in a thread)."""
@@ -950,8 +1098,9 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
              rewards.source, rewards.digest, len(rewards.outcomes), len(rewards.task_types))
     with Builder(cfg, rewards) as builder:  # takes the state dir's lock before anything is written there
         write_resolved(cfg, Path(cfg.state_dir) / "episodes-config.toml")
-        log.info("episodes: state %s at pass %d (%d rows written so far), lake %s",
-                 cfg.state_dir, builder.state.pass_no, builder.state.next_seq, cfg.lake_root)
+        log.info("episodes: state %s at pass %d (%d rows written so far), lake %s, %s (episode stream %d)",
+                 cfg.state_dir, builder.state.pass_no, builder.state.next_seq, cfg.lake_root,
+                 builder.assignment.describe(), builder.assignment.stream)
         if any(t.judge for t in rewards.task_types.values()):
             log.info("episodes: LLM judge on for %s via %s model %s",
                      [t.name for t in rewards.task_types.values() if t.judge], cfg.judge_url, builder.judge.model)
@@ -983,7 +1132,7 @@ def _pass_loop(builder: Builder, cfg: EpisodesConfig, stop: Callable[[], bool] |
                      res.rows_written, res.pending_sessions, res.held_outcomes, res.drops or "none", res.seconds,
                      builder.backlog_files)
         if not res.idle or time.monotonic() - last_status > 5:
-            write_status("episodes", builder.status(res), cfg.var_dir)
+            write_status(heartbeat_name(builder.assignment), builder.status(res), cfg.var_dir)
             last_status = time.monotonic()
         caught_up = res.idle or (res.new_event_rows == 0 and res.new_outcome_rows == 0)
         if caught_up:
@@ -1003,6 +1152,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run(cfg, rewards)
-    except (LakeReadError, StateLockedError) as exc:
+    except (LakeReadError, StateLockedError, AssignmentError) as exc:
         log.error("%s", exc)
         return 1

@@ -1,7 +1,8 @@
 """Durable state of the episode builder, and how a pass commits it.
 
     <state_dir>/CURRENT                  name of the committed generation, replaced atomically
-    <state_dir>/gen-<pass>/state.json     cursors, next row sequence, held outcomes, live segments, counters
+    <state_dir>/gen-<pass>/state.json     cursors, next row sequence, held outcomes, live segments, counters,
+                                         and the partitions they are of (the builder's assignment)
     <state_dir>/gen-<pass>/pending.parquet events of sessions not yet emitted (lake event schema)
     <state_dir>/intent.json              the plan of the pass in flight: its input range, clock and first row seq
     <state_dir>/intent-judge.json        the judge answers of the pass in flight, written before its episode file
@@ -21,6 +22,11 @@ One builder per state directory: a second one would clean up the first one's gen
 flight and commit over it. `StateLock` takes an exclusive `fcntl.flock` on `<state_dir>/LOCK` for
 the builder's life; the kernel drops it when the process dies, SIGKILL included, so a restarted
 builder never waits for a stale lock.
+
+A state belongs to one assignment (rewards/builder.py: the partitions a builder owns): its cursors,
+pending sessions and index are of those partitions, so a builder with another assignment refuses
+it rather than read partitions it has no history of. A builder split off the lake is taken over by
+restarting it with the same assignment on the same state directory: it resumes from its cursor.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ from flywheel.ingest import lake
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+
+ALL_PARTITIONS = "all partitions"  # the assignment of a builder that does not split the lake
 
 
 class StateLockedError(RuntimeError):
@@ -96,6 +105,8 @@ class BuilderState:
     segments: list[str] = field(default_factory=list)  # live index segment file names
     counters: dict[str, int] = field(default_factory=dict)  # lifetime totals (emitted, dropped by reason ...)
     pending: "pa.Table | None" = None  # events of sessions not emitted yet
+    # the partitions whose cursors, pending sessions and index these are (Assignment.describe); None: a fresh state
+    assignment: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -106,6 +117,7 @@ class BuilderState:
             "held_outcomes": self.held_outcomes,
             "segments": self.segments,
             "counters": self.counters,
+            "assignment": self.assignment,
         }
 
 
@@ -141,6 +153,7 @@ class StateStore:
             return BuilderState()
         gen = self.dir / current
         record = json.loads((gen / "state.json").read_text())
+        record.setdefault("assignment", ALL_PARTITIONS)  # written before builders split the lake: it owned them all
         state = BuilderState(**record)
         pending = gen / "pending.parquet"
         state.pending = pq.read_table(pending) if pending.exists() else None
