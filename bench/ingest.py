@@ -1,7 +1,7 @@
 """`flywheel bench ingest`: the lake writer's rate against kafka-python's raw consume rate, and
 how long an event takes from produce to visible in the lake.
 
-    flywheel bench ingest [--events 20000] [--partitions 4] [--live-rate 500] [--live-seconds 10]
+    flywheel bench ingest [--events 20000] [--partitions 4] [--live-rate 500] [--live-seconds 10] [--lake local|s3]
 
 1. Produce N realistic session events (llm_calls of several KB with prompt/completion token
    ids and logprobs, plus tool calls) into a fresh topic.
@@ -13,7 +13,12 @@ how long an event takes from produce to visible in the lake.
    steady rate, stamping each event's ts at send time; a watcher lists the lake every 50 ms
    and records when each event became visible. p95_visible_s is over all events.
 
-Starts Kafka when it is not running (and stops only that). Prints a table, then the JSON line.
+With --lake s3 the writer and the live run publish into an s3:// lake on the stack's S3-compatible server
+(S3Proxy, `flywheel infra up --parts s3`), configured through the AWS_* variables as any process of an s3 lake
+is; the writer is also measured into a local-disk lake on the same records, and that ratio is reported beside
+the s3 one as ratio_local, so the cost of object storage is read off one run.
+
+Starts Kafka (and S3Proxy for --lake s3) when not running (and stops only those). Prints a table, then the JSON line.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import tempfile
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from flywheel.ingest import lake, schema
 
@@ -152,13 +158,15 @@ def live_latency(bootstrap: str, topic: str, rate: float, seconds: float, lake_r
         def watch() -> None:
             import pyarrow.parquet as pq
 
+            fs, _ = lake.filesystem(lake_root)
             seen_files: set[str] = set()
             while not done.is_set():
                 now = time.time()
                 for f in lake.list_files(lake_root, "events"):
                     if f.path not in seen_files:
                         seen_files.add(f.path)
-                        for eid in pq.read_table(f.path, columns=["event_id"]).column("event_id").to_pylist():
+                        ids = pq.read_table(f.path, columns=["event_id"], filesystem=fs).column("event_id")
+                        for eid in ids.to_pylist():
                             visible.setdefault(eid, now)
                 time.sleep(0.05)
 
@@ -221,58 +229,48 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="flywheel bench ingest", description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20_000, help="events for the rate comparison")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--live-rate", type=float, default=300.0, help="events/s in the visibility run")
     parser.add_argument("--live-seconds", type=float, default=10.0)
     parser.add_argument("--kafka-bootstrap", default=os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--lake", choices=("local", "s3"), default="local",
+                        help="where the writer publishes: a local folder, or an s3:// lake on the stack's S3 server "
+                             "(then also measured into a local folder on the same records, as ratio_local)")
+    return parser.parse_args(argv)
 
-    from kafka.admin import KafkaAdminClient, NewTopic
-    from rich.console import Console
-    from rich.table import Table
 
-    from flywheel import stack
-
-    console = Console(stderr=True)
-    scfg = stack.load_stack_config(["--kafka-bootstrap", args.kafka_bootstrap]) if _stack_takes_flag() else stack.load_stack_config([])
-    started = stack.ensure_up(scfg, parts=["kafka"])
-    if started:
-        console.print(f"started {started} for this benchmark")
-    suffix = uuid.uuid4().hex[:8]
-    rate_topic, live_topic = f"bench.ingest.{suffix}", f"bench.ingest-live.{suffix}"
-    topics = [rate_topic, live_topic, f"{rate_topic}.dlq", f"{live_topic}.dlq"]
-    admin = KafkaAdminClient(bootstrap_servers=args.kafka_bootstrap)
-    admin.create_topics([NewTopic(t, args.partitions if i < 2 else 1, 1) for i, t in enumerate(topics)])
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for a block and restore them after: the s3 lake's clients (pyarrow, the lake's
+    claims, the live writer subprocess) read their endpoint and keys only from the environment."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
-            console.print(f"producing {args.events} events into {rate_topic} ...")
-            wire_bytes = produce_prefilled(args.kafka_bootstrap, rate_topic, args.events, seed=1)
-            console.print("raw kafka-python consume ...")
-            raw_s = raw_consume(args.kafka_bootstrap, rate_topic, args.events)
-            console.print("lake writer ...")
-            writer_s, files = writer_rate(args.kafka_bootstrap, rate_topic, args.events, f"{tmp}/lake", f"{tmp}/var")
-            console.print("cost breakdown ...")
-            costs = cost_breakdown()
-            console.print(f"live: {args.live_rate:.0f} events/s for {args.live_seconds:.0f} s ...")
-            latencies = live_latency(args.kafka_bootstrap, live_topic, args.live_rate, args.live_seconds,
-                                     f"{tmp}/live-lake", f"{tmp}/var")
+        yield
     finally:
-        admin.delete_topics(topics)
-        admin.close()
-        if started:
-            stack.down(scfg, parts=started)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
+
+def summarize(args: argparse.Namespace, wire_bytes: int, raw_s: float, writer_s: float, files: int,
+              latencies: list[float], costs: dict[str, float], local_writer_s: float | None = None) -> dict[str, Any]:
+    """The JSON line; writer_s and files are for the lake under test, local_writer_s (s3 runs) the local disk's."""
     raw_rate, rate = args.events / raw_s, args.events / writer_s
-    result = {
+    local = {} if local_writer_s is None else {"ratio_local": round(args.events / local_writer_s / raw_rate, 3)}
+    return {
         "events": args.events,
         "mean_event_bytes": round(wire_bytes / args.events),
         "raw_consume_events_per_s": round(raw_rate, 1),
         "events_per_s": round(rate, 1),
         "mb_per_s": round(wire_bytes / writer_s / 1e6, 2),
         "ratio": round(rate / raw_rate, 3),
+        **local,
         "files": files,
         "live_rate": args.live_rate,
         "p50_visible_s": round(_percentile(latencies, 0.5), 3),
@@ -283,21 +281,99 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
-    table = Table(title="ingest: Kafka -> Parquet lake")
+
+
+def print_table(args: argparse.Namespace, result: dict[str, Any], raw_s: float, writer_s: float,
+                local_writer_s: float | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    raw_rate, rate, files = args.events / raw_s, args.events / writer_s, result["files"]
+    on_s3 = local_writer_s is not None
+    table = Table(title="ingest: Kafka -> Parquet lake" + (" on S3 (S3Proxy)" if on_s3 else ""))
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("events (mean bytes)", f"{args.events} ({result['mean_event_bytes']} B)")
     table.add_row("raw kafka-python consume", f"{raw_rate:,.0f} events/s")
-    table.add_row("lake writer to published Parquet", f"{rate:,.0f} events/s, {result['mb_per_s']} MB/s, {files} files")
-    table.add_row("ratio writer / raw (target >= 0.7)", f"{result['ratio']:.2f}")
+    table.add_row("lake writer to published Parquet" + (" on s3" if on_s3 else ""),
+                  f"{rate:,.0f} events/s, {result['mb_per_s']} MB/s, {files} files")
+    if local_writer_s is not None:
+        table.add_row("lake writer to local disk (same records)", f"{args.events / local_writer_s:,.0f} events/s")
+        table.add_row("ratio writer / raw: s3 / local disk (target >= 0.7)",
+                      f"{result['ratio']:.2f} / {result['ratio_local']:.2f}")
+    else:
+        table.add_row("ratio writer / raw (target >= 0.7)", f"{result['ratio']:.2f}")
     table.add_row("per event: raw consume / JSON decode / validate / Arrow / Parquet (us)",
-                  f"{result['raw_consume_us_per_event']} / {costs['json_decode_us']} / {costs['validate_us']} / "
-                  f"{costs['arrow_us']} / {costs['parquet_zstd_us']}")
+                  f"{result['raw_consume_us_per_event']} / {result['json_decode_us']} / {result['validate_us']} / "
+                  f"{result['arrow_us']} / {result['parquet_zstd_us']}")
     table.add_row(f"produce -> visible at {args.live_rate:.0f}/s: p50 / p95 / max (target p95 < 5 s)",
                   f"{result['p50_visible_s']} / {result['p95_visible_s']} / {result['max_visible_s']} s")
     Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from rich.console import Console
+
+    from flywheel import stack
+
+    console = Console(stderr=True)
+    on_s3 = args.lake == "s3"
+    scfg = stack.load_stack_config(["--kafka-bootstrap", args.kafka_bootstrap]) if _stack_takes_flag() else stack.load_stack_config([])
+    started = stack.ensure_up(scfg, parts=["kafka", "s3"] if on_s3 else ["kafka"])
+    if started:
+        console.print(f"started {started} for this benchmark")
+    suffix = uuid.uuid4().hex[:8]
+    rate_topic, live_topic = f"bench.ingest.{suffix}", f"bench.ingest-live.{suffix}"
+    topics = [rate_topic, live_topic, f"{rate_topic}.dlq", f"{live_topic}.dlq"]
+    s3_root = f"s3://{scfg.s3_bucket}/bench-ingest-{suffix}"
+    admin = KafkaAdminClient(bootstrap_servers=args.kafka_bootstrap)
+    admin.create_topics([NewTopic(t, args.partitions if i < 2 else 1, 1) for i, t in enumerate(topics)])
+    local_writer_s = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp, \
+                environment(stack.s3_env(scfg) if on_s3 else {}):
+            lake_base = s3_root if on_s3 else tmp
+            rate_lake, live_lake = f"{lake_base}/lake", f"{lake_base}/live-lake"
+            console.print(f"producing {args.events} events into {rate_topic} ...")
+            wire_bytes = produce_prefilled(args.kafka_bootstrap, rate_topic, args.events, seed=1)
+            console.print("raw kafka-python consume ...")
+            raw_s = raw_consume(args.kafka_bootstrap, rate_topic, args.events)
+            if on_s3:
+                console.print("lake writer, local disk ...")
+                local_writer_s, _ = writer_rate(args.kafka_bootstrap, rate_topic, args.events, f"{tmp}/lake",
+                                                f"{tmp}/var-local")
+            console.print(f"lake writer{' into ' + rate_lake if on_s3 else ''} ...")
+            writer_s, files = writer_rate(args.kafka_bootstrap, rate_topic, args.events, rate_lake, f"{tmp}/var")
+            console.print("cost breakdown ...")
+            costs = cost_breakdown()
+            console.print(f"live: {args.live_rate:.0f} events/s for {args.live_seconds:.0f} s ...")
+            latencies = live_latency(args.kafka_bootstrap, live_topic, args.live_rate, args.live_seconds,
+                                     live_lake, f"{tmp}/var")
+    finally:
+        admin.delete_topics(topics)
+        admin.close()
+        if on_s3:
+            _delete_s3_lake(s3_root, stack.s3_env(scfg))
+        if started:
+            stack.down(scfg, parts=started)
+
+    result = summarize(args, wire_bytes, raw_s, writer_s, files, latencies, costs, local_writer_s)
+    print_table(args, result, raw_s, writer_s, local_writer_s)
     print(json.dumps(result))
     return 0
+
+
+def _delete_s3_lake(root: str, env: dict[str, str]) -> None:
+    """Remove the bench's lakes from the bucket (a shared server keeps its data folder between runs)."""
+    import pyarrow.fs as pafs
+
+    with environment(env):
+        fs, path = lake.filesystem(root)
+        if fs.get_file_info(path).type != pafs.FileType.NotFound:
+            fs.delete_dir(path)
 
 
 def _stack_takes_flag() -> bool:
