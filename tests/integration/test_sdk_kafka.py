@@ -259,6 +259,47 @@ def test_a_record_kafka_refuses_is_dropped_and_counted_not_retried_forever(kafka
     assert m["rejected"] == 1 and m["spilled"] == 0 and not m["broker_down"], m
 
 
+def test_a_record_over_the_topics_max_message_bytes_is_named_on_the_dlq_not_silently_dropped(
+        kafka_bootstrap: str, tmp_path: Path) -> None:
+    """A default cluster's topic takes 1 MiB; the schema allows 4 MiB. The SDK reads the topic's
+    max.message.bytes once connected and caps below it: a record over the cap is not sent whole (the broker
+    would refuse it) but counted and named in a notice on the DLQ topic, and the records around it arrive."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    topic = f"test.capped.{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="tests")
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1,
+                                  topic_configs={"max.message.bytes": "16384"})])
+    if schema.DLQ_TOPIC not in admin.list_topics():
+        admin.create_topics([NewTopic(schema.DLQ_TOPIC, num_partitions=1, replication_factor=1)])
+    admin.close()
+    session_id = f"sess-capped-{uuid.uuid4().hex[:8]}"
+    log = SessionLogger(kafka_bootstrap, topic=topic, name="capped", spool_dir=tmp_path / "spool")
+    s = log.attach(session_id)
+    s.tool_call("before", {})
+    deadline = time.time() + 30
+    while log.metrics()["record_cap"] >= 16384 and time.time() < deadline:
+        time.sleep(0.2)
+    assert log.metrics()["record_cap"] < 16384, f"the SDK never learned the topic's limit: {log.metrics()}"
+    big = list(range(5000))  # ~25 KB of token ids: within the schema's caps, over this topic's 16 KiB
+    s.llm_call(model="policy-v0", policy_version=0, prompt_token_ids=big, completion_token_ids=[1, 2],
+               completion_logprobs=[-0.1, -0.2], request_id="too-big")
+    s.tool_call("after", {})
+    assert log.flush(30), log.metrics()
+    deadline = time.time() + 15
+    while log.metrics()["oversized_noticed"] < 1 and time.time() < deadline:
+        time.sleep(0.2)  # the notice's acknowledgement lands on the SDK's thread
+    m = log.metrics()
+    log.close()
+    events = [json.loads(v) for v in _consume(kafka_bootstrap, topic, 2)]
+    assert [e.get("name") for e in events] == ["before", "after"], events
+    assert m["oversized"] == 1 and m["oversized_noticed"] == 1 and m["dropped"] == 0, m
+    notices = [json.loads(v) for v in _consume(kafka_bootstrap, schema.DLQ_TOPIC, 10**6, timeout_s=10)]
+    ours = [n for n in notices if isinstance(n, dict) and n.get("session_id") == session_id]
+    assert len(ours) == 1 and ours[0]["reason"] == "oversized" and ours[0]["type"] == "llm_call", ours
+    assert ours[0]["bytes"] > m["record_cap"] and ours[0]["topic"] == topic, ours
+
+
 def _paced_through_outage(log: SessionLogger, cfg: stack_mod.StackConfig, outage_s: float, rate: float,
                           after_up_s: float) -> tuple[list[tuple[float, float]], list[tuple[float, int, int, bool]],
                                                       dict[str, float], int]:
