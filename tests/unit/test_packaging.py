@@ -61,3 +61,13 @@ def test_pip_install_adds_only_the_namespace_and_the_console_script(wheel: Path,
     probe = "import flywheel, flywheel.base.config, flywheel.ingest.schema; print(flywheel.__version__)"
     version = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert version.returncode == 0 and version.stdout.strip(), version.stderr[-2000:]
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    # tests/ folders are not packages, so pytest imports each file by its base name: two files with one name
+    # make the whole run stop at collection ("import file mismatch"), which running one folder never shows
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"test files sharing a name: {clashes}"
