@@ -44,7 +44,12 @@ from typing import Any, Callable, Iterable
 
 from flywheel.base import defaults, tracking
 from flywheel.base.config import ConfigError, load_config, setting, setup_logging
-from flywheel.base.kafka import KafkaClientConfig, client_kwargs, load_kafka_config
+from flywheel.base.kafka import (
+    KafkaClientConfig,
+    client_kwargs,
+    create_missing_topics,
+    load_kafka_config,
+)
 from flywheel.base.versions import version_name
 
 log = logging.getLogger(__name__)
@@ -485,19 +490,15 @@ def kafka_live_brokers(cfg: StackConfig, timeout_s: float = 5.0) -> int:
 
 def ensure_topics(cfg: StackConfig) -> None:
     from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
     admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, **client_kwargs(_kafka_client(cfg), "flywheel-infra"))
     try:
-        existing = set(admin.list_topics())
-        missing = [t for t in cfg.kafka_topics if t not in existing]
+        try:
+            missing = create_missing_topics(admin, list(cfg.kafka_topics), cfg.kafka_partitions, cfg.kafka_replication)
+        except TopicAlreadyExistsError:  # another `infra up` created them meanwhile: nothing of ours to report
+            missing = []
         if missing:
-            try:
-                admin.create_topics([NewTopic(t, num_partitions=cfg.kafka_partitions,
-                                              replication_factor=cfg.kafka_replication) for t in missing])
-            except TopicAlreadyExistsError:
-                pass
             log.info("kafka: created topics %s with %d partitions, %d replicas", missing, cfg.kafka_partitions,
                      cfg.kafka_replication)
     finally:

@@ -25,6 +25,7 @@ from flywheel.base.config import ConfigError, load_config, setting, setup_loggin
 from flywheel.base.kafka import (
     RECORD_OVERHEAD_BYTES,
     client_kwargs,
+    create_missing_topics,
     load_kafka_config,
     topic_configs,
 )
@@ -145,13 +146,9 @@ def _admin(cfg: TopicsConfig) -> Any:
 
 def create(cfg: TopicsConfig, admin: Any) -> list[str]:
     """Create the missing topics with cfg's settings; return their names."""
-    from kafka.admin import NewTopic
-
-    existing = set(admin.list_topics())
-    missing = [t for t in cfg.topics() if t not in existing]
+    missing = create_missing_topics(admin, list(cfg.topics()), cfg.partitions, cfg.replication_factor,
+                                    cfg.topic_settings())
     if missing:
-        admin.create_topics([NewTopic(t, num_partitions=cfg.partitions, replication_factor=cfg.replication_factor,
-                                      topic_configs=cfg.topic_settings()) for t in missing])
         log.info("create: %s with %d partitions x %d replicas, %s", missing, cfg.partitions, cfg.replication_factor,
                  cfg.topic_settings())
     for topic in sorted(set(cfg.topics()) - set(missing)):

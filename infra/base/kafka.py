@@ -146,6 +146,23 @@ def client_kwargs(cfg: KafkaClientConfig, client_id: str) -> dict[str, Any]:
 RECORD_OVERHEAD_BYTES = 1024
 
 
+def create_missing_topics(admin: Any, topics: list[str], partitions: int, replication_factor: int,
+                          configs: dict[str, str] | None = None) -> list[str]:
+    """Create the topics the cluster does not have yet, through a KafkaAdminClient; return their names.
+
+    The one creation path for `flywheel infra up` and `flywheel topics create`. A topic created meanwhile by
+    someone else raises kafka's TopicAlreadyExistsError: each caller decides whether that is an error.
+    """
+    from kafka.admin import NewTopic
+
+    existing = set(admin.list_topics())
+    missing = [t for t in topics if t not in existing]
+    if missing:
+        admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=replication_factor,
+                                      topic_configs=configs or {}) for t in missing])
+    return missing
+
+
 def topic_configs(admin: Any, topics: list[str]) -> dict[str, dict[str, str]]:
     """Every live config value of each topic (defaults included), through a KafkaAdminClient: {topic: {key: value}}.
 
