@@ -68,7 +68,7 @@ def _paced(call: Callable[[int], None], calls: int, rate: float, progress: Any, 
             delay = next_slot - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-        if i % 1000 == 999:
+        if progress is not None and i % 1000 == 999:
             progress.update(task, advance=1000)
     return samples
 
@@ -147,6 +147,296 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# ---------------------------------------------------------------- same-run comparison with another SDK (--baseline)
+#
+# Two single runs, one after the other, differ by more than the SDK does: the previous session measured
+# d35a1ee then HEAD twice and saw p99 64.8 -> 70.4 us, but on 2 shared cores the load moves between runs.
+# So each version runs in its own subprocess (the same measurement code, only `flywheel` imported from
+# elsewhere), in alternating rounds AB BA AB ..., and the ratio gets a bootstrap interval over rounds.
+
+REPO = Path(__file__).resolve().parents[1]
+ARM_LABELS = {"baseline": "baseline SDK", "current": "working tree SDK", "packed": "working tree SDK, packed wire format"}
+
+
+def export_sdk(source: str, dest: Path, repo: Path = REPO) -> tuple[Path, str]:
+    """A directory from which `import flywheel` imports `source`'s package, and what `source` resolved to.
+
+    `source` is a git ref of `repo` (exported with `git archive`) or a source tree's directory (the working
+    tree, or a patched copy for an experiment). The package is laid out as the source's own pyproject.toml
+    maps it (`flywheel` = infra/, `flywheel.ingest` = ingest/, ...), so an older layout works too.
+    """
+    import io
+    import subprocess
+    import tarfile
+    import tomllib
+
+    if Path(source).is_dir():
+        tree, resolved = Path(source).resolve(), str(Path(source).resolve())
+    else:
+        resolved = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", f"{source}^{{commit}}"],
+                                  check=True, capture_output=True, text=True).stdout.strip()
+        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", resolved],
+                                 check=True, capture_output=True).stdout
+        tree = dest / "src"
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tree, filter="data")
+    mapping = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    root = dest / "pkg"
+    for package, folder in sorted(mapping.items(), key=lambda item: item[0].count(".")):  # parents first
+        shutil.copytree(tree / folder, root.joinpath(*package.split(".")), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return root, resolved
+
+
+def round_orders(arms: list[str], rounds: int) -> list[list[str]]:
+    """Round r runs the arms rotated by r: with two arms AB, BA, AB ...; each arm goes first as often as
+    second, so neither gains from a machine that warms up (or gets busier) within a round."""
+    return [arms[r % len(arms):] + arms[:r % len(arms)] for r in range(rounds)]
+
+
+def _quantile(values: Any, q: float) -> float:
+    """The same order statistic as _percentiles (ordered[int(q * n)]), on a numpy array."""
+    import numpy as np
+
+    k = min(len(values) - 1, int(q * len(values)))
+    return float(np.partition(values, k)[k])
+
+
+def ratio_interval(a_rounds: list[list[int]], b_rounds: list[list[int]], q: float, reps: int = 1000,
+                   seed: int = 0) -> tuple[float, float, float]:
+    """b/a of the q-quantile over all rounds pooled, with a 95% bootstrap interval over rounds.
+
+    Rounds are resampled in pairs (the same round indices for a and b): the rounds ran side by side, so
+    what made one round slow (machine load) hit both arms of it, and the pairing keeps that out of the ratio.
+    """
+    import numpy as np
+
+    assert len(a_rounds) == len(b_rounds) and a_rounds, "both arms need the same rounds"
+    a = [np.asarray(r, dtype=np.int64) for r in a_rounds]
+    b = [np.asarray(r, dtype=np.int64) for r in b_rounds]
+    point = _quantile(np.concatenate(b), q) / _quantile(np.concatenate(a), q)
+    rng = np.random.default_rng(seed)
+    ratios = []
+    for _ in range(reps):
+        pick = rng.integers(0, len(a), len(a))
+        ratios.append(_quantile(np.concatenate([b[i] for i in pick]), q)
+                      / _quantile(np.concatenate([a[i] for i in pick]), q))
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One arm of one round, in its own process: the paced and back-to-back calls of the `sdk` variant."""
+    import logging
+
+    for noisy in ("flywheel.ingest.sdk", "kafka"):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    from flywheel.ingest import sdk
+
+    where = Path(sdk.__file__).resolve()
+    assert where.is_relative_to(Path(spec["package_root"]).resolve()), \
+        f"imported the SDK from {where}, not from the exported {spec['package_root']} (an install shadows it?)"
+    try:
+        logger = sdk.SessionLogger(spec["bootstrap"], topic=spec["topic"], name=spec["name"],
+                                   spool_dir=spec["spool_dir"], **spec["options"])
+    except TypeError as exc:  # an option this version does not have (e.g. wire_format before it existed)
+        return {"unsupported": str(exc)}
+    if spec.get("probe"):  # only whether this SDK takes the options
+        logger.close()
+        return {"supported": True}
+    payload = _payload(spec["prompt_tokens"], spec["completion_tokens"])
+    call = _sdk_call(logger, payload)
+    for i in range(spec["warmup"]):
+        call(i)
+    logger.flush(60)
+    gc.collect()
+    paced = _paced(call, spec["calls"], spec["rate"], None, None)
+    logger.flush(120)
+    burst = _paced(call, spec["burst_calls"], 0, None, None)
+    delivered = logger.flush(120)
+    metrics = logger.metrics()
+    import threading
+
+    threads = sorted(t.name for t in threading.enumerate())  # what ran beside the host while it was measured
+    logger.close()
+    return {"sdk_file": str(where), "paced": paced, "burst": burst, "delivered": delivered,
+            "sent": metrics.get("sent"), "enqueued": metrics.get("enqueued"), "threads": threads}
+
+
+def worker_env(root: Path) -> dict[str, str]:
+    """The environment a worker imports `flywheel` from `root` in: PYTHONPATH comes before site-packages, and
+    setuptools' editable finder is consulted after it, so an installed checkout does not shadow the export."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(REPO)]), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _run_worker(root: Path, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    import subprocess
+
+    spec = {**spec, "package_root": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "bench.sidecar", "--worker", json.dumps(spec)], cwd=REPO,
+                          env=worker_env(root), capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sidecar worker for {root} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare_interleaved(args: argparse.Namespace, bootstrap: str, topic: str, tmp: Path, console: Any) -> dict[str, Any]:
+    """The working tree's SDK against --baseline (and against itself with the packed wire format, where the
+    working tree has that switch), in alternating rounds; per arm the samples of every round."""
+    roots: dict[str, Path] = {}
+    roots["baseline"], resolved = export_sdk(args.baseline, tmp / "export-baseline")
+    roots["current"], _ = export_sdk(str(REPO), tmp / "export-current")
+    options = {"baseline": {}, "current": {}, "packed": {"wire_format": "packed"}}
+    roots["packed"] = roots["current"]
+    arms = ["baseline", "current", "packed"]
+    notes: dict[str, str] = {}
+    probe = _run_worker(roots["packed"], {"bootstrap": bootstrap, "topic": topic, "name": "bench-probe",
+                                          "spool_dir": str(tmp / "probe"), "options": options["packed"], "probe": True},
+                        timeout_s=120)
+    if "unsupported" in probe:  # decided before the rounds, so the rotation of the arms stays balanced
+        notes["packed"] = probe["unsupported"]
+        arms.remove("packed")
+    samples: dict[str, dict[str, list[list[int]]]] = {arm: {"paced": [], "burst": []} for arm in arms}
+    threads: dict[str, list[str]] = {}
+    spec = {"bootstrap": bootstrap, "topic": topic, "calls": args.round_calls, "rate": args.rate,
+            "warmup": args.round_warmup, "burst_calls": args.round_burst_calls,
+            "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens}
+    for r, order in enumerate(round_orders(arms, args.rounds)):
+        for arm in order:
+            result = _run_worker(roots[arm], {**spec, "name": f"bench-{arm}-{r}", "spool_dir": str(tmp / f"{arm}-{r}"),
+                                              "options": options[arm]}, timeout_s=300)
+            assert result["delivered"], f"{arm} round {r}: the SDK did not deliver its records ({result})"
+            samples[arm]["paced"].append(result["paced"])
+            samples[arm]["burst"].append(result["burst"])
+            threads[arm] = result["threads"]
+        console.print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{a} p99 {_percentiles(samples[a]['paced'][-1])['p99']:.1f} us" for a in arms))
+    return {"ref": args.baseline, "resolved": resolved, "arms": arms, "samples": samples, "notes": notes,
+            "threads": threads}
+
+
+def summarize_interleaved(result: dict[str, Any], rounds: int) -> tuple[dict[str, Any], list[tuple[str, ...]]]:
+    """JSON fields and table rows of an interleaved comparison."""
+    samples, arms = result["samples"], result["arms"]
+    pooled = {arm: {kind: _percentiles([x for r in samples[arm][kind] for x in r]) for kind in ("paced", "burst")}
+              for arm in arms}
+    rows = [(ARM_LABELS[arm], *(f"{pooled[arm]['paced'][k]:.1f}" for k in ("p50", "p99", "p999")),
+             f"{pooled[arm]['burst']['p99']:.1f}") for arm in arms]
+    base, cur = samples["baseline"], samples["current"]
+    p99 = ratio_interval(base["paced"], cur["paced"], 0.99)
+    p999 = ratio_interval(base["paced"], cur["paced"], 0.999)
+    burst = ratio_interval(base["burst"], cur["burst"], 0.99)
+    rows.append(("ratio working tree / baseline [95% CI]", "",
+                 f"{p99[0]:.3f} [{p99[1]:.3f}, {p99[2]:.3f}]", f"{p999[0]:.3f} [{p999[1]:.3f}, {p999[2]:.3f}]",
+                 f"{burst[0]:.3f} [{burst[1]:.3f}, {burst[2]:.3f}]"))
+    fields: dict[str, Any] = {
+        "baseline_ref": result["ref"], "baseline_commit": result["resolved"], "rounds": rounds,
+        "baseline_p50_us": round(pooled["baseline"]["paced"]["p50"], 2),
+        "baseline_p99_us": round(pooled["baseline"]["paced"]["p99"], 2),
+        "baseline_p999_us": round(pooled["baseline"]["paced"]["p999"], 2),
+        "baseline_burst_p99_us": round(pooled["baseline"]["burst"]["p99"], 2),
+        "current_p50_us": round(pooled["current"]["paced"]["p50"], 2),
+        "current_p99_us": round(pooled["current"]["paced"]["p99"], 2),
+        "current_p999_us": round(pooled["current"]["paced"]["p999"], 2),
+        "current_burst_p99_us": round(pooled["current"]["burst"]["p99"], 2),
+        "p99_ratio_vs_baseline": round(p99[0], 3), "p99_ratio_ci95": [round(p99[1], 3), round(p99[2], 3)],
+        "p999_ratio_vs_baseline": round(p999[0], 3), "p999_ratio_ci95": [round(p999[1], 3), round(p999[2], 3)],
+        "burst_p99_ratio_vs_baseline": round(burst[0], 3), "burst_p99_ratio_ci95": [round(burst[1], 3), round(burst[2], 3)],
+        # "No worse": the interval reaches 1 or below, i.e. this run cannot tell the working tree from the baseline
+        # or finds it faster.
+        "p99_no_worse_than_baseline": p99[1] <= 1.0,
+        "burst_p99_no_worse_than_baseline": burst[1] <= 1.0,
+    }
+    if "packed" in arms:
+        packed = ratio_interval(samples["current"]["paced"], samples["packed"]["paced"], 0.99)
+        rows.append(("ratio packed / json wire format [95% CI]", "",
+                     f"{packed[0]:.3f} [{packed[1]:.3f}, {packed[2]:.3f}]", "", ""))
+        fields["packed_vs_json_p99_ratio"] = round(packed[0], 3)
+        fields["packed_vs_json_p99_ci95"] = [round(packed[1], 3), round(packed[2], 3)]
+    else:  # issue 21's switch is not in this SDK yet: the arm is there, the number is not
+        fields["packed_vs_json_p99_ratio"] = None
+        fields["packed_note"] = result["notes"].get("packed", "no packed arm")[:200]
+    return fields, rows
+
+
+def _single_process_variants(args: argparse.Namespace, cfg: Any, topic: str, tmp: Path, console: Any,
+                             privates: list[Any]) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """sdk, parked, otel and outage, one after the other in this process (see the module docstring)."""
+    from rich.progress import Progress
+
+    from flywheel import stack as stack_mod
+    from flywheel.ingest.sdk import SessionLogger
+
+    payload = _payload(args.prompt_tokens, args.completion_tokens)
+    results: dict[str, dict[str, float]] = {}
+    extra: dict[str, Any] = {}
+    with Progress(console=console, transient=True) as progress:
+        # --- sdk, broker up
+        logger = SessionLogger(cfg.kafka_bootstrap, topic=topic, name="bench-sdk", spool_dir=tmp / "sdk")
+        task = progress.add_task("sdk llm_call (broker up)", total=args.calls)
+        call = _sdk_call(logger, payload)
+        for i in range(args.warmup):
+            call(i)
+        logger.flush(60)
+        gc.collect()
+        results["sdk"] = _percentiles(_paced(call, args.calls, args.rate, progress, task))
+        logger.flush(120)
+        task = progress.add_task("sdk llm_call back-to-back", total=args.burst_calls)
+        results["sdk_burst"] = _percentiles(_paced(call, args.burst_calls, 0, progress, task))
+        extra["delivered"] = logger.flush(120)
+        extra["sdk_metrics"] = logger.metrics()
+        logger.close()
+
+        # --- control: the same calls with the background thread parked (it never wakes during the run):
+        # what the call itself costs on this machine, so the difference to "sdk" is what the
+        # background work (encoding, Kafka I/O) costs the host through the GIL.
+        task = progress.add_task("sdk llm_call (background parked)", total=args.calls)
+        parked = SessionLogger(cfg.kafka_bootstrap, topic=topic, name="bench-parked", spool_dir=tmp / "parked",
+                               linger_s=3600.0, batch_max=10**9, max_queue=10**9)
+        pcall = _sdk_call(parked, payload)
+        for i in range(args.warmup):
+            pcall(i)
+        gc.collect()
+        results["parked"] = _percentiles(_paced(pcall, args.calls, args.rate, progress, task))
+        parked.close(timeout=30)
+
+        # --- OpenTelemetry span
+        task = progress.add_task("otel span start+end", total=args.calls)
+        ocall, oclose = _otel_call(payload)
+        for i in range(args.warmup):
+            ocall(i)
+        gc.collect()
+        results["otel"] = _percentiles(_paced(ocall, args.calls, args.rate, progress, task))
+        time.sleep(6)  # let the BatchSpanProcessor (5 s schedule) empty its queue
+        task = progress.add_task("otel span back-to-back", total=args.burst_calls)
+        results["otel_burst"] = _percentiles(_paced(ocall, args.burst_calls, 0, progress, task))
+        oclose()
+
+        # --- outage: a private broker, connected to, then killed
+        task = progress.add_task("sdk llm_call (broker down)", total=args.calls)
+        private = stack_mod.replace_config(cfg, var_dir=tmp / "var", kafka_port=_free_port(),
+                                           kafka_controller_port=_free_port(), kafka_topics=[topic],
+                                           kafka_partitions=4, kafka_heap="256m", parts=["kafka"])
+        privates.append(private)  # stopped by the caller, whatever happens next
+        stack_mod.start_kafka(private)
+        down_logger = SessionLogger(private.kafka_bootstrap, topic=topic, name="bench-outage", spool_dir=tmp / "outage",
+                                    outage_after_s=0.5)
+        dcall = _sdk_call(down_logger, payload)
+        for i in range(args.warmup):
+            dcall(i)
+        down_logger.flush(60)
+        record = json.loads((Path(private.var_dir) / "run" / "kafka.pid.json").read_text())
+        os.killpg(int(record["pid"]), signal.SIGKILL)
+        for i in range(args.warmup):  # until the SDK has noticed and spills
+            dcall(i)
+        time.sleep(1.0)
+        gc.collect()
+        results["outage"] = _percentiles(_paced(dcall, args.calls, args.rate, progress, task))
+        down_logger.close(timeout=30)  # nothing can be delivered: close spills the backlog, then count
+        extra["outage_metrics"] = down_logger.metrics()
+    return results, extra
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flywheel bench sidecar", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20_000, help="timed calls per variant")
@@ -155,17 +445,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2000, help="untimed calls before each variant")
     parser.add_argument("--burst-calls", type=int, default=10_000, help="timed back-to-back calls (no pacing)")
+    parser.add_argument("--baseline", default=None, metavar="REF",
+                        help="also compare with the SDK of this git ref (or source directory), in alternating rounds")
+    parser.add_argument("--rounds", type=int, default=20, help="with --baseline: rounds, each arm once per round")
+    parser.add_argument("--round-calls", type=int, default=4000, help="with --baseline: timed paced calls per arm and round")
+    parser.add_argument("--round-burst-calls", type=int, default=2000,
+                        help="with --baseline: timed back-to-back calls per arm and round")
+    parser.add_argument("--round-warmup", type=int, default=1000, help="with --baseline: untimed calls per arm and round")
+    parser.add_argument("--only-baseline", action="store_true",
+                        help="run only the --baseline comparison (the JSON line then has only its fields)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one arm of one round (JSON spec)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker is not None:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return 0
+    if args.only_baseline and args.baseline is None:
+        parser.error("--only-baseline needs --baseline REF")
 
     import logging
 
     from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
 
     from flywheel import stack as stack_mod
     from flywheel.base.config import setup_logging
-    from flywheel.ingest.sdk import SessionLogger
 
     setup_logging("WARNING")
     for noisy in ("flywheel.ingest.sdk", "kafka"):  # connection-refused errors and outage warnings are expected here
@@ -175,88 +477,60 @@ def main(argv: list[str] | None = None) -> int:
     started = stack_mod.ensure_up(cfg, parts=["kafka"])
     if started:
         console.print("started the local Kafka broker for this benchmark (stopped at the end)")
-    payload = _payload(args.prompt_tokens, args.completion_tokens)
     results: dict[str, dict[str, float]] = {}
     extra: dict[str, Any] = {}
+    interleaved: dict[str, Any] | None = None
     tmp = Path(tempfile.mkdtemp(prefix="bench-sidecar-"))
-    private = None
+    privates: list[Any] = []
     try:
         from kafka.admin import KafkaAdminClient, NewTopic
 
         topic = f"bench.sidecar.{uuid.uuid4().hex[:8]}"
         admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, client_id="bench")
         admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])
-        with Progress(console=console, transient=True) as progress:
-            # --- sdk, broker up
-            logger = SessionLogger(cfg.kafka_bootstrap, topic=topic, name="bench-sdk", spool_dir=tmp / "sdk")
-            task = progress.add_task("sdk llm_call (broker up)", total=args.calls)
-            call = _sdk_call(logger, payload)
-            for i in range(args.warmup):
-                call(i)
-            logger.flush(60)
-            gc.collect()
-            results["sdk"] = _percentiles(_paced(call, args.calls, args.rate, progress, task))
-            logger.flush(120)
-            task = progress.add_task("sdk llm_call back-to-back", total=args.burst_calls)
-            results["sdk_burst"] = _percentiles(_paced(call, args.burst_calls, 0, progress, task))
-            extra["delivered"] = logger.flush(120)
-            extra["sdk_metrics"] = logger.metrics()
-            logger.close()
-
-            # --- control: the same calls with the background thread parked (it never wakes during the run):
-            # what the call itself costs on this machine, so the difference to "sdk" is what the
-            # background work (encoding, Kafka I/O) costs the host through the GIL.
-            task = progress.add_task("sdk llm_call (background parked)", total=args.calls)
-            parked = SessionLogger(cfg.kafka_bootstrap, topic=topic, name="bench-parked", spool_dir=tmp / "parked",
-                                   linger_s=3600.0, batch_max=10**9, max_queue=10**9)
-            pcall = _sdk_call(parked, payload)
-            for i in range(args.warmup):
-                pcall(i)
-            gc.collect()
-            results["parked"] = _percentiles(_paced(pcall, args.calls, args.rate, progress, task))
-            parked.close(timeout=30)
-
-            # --- OpenTelemetry span
-            task = progress.add_task("otel span start+end", total=args.calls)
-            ocall, oclose = _otel_call(payload)
-            for i in range(args.warmup):
-                ocall(i)
-            gc.collect()
-            results["otel"] = _percentiles(_paced(ocall, args.calls, args.rate, progress, task))
-            time.sleep(6)  # let the BatchSpanProcessor (5 s schedule) empty its queue
-            task = progress.add_task("otel span back-to-back", total=args.burst_calls)
-            results["otel_burst"] = _percentiles(_paced(ocall, args.burst_calls, 0, progress, task))
-            oclose()
-
-            # --- outage: a private broker, connected to, then killed
-            task = progress.add_task("sdk llm_call (broker down)", total=args.calls)
-            private = stack_mod.replace_config(cfg, var_dir=tmp / "var", kafka_port=_free_port(),
-                                               kafka_controller_port=_free_port(), kafka_topics=[topic],
-                                               kafka_partitions=4, kafka_heap="256m", parts=["kafka"])
-            stack_mod.start_kafka(private)
-            down_logger = SessionLogger(private.kafka_bootstrap, topic=topic, name="bench-outage", spool_dir=tmp / "outage",
-                                        outage_after_s=0.5)
-            dcall = _sdk_call(down_logger, payload)
-            for i in range(args.warmup):
-                dcall(i)
-            down_logger.flush(60)
-            record = json.loads((Path(private.var_dir) / "run" / "kafka.pid.json").read_text())
-            os.killpg(int(record["pid"]), signal.SIGKILL)
-            for i in range(args.warmup):  # until the SDK has noticed and spills
-                dcall(i)
-            time.sleep(1.0)
-            gc.collect()
-            results["outage"] = _percentiles(_paced(dcall, args.calls, args.rate, progress, task))
-            down_logger.close(timeout=30)  # nothing can be delivered: close spills the backlog, then count
-            extra["outage_metrics"] = down_logger.metrics()
+        if not args.only_baseline:
+            results, extra = _single_process_variants(args, cfg, topic, tmp, console, privates)
+        if args.baseline is not None:
+            interleaved = compare_interleaved(args, cfg.kafka_bootstrap, topic, tmp, console)
         admin.delete_topics([topic])
         admin.close()
     finally:
-        if private is not None:
+        for private in privates:
             stack_mod.stop_kafka(private)
         if started:
             stack_mod.down(cfg, parts=started)
         shutil.rmtree(tmp, ignore_errors=True)  # the private broker's data and the spools
+
+    summary = {} if args.only_baseline else _print_single_process(args, results, extra, console)
+    if interleaved is not None:
+        fields, rows = summarize_interleaved(interleaved, args.rounds)
+        _print_interleaved(args, interleaved, rows, console)
+        summary.update(fields)
+    print(json.dumps(summary))
+    return 0
+
+
+def _print_interleaved(args: argparse.Namespace, result: dict[str, Any], rows: list[tuple[str, ...]],
+                       console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"same run, alternating rounds: {args.rounds} rounds x {args.round_calls} calls at "
+                        f"{args.rate:.0f}/s per SDK (baseline {result['ref']} = {result['resolved'][:12]})")
+    table.add_column("SDK, each in its own process")
+    for col in ("p50 µs", "p99 µs", "p99.9 µs", "burst p99 µs"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for arm, why in result["notes"].items():
+        console.print(f"{ARM_LABELS[arm]}: not run ({why})")
+    for arm, names in result["threads"].items():
+        console.print(f"{ARM_LABELS[arm]}: threads at the end of its last round: {', '.join(names)}")
+
+
+def _print_single_process(args: argparse.Namespace, results: dict[str, dict[str, float]], extra: dict[str, Any],
+                          console: Any) -> dict[str, Any]:
+    from rich.table import Table
 
     table = Table(title=f"hot-path cost per call, {args.calls} calls at {args.rate:.0f}/s "
                         f"(prompt {args.prompt_tokens} tokens, completion {args.completion_tokens})")
@@ -289,8 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         "p99_under_50us": sdk["p99"] < TARGET_P99_US, "burst_p99_under_50us": results["sdk_burst"]["p99"] < TARGET_P99_US, "p99_not_slower_than_otel": sdk["p99"] <= otel["p99"],
         "outage_p99_within_2x": outage["p99"] <= 2 * sdk["p99"],
     }
-    print(json.dumps(summary))
-    return 0
+    return summary
 
 
 if __name__ == "__main__":
