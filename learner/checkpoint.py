@@ -120,11 +120,12 @@ def load_latest(run_dir: Path, map_location: str | torch.device = "cpu") -> tupl
     return state, tensors
 
 
-def append_trained(run_dir: Path, step: int, policy_version: int, episode_ids: list[str]) -> None:
-    """Append one step's trained episode ids to trained.jsonl (fsynced)."""
+def append_trained(run_dir: Path, step: int, policy_version: int, episode_ids: list[str],
+                   extra: dict[str, Any] | None = None) -> None:
+    """Append one step's trained episode ids (and `extra` fields) to trained.jsonl (fsynced)."""
     path = Path(run_dir) / "trained.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"step": step, "policy_version": policy_version, "episode_ids": episode_ids}) + "\n"
+    line = json.dumps({"step": step, "policy_version": policy_version, "episode_ids": episode_ids, **(extra or {})}) + "\n"
     with open(path, "a") as fh:
         fh.write(line)
         fh.flush()

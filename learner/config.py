@@ -55,6 +55,10 @@ class LearnerConfig:
     positive_only: bool = setting(False, "advantages below 0 become 0: only rows better than their baseline are reinforced, "
                                          "and without a KL term the others cost no compute (learner/loss.py advantages)")
     kl_coef: float = setting(0.0, "coefficient of the KL penalty to the base model (k3 estimator); 0 disables it")
+    shaping_anneal_start_step: int = setting(0, "PARL shaping (the rows' r_parallel + r_finish) is trained at full weight up "
+                                                "to this learner step, then annealed linearly ([parl] anneal_clock = learner_step)")
+    shaping_anneal_end_step: int = setting(0, "learner step from which the shaping is trained at exactly 0 (0: no annealing "
+                                              "here, rows train with the reward the builder wrote)")
     # -- model and optimiser ---------------------------------------------------------------
     base_model: str = setting(defaults.BASE_MODEL_DIR, "base model directory (HF format); policy version 0")
     mode: str = setting("lora", "lora (peft adapter) or full (all weights; untied models only)")
@@ -136,6 +140,9 @@ class LearnerConfig:
             # the newest version's rows would go stale before the next version is due: no row fresh, no step, no version
             raise ConfigError(f"max_staleness_steps ({self.max_staleness_steps}) < publish_every_steps "
                               f"({self.publish_every_steps}): the learner would stop stepping before its next version")
+        if self.shaping_anneal_end_step and self.shaping_anneal_end_step <= self.shaping_anneal_start_step:
+            raise ConfigError(f"shaping_anneal_end_step ({self.shaping_anneal_end_step}) must be > shaping_anneal_start_step "
+                              f"({self.shaping_anneal_start_step}), or 0 (off)")
         if self.epochs < 1:
             raise ConfigError(f"epochs: must be >= 1, got {self.epochs}")
         if self.epochs > 1 and self.loss != "ppo":

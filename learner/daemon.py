@@ -65,6 +65,7 @@ class Learner:
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
+        self.shaping_scale_trained = 1.0  # the PARL shaping weight of the last planned step (trained.jsonl)
         device = resolve_device(cfg.device)
         if device.type == "cpu" and cfg.cpu_threads:
             # each intra-op thread waits for the others at every op; when another process holds a core,
@@ -130,11 +131,18 @@ class Learner:
         """Advantages over the whole global batch (so every rank trains the same objective)."""
         from flywheel.learner.loss import advantages
 
-        adv = advantages([e.reward for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
+        scale = self.shaping_scale_trained = self.shaping_scale()
+        adv = advantages([e.trained_reward(scale) for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
                          self.baseline, group_relative=self.cfg.group_relative,
                          normalize=self.cfg.normalize_advantages, batch_baseline=self.cfg.baseline == "batch",
                          positive_only=self.cfg.positive_only, penalties=[e.r_penalty for e in batch])
         return list(zip(batch, adv))
+
+    def shaping_scale(self) -> float:
+        """The weight of the rows' PARL shaping at this step (1 unless shaping_anneal_end_step is set)."""
+        from flywheel.learner.data import shaping_scale
+
+        return shaping_scale(self.state.step, self.cfg.shaping_anneal_start_step, self.cfg.shaping_anneal_end_step)
 
     def next_batch(self, stop: threading.Event) -> tuple[list[Episode], Counter] | None:
         """Block until min_batch fresh episodes are pending (back-off sleep), then take a batch."""
@@ -213,8 +221,10 @@ class Learner:
         self.steps_this_run += 1
         self.stream.mark_trained(batch)
         self.versions.trained(batch)
+        # the shaping weight this step trained with, and when: the swarm report draws the lambdas on the run's time axis
         checkpoint.append_trained(self.run_dir, self.state.step, self.state.policy_version,
-                                  [e.episode_id for e in batch])
+                                  [e.episode_id for e in batch],
+                                  extra={"t": round(time.time(), 3), "shaping_scale": self.shaping_scale_trained})
         aliases = self.gate.read_aliases() if self.cfg.publish_wait_for_gate else None
         if aliases is not None:
             # the verdict that makes the next version due may be a rejection: follow it first, or

@@ -57,6 +57,11 @@ class Episode:
     call_ts: str | None = None  # when the llm_call happened (ISO-8601 UTC): a version's lineage names its episode range
     r_penalty: float = 0.0  # the penalties inside `reward` (<= 0): a penalised row is never reinforced (loss.advantages)
     sampling: dict[str, Any] | None = None  # the behaviour's sampling parameters (temperature, top_p, top_k ...)
+    r_shaping: float = 0.0  # the PARL shaping inside `reward` (r_parallel + r_finish): annealed by learner step (shaping_scale)
+
+    def trained_reward(self, scale: float) -> float:
+        """The reward a step trains: the shaping inside `reward` scaled by `scale` (shaping_scale at this step)."""
+        return self.reward - (1.0 - scale) * self.r_shaping
 
     @property
     def trained_tokens(self) -> int:
@@ -112,8 +117,19 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
         reward=float(reward),
         call_ts=iso_ts(row.get("call_ts")),
         r_penalty=float(row.get("r_penalty") or 0.0),
+        r_shaping=float(row.get("r_parallel") or 0.0) + float(row.get("r_finish") or 0.0),
         sampling=sampling,
     )
+
+
+def shaping_scale(step: int, start: int, end: int) -> float:
+    """What the PARL shaping of a row is worth at learner step `step` (the steps finished before this one):
+    1 up to `start`, linear to exactly 0.0 at `end` and after; 1 always when end is 0 (the learner does not
+    anneal: the builder's lambdas stand). Kimi K2.5 anneals r_parallel and r_finish to zero over training,
+    so late training optimises the outcome alone; the learner's own step is that training clock."""
+    from flywheel.rewards.parl import anneal
+
+    return 1.0 if end <= 0 else anneal(1.0, step, start, end)
 
 
 def parse_sampling(value: Any) -> dict[str, Any] | None:

@@ -810,13 +810,19 @@ class Builder:
         stats = parl.parl_stats(s, self.rewards.parl, due.outcomes)
         made, finals = turns.turns(s), turns.final_calls(s)
         penalties, n_malformed = parl.malformed_penalties(s, self.rewards.penalties.malformed_tool_call, made)
+        shaping = parl.row_shaping(s, self.rewards.parl, due.outcomes)
+        harmful = parl.harmful_prune_penalties(made, due.outcomes, self.rewards.penalties)
+        for eid, p in harmful.items():
+            penalties[eid] = penalties.get(eid, 0.0) + p
         judged = self._judge(s, task, judge_deadline)
         r_judge = judged.r_judge(self.rewards.judge.weight) if judged is not None else None
         detail_base = {
             "judge": None if judged is None else {"status": judged.status, "score": judged.score,
                                                    "rubric": task.rubric, "rubric_version": self.rewards.rubrics[task.rubric].version},
-            "parl": parl.detail(stats),
+            "parl": parl.detail(stats) | {"anneal_clock": self.rewards.parl.anneal_clock,
+                                          "spurious": sum(x.n_spurious for x in shaping.values())},
             "malformed_tool_calls": n_malformed,
+            "harmful_prunes": len(harmful),
             "context_edits": s.context_edits,
             "context_tokens_removed": s.context_tokens_removed,
             "end": due.end_how,
@@ -834,10 +840,14 @@ class Builder:
             mine = scores[e["agent_id"]]
             turn = turns.credit(self.rewards, task, made.get(e["event_id"], turns.Turn()), checked,
                                 mine.r_outcome if e["event_id"] in finals else None)
+            decided = shaping.get(e["event_id"])
             rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
                                   detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty,
-                                                        "turn": turn.detail or None},
-                                  outcomes=due.outcomes, r_turn=turn.r_turn))
+                                                        "turn": turn.detail or None,
+                                                        "spawn_decision": None if decided is None else {
+                                                            "n_spawned": decided.n_spawned, "n_verified": decided.n_verified,
+                                                            "n_spurious": decided.n_spurious}},
+                                  outcomes=due.outcomes, r_turn=turn.r_turn, shaping=decided))
         return rows, index_row
 
     def _judge(self, s: Session, task: reward_config.TaskType, deadline: float) -> judge_mod.JudgeResult | None:
@@ -860,8 +870,10 @@ class Builder:
 
     def _row(self, s: Session, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
              r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]],
-             r_turn: float | None = None) -> dict[str, Any]:
-        reward = total_reward(r_outcome, r_turn, r_judge, stats.r_parallel, stats.r_finish, r_penalty)
+             r_turn: float | None = None, shaping: parl.RowShaping | None = None) -> dict[str, Any]:
+        # PARL terms go to the row that decided the spawn (parl.row_shaping), none to the others
+        r_parallel, r_finish = (shaping.r_parallel, shaping.r_finish) if shaping is not None else (0.0, 0.0)
+        reward = total_reward(r_outcome, r_turn, r_judge, r_parallel, r_finish, r_penalty)
         return {
             "episode_id": e["event_id"],
             "label_version": label,
@@ -879,8 +891,8 @@ class Builder:
             "reward": reward,
             "r_outcome": r_outcome,
             "r_judge": r_judge,
-            "r_parallel": stats.r_parallel,
-            "r_finish": stats.r_finish,
+            "r_parallel": r_parallel,
+            "r_finish": r_finish,
             "r_penalty": r_penalty,
             "r_turn": r_turn,
             "sampling": e.get("sampling"),

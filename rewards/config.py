@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TOML = Path(__file__).with_name("rewards.toml")
+ANNEAL_CLOCKS = ("policy_version", "learner_step")  # what [parl] anneal_start/anneal_end count
 MISSING_POLICIES = ("drop", "ignore")  # besides a number: the value a missing outcome counts as
 
 
@@ -91,6 +92,10 @@ class ParlSettings:
     parallel_cap: int = 4  # r_parallel = min(sub-agents, cap) / cap, so spawning more than cap earns nothing
     anneal_start: int = 0  # policy version where annealing starts (full lambdas up to here)
     anneal_end: int = 20  # policy version where both lambdas reach exactly 0
+    # the schedule's clock: "policy_version" (anneal_start/anneal_end above, applied by the builder) or
+    # "learner_step" (the builder writes the full lambdas; the learner anneals the terms by its own step,
+    # learner flags --shaping-anneal-start-step/--shaping-anneal-end-step)
+    anneal_clock: str = "policy_version"
     # r_finish counts the sub-agents whose own part was verified: an outcome of this kind reported with the
     # child's agent_id, at or above finish_threshold. A child that merely returned text earns nothing.
     finish_kind: str = "task_success"
@@ -100,6 +105,10 @@ class ParlSettings:
 @dataclass(frozen=True)
 class PenaltySettings:
     malformed_tool_call: float = -0.5  # added to the llm_call that produced a malformed tool call (<= 0)
+    # added to the llm_call that decided a prune when the checker reports (outcome kind harmful_edit_kind, with
+    # the prune call's call_id, value >= 0.5) that the session failed and the prune removed what the answer needed
+    harmful_prune: float = -0.5
+    harmful_edit_kind: str = "prune_harmful"
 
 
 @dataclass(frozen=True)
@@ -219,10 +228,13 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
     parl = _build(ParlSettings, doc.get("parl", {}), "parl")
     if parl.parallel_cap < 1:
         raise RewardConfigError(f"parl.parallel_cap: must be >= 1, got {parl.parallel_cap}")
+    if parl.anneal_clock not in ANNEAL_CLOCKS:
+        raise RewardConfigError(f"parl.anneal_clock: {parl.anneal_clock!r} is not one of {ANNEAL_CLOCKS}")
     if parl.anneal_end <= parl.anneal_start:
         raise RewardConfigError(f"parl.anneal_end ({parl.anneal_end}) must be > parl.anneal_start ({parl.anneal_start})")
     penalties = _build(PenaltySettings, doc.get("penalties", {}), "penalties")
     _check_number("penalties", "malformed_tool_call", penalties.malformed_tool_call, hi=0)
+    _check_number("penalties", "harmful_prune", penalties.harmful_prune, hi=0)
     join = _build(JoinSettings, doc.get("join", {}), "join")
     for name in ("end_grace_s", "session_idle_timeout_s", "unknown_session_hold_s", "relabel_horizon_s"):
         _check_number("join", name, getattr(join, name), lo=0)

@@ -7,9 +7,20 @@ nothing more: min(n_spawned, cap) / cap. r_finish is the fraction of spawned sub
 part a check verified (an outcome about the child, `finish_kind`), so spawning without solving is
 not rewarded ("spurious parallelism"); a child's own "finished ok" claim earns nothing. Shaping
 is off (`enabled = false`) where the harness, not the policy, decides to spawn. Both lambdas anneal linearly to exactly 0, so late training optimises the
-outcome alone. The schedule's clock is the policy version of the session's own llm_calls (the
-newest one in the session): it is known from the events, identical on every re-run of the
-builder, and tracks training progress because the learner trains on fresh samples.
+outcome alone. Two clocks (`anneal_clock`): "policy_version", the newest policy version of the
+session's own llm_calls (known from the events, identical on every re-run of the builder), or
+"learner_step": the builder writes the terms at their full lambdas and the learner scales them by
+anneal(1, its step, ...) when it trains the row (learner/data.py shaping_scale), so the terms are
+exactly zero from the learner's configured step on, whatever version served the session.
+
+The shaping goes to the row that decided to spawn, not to the whole session: a spawn decision is
+the llm_call of the spawning agent just before its subagent_spawn events (`spawn_decisions`), and it
+is paid r_parallel and r_finish for the children IT spawned. Every other row keeps r_outcome only,
+so a sub-agent's row or the orchestrator's later rows are not paid for a choice they did not make.
+Spawns with no llm_call of the agent before them were decided by the harness and shape no row.
+Spurious spawns (`spurious_spawns`): a child whose sub-task was empty or repeated a sibling's of the
+same decision; they count in r_parallel's n but never in r_finish's verified share, and the report
+counts them.
 
 Critical steps (the latency measure PARL optimises instead of total steps): for an agent, its
 own llm_calls plus, for each stage where it spawned sub-agents in parallel, the slowest child's
@@ -23,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from flywheel.rewards.config import ParlSettings
+from flywheel.rewards.config import ParlSettings, PenaltySettings
 from flywheel.rewards.session import Session
 from flywheel.rewards.turns import Turn, turns
 
@@ -97,6 +108,72 @@ def critical_steps(s: Session, agent_id: str | None = None, _seen: frozenset[str
     return steps
 
 
+def spawn_decisions(s: Session) -> dict[str, list[dict[str, Any]]]:
+    """event_id of each llm_call that decided a spawn -> the subagent_spawn events it decided (in order).
+
+    The decision is the spawning agent's latest llm_call before the spawn: the model's reply that asked
+    for sub-agents. Spawns before any llm_call of their agent were the harness's choice: no row has them."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for evs in s.agents.values():
+        last: str | None = None
+        for e in evs:
+            if e["type"] == "llm_call":
+                last = e["event_id"]
+            elif e["type"] == "subagent_spawn" and last is not None:
+                out.setdefault(last, []).append(e)
+    return out
+
+
+def spurious_spawns(spawns: Iterable[dict[str, Any]]) -> int:
+    """Sub-agents of one decision whose sub-task was empty or the same (case and spacing aside) as an earlier sibling's."""
+    seen: set[str] = set()
+    n = 0
+    for e in spawns:
+        task = " ".join(str(e.get("subtask") or "").lower().split())
+        if not task or task in seen:
+            n += 1
+        seen.add(task)
+    return n
+
+
+def lambdas(cfg: ParlSettings, version: int) -> tuple[float, float]:
+    """(lambda1, lambda2) the builder writes: 0 when shaping is off; annealed by the session's policy version
+    on the "policy_version" clock; the full values on the "learner_step" clock (the learner anneals them)."""
+    if not cfg.enabled:
+        return 0.0, 0.0
+    if cfg.anneal_clock == "learner_step":
+        return cfg.lambda1, cfg.lambda2
+    return (anneal(cfg.lambda1, version, cfg.anneal_start, cfg.anneal_end),
+            anneal(cfg.lambda2, version, cfg.anneal_start, cfg.anneal_end))
+
+
+@dataclass(frozen=True)
+class RowShaping:
+    """The PARL terms of one spawn-decision row (already multiplied by the lambdas in force)."""
+
+    n_spawned: int
+    n_verified: int
+    n_spurious: int
+    r_parallel: float
+    r_finish: float
+
+
+def row_shaping(s: Session, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]] = ()) -> dict[str, RowShaping]:
+    """event_id of each spawn-decision row -> its terms; rows not in the map get no shaping."""
+    outcomes = list(outcomes)
+    version = max((int(e["policy_version"]) for e in s.llm_calls), default=0)
+    lam1, lam2 = lambdas(cfg, version)
+    out: dict[str, RowShaping] = {}
+    for eid, spawns in spawn_decisions(s).items():
+        children = list(dict.fromkeys(e["child_agent_id"] for e in spawns))
+        n = len(children)
+        spurious = spurious_spawns(spawns)
+        ok = len(verified_children(children, outcomes, cfg))
+        out[eid] = RowShaping(n, ok, spurious, lam1 * min(n, cfg.parallel_cap) / cfg.parallel_cap,
+                              lam2 * (ok / n if n else 0.0))
+    return out
+
+
 def verified_children(children: Iterable[str], outcomes: Iterable[dict[str, Any]], cfg: ParlSettings) -> set[str]:
     """The sub-agents whose own part a check verified: the newest `finish_kind` outcome about the child
     (agent_id = child, no call_id) is at or above finish_threshold. Its subagent_finish(ok) is the
@@ -110,19 +187,20 @@ def verified_children(children: Iterable[str], outcomes: Iterable[dict[str, Any]
 
 
 def parl_stats(s: Session, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]] = ()) -> ParlStats:
-    """The session's PARL terms; with `enabled` false both lambdas are 0 (the counts are still reported)."""
+    """The session's PARL counts and lambdas (the terms a row is paid are row_shaping's); with `enabled` false
+    both lambdas are 0 (the counts are still reported)."""
     children = spawned_children(s)
     n = len(children)
     ok = len(verified_children(children, outcomes, cfg))
     version = max((int(e["policy_version"]) for e in s.llm_calls), default=0)
-    on = 1.0 if cfg.enabled else 0.0
+    lam1, lam2 = lambdas(cfg, version)
     return ParlStats(
         n_spawned=n,
         n_finished_ok=ok,
         r_parallel_raw=min(n, cfg.parallel_cap) / cfg.parallel_cap,
         r_finish_raw=ok / n if n else 0.0,
-        lambda1=on * anneal(cfg.lambda1, version, cfg.anneal_start, cfg.anneal_end),
-        lambda2=on * anneal(cfg.lambda2, version, cfg.anneal_start, cfg.anneal_end),
+        lambda1=lam1,
+        lambda2=lam2,
         critical_steps=critical_steps(s),
     )
 
@@ -143,6 +221,18 @@ def malformed_penalties(s: Session, penalty: float, made: dict[str, Turn] | None
         first = s.llm_calls[0]["event_id"]
         out[first] = out.get(first, 0.0) + orphans * penalty
     return out, count
+
+
+def harmful_prune_penalties(made: dict[str, Turn], outcomes: Iterable[dict[str, Any]],
+                            penalties: PenaltySettings) -> dict[str, float]:
+    """event_id of an llm_call whose prune the checker found harmful -> penalties.harmful_prune (<= 0).
+
+    The checker can tell only where it knows what the answer needed: it reports `harmful_edit_kind` with
+    the prune call's call_id (>= 0.5: the session failed and the prune had removed what the answer needed).
+    Without such a report the pruning row keeps the session outcome, like any other row."""
+    harmful = {str(o["call_id"]) for o in outcomes
+               if o["kind"] == penalties.harmful_edit_kind and o.get("call_id") and float(o["value"]) >= 0.5}
+    return {eid: penalties.harmful_prune for eid, t in made.items() if harmful.intersection(t.calls)}
 
 
 def detail(stats: ParlStats) -> dict[str, Any]:

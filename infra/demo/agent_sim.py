@@ -76,6 +76,10 @@ class AgentSimConfig:
     max_turns: int = setting(3, "model replies allowed per part")
     max_tokens: int = setting(40, "max_tokens per model call (a tool call is about 20-30 tokens)")
     temperature: float = setting(1.0, "sampling temperature (1.0: the policy's own distribution, what RL needs)")
+    scenario: str = setting("tool_use", "tool_use (tasks.py's sessions) or swarm (infra/demo/swarm.py: the policy decides "
+                                        "to spawn sub-agents, summarise or prune its context)")
+    swarm_long_share: float = setting(0.4, "swarm: share of long multi-turn sessions (the rest are multi-part requests)")
+    swarm_context_budget_chars: int = setting(260, "swarm: history size (chars) past which a long session's model call is refused")
     context_budget_chars: int = setting(150, "history length (chars) past which the agent summarises failed attempts (two failed calls exceed it)")
     handoff: Path = setting(DEFAULT_HANDOFF, "JSONL file finished sessions are appended to (the verifier reads it)")
     tokenizer: str = setting(defaults.BASE_MODEL_DIR, "model dir whose tokenizer.json counts context-edit tokens ('' = estimate)")
@@ -96,6 +100,10 @@ class AgentSimConfig:
             raise ConfigError(f"concurrency: must be >= 1, got {self.concurrency}")
         if not 0.0 <= self.multi_share <= 1.0:
             raise ConfigError(f"multi_share: must be in [0, 1], got {self.multi_share}")
+        if self.scenario not in ("tool_use", "swarm"):
+            raise ConfigError(f"scenario: {self.scenario!r} is not tool_use or swarm")
+        if not 0.0 <= self.swarm_long_share <= 1.0:
+            raise ConfigError(f"swarm_long_share: must be in [0, 1], got {self.swarm_long_share}")
         if self.max_turns < 1 or self.max_tokens < 1:
             raise ConfigError("max_turns and max_tokens must be >= 1")
 
@@ -319,8 +327,33 @@ class AgentSim:
                                           on_turn=on_turn, on_compact=on_compact)
         return answer, {"agent_id": agent.agent_id, "calls": calls}
 
+    def reply_generate(self, task_type: str) -> Any:
+        """generate(agent, messages) -> swarm.Reply for the swarm scenario: the reply's text and its completion
+        token ids, which the proxy returns when asked (return_token_ids), so a summary the model writes is
+        logged with exactly the tokens of its own llm_call."""
+        from flywheel.demo.swarm import Reply, reply_token_ids
+
+        def generate(agent: Any, messages: list[tasks.Message]) -> Reply:
+            headers = {H_SESSION: agent.session_id, H_AGENT: agent.agent_id, H_TASK: task_type}
+            if agent.parent_agent_id:
+                headers[H_PARENT] = str(agent.parent_agent_id)
+            resp = self.client.chat.completions.create(
+                model=self.cfg.model, messages=messages, max_tokens=self.cfg.max_tokens,
+                temperature=self.cfg.temperature, extra_headers=headers, timeout=self.cfg.request_timeout_s,
+                extra_body={"return_token_ids": True})
+            self.counts.add("llm_calls")
+            choice = resp.choices[0]
+            return Reply(choice.message.content or "", reply_token_ids(choice))
+
+        return generate
+
     # ---------------------------------------------------------------- one session
     def run_session(self) -> None:
+        if self.cfg.scenario == "swarm":
+            from flywheel.demo import swarm
+
+            swarm.run_agent_session(self)  # the policy decides to spawn, summarise, prune (infra/demo/swarm.py)
+            return
         with self.rng_lock:
             spec = tasks.make_task(self.rng, self.cfg.multi_share)
         session_id = uuid.uuid4().hex

@@ -59,7 +59,7 @@ from flywheel.base.config import (
 )
 from flywheel.base.heartbeat import write_status
 from flywheel.base.stop import stop_on_signals
-from flywheel.demo import tasks
+from flywheel.demo import swarm, tasks
 from flywheel.demo.agent_sim import DEFAULT_HANDOFF
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,9 @@ def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random, 
     # the checks below the session a millisecond before its verdict: sent (and landed) first
     out = part_checks(record, ended + cfg.verifier_delay_s - 0.001, line_end)
     out.append(due(ended + cfg.verifier_delay_s, "task_success", 1.0 if ok else 0.0, "verifier"))
+    for call_id, harmful in swarm.harmful_prunes(record, ok):  # swarm sessions: did a prune remove what was needed
+        out.append(Due(ended + cfg.verifier_delay_s - 0.001, session_id, "prune_harmful", 1.0 if harmful else 0.0,
+                       "verifier", outcome_id(session_id, f"prune_harmful/{call_id}", "verifier"), line_end, None, call_id))
     if rng.random() < cfg.user_share:
         accepted = ok if rng.random() >= cfg.user_noise else not ok
         delay = rng.uniform(cfg.user_delay_s_min, cfg.user_delay_s_max)
@@ -180,7 +183,8 @@ def part_checks(record: dict[str, Any], at: float, line_end: int = 0) -> list[Du
             cid = str(call["call_id"])
             out.append(Due(at, session_id, "call_correct", value, "verifier",
                            outcome_id(session_id, f"call_correct/{cid}", "verifier"), line_end, agent, cid))
-        if spec.multi:
+        # a swarm orchestrator that solved the parts itself is checked by the session's verdict, not part by part
+        if spec.multi and agent != record.get("main_agent_id"):
             answer = answers[i] if i < len(answers) and isinstance(answers[i], str) else None
             out.append(Due(at, session_id, "task_success", 1.0 if tasks.check_part(part, answer) else 0.0, "verifier",
                            outcome_id(session_id, f"task_success/{agent}", "verifier"), line_end, agent))
@@ -444,7 +448,7 @@ def run(cfg: OutcomeSimConfig) -> int:
     # the verifier's verdicts go out now, due or not; a user signal still queued is owed to the next
     # run (the cursor stays before its line), as a user who has not answered yet may still answer
     sim.read_new()
-    sim.send_due(time.time(), kinds=("task_success", "call_correct"))
+    sim.send_due(time.time(), kinds=("task_success", "call_correct", "prune_harmful"))
     confirmed = sim.confirm(30.0)
     sim.commit()
     reporter.close()

@@ -1,0 +1,485 @@
+"""The swarm scenario (`flywheel demo --scenario swarm`): spawning sub-agents, summarising and pruning the
+context are actions the policy takes, logged with the SDK so the loop can train them.
+
+    flywheel agent-sim --scenario swarm ...      (the demo starts it so)
+
+Two kinds of session, both built from the tool-use parts of infra/demo/tasks.py:
+
+* multi: one request with 3-4 independent parts ("add 3 and 4; weather in oslo; ..."). The policy may solve
+  them itself, one tool call after another and then the joined answer (critical steps n+1: 4-5), or reply with the `spawn` tool,
+  `<tool_call>{"name": "spawn", "arguments": {"tasks": ["add 3 and 4", "weather in oslo"]}}</tool_call>`:
+  the harness starts one sub-agent of the policy per task it wrote, in parallel, each its own agent of
+  the session (SDK spawn_subagent, the proxy logs each sub-agent's calls under its agent id), and the
+  orchestrator's answer is its sub-agents' answers in order. Critical steps: 1 + the slowest sub-agent
+  (usually 2), so splitting pays. Sub-agent i's answer is checked against part i: a task the model
+  wrote wrong, twice or not at all fails its part (PARL's r_finish), and an extra one is spurious.
+* long: 3-4 requests arrive one after another in one conversation, under a context budget (characters
+  of the history). A model call whose history is over the budget is refused and the session fails from
+  there on. Before that, the policy may reply `summarize` (the harness then asks it, in a second
+  llm_call, to "Summarize the conversation so far."; that reply replaces every message before the
+  current request, and the context_edit's summary_token_ids are that call's own completion token ids,
+  as the proxy returned them) or `prune` with message indices to drop ({"drop": [0, 1, 2]}). The
+  hand-off records each prune and whether it dropped the current request or its tool result, so the
+  verifier can tell a harmful prune (outcome `prune_harmful`, rewards.toml's penalties.harmful_prune).
+
+Every action is logged as a tool_call of the agent that decided it (name spawn, summarize or prune), right
+after the llm_call that decided it, so the episode builder charges it to that row (rewards/parl.py
+spawn_decisions, rewards/turns.py). The hand-off line has the tasks.py format (task spec, answers per
+part, per part the agent and its calls), so `flywheel outcome-sim` verifies it unchanged, plus what the
+swarm report counts. Pure Python here except the agent class, which runs inside `flywheel agent-sim`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from flywheel.demo import tasks
+
+log = logging.getLogger(__name__)
+
+SPAWN, SUMMARIZE, PRUNE = "spawn", "summarize", "prune"
+ACTIONS = (SPAWN, SUMMARIZE, PRUNE)
+KINDS = ("multi", "long")
+SUMMARY_REQUEST = "Summarize the conversation so far."
+SUMMARY_PREFIX = "Summary: "
+MAX_CHILDREN = 4  # a spawn asking for more is cut here (the extra ones would only be spurious)
+
+
+@dataclass(frozen=True)
+class SwarmTask:
+    """One swarm session's work: the parts, and whether they come as one request (multi) or one by one (long)."""
+
+    kind: str
+    spec: tasks.TaskSpec
+
+    @property
+    def task_type(self) -> str:
+        """tool_use.swarm_multi / tool_use.swarm_long: rewards.toml's tool_use rules, a baseline per kind."""
+        return f"tool_use.swarm_{self.kind}"
+
+
+def make_swarm_task(rng: random.Random, long_share: float = 0.4, long_parts: int = 4) -> SwarmTask:
+    """A multi-part request (3-4 parts: with 2, serial work costs 3 steps, as many as a spawn) or, with
+    probability long_share, a long session (long_parts-1 or long_parts requests)."""
+    if rng.random() < long_share:
+        kind, n = "long", rng.choice((long_parts - 1, long_parts))
+    else:
+        kind, n = "multi", rng.choice((3, 4))
+    parts = tuple(tasks.make_part(rng) for _ in range(n))
+    return SwarmTask(kind, tasks.TaskSpec(f"w{rng.getrandbits(48):012x}", parts))
+
+
+# ---------------------------------------------------------------------------------------------
+# the actions' format (tasks.py's tool-call protocol, three more tool names)
+# ---------------------------------------------------------------------------------------------
+def format_spawn(subtasks: list[str]) -> str:
+    return tasks.format_tool_call(SPAWN, {"tasks": list(subtasks)})
+
+
+def format_summarize() -> str:
+    return tasks.format_tool_call(SUMMARIZE, {})
+
+
+def format_prune(drop: list[int]) -> str:
+    return tasks.format_tool_call(PRUNE, {"drop": list(drop)})
+
+
+def spawn_tasks(arguments: Any) -> list[str] | None:
+    """The sub-tasks a spawn call asked for (None: not a usable spawn; the call is then malformed)."""
+    got = arguments.get("tasks") if isinstance(arguments, dict) else None
+    if not isinstance(got, list) or not got or not all(isinstance(t, str) for t in got):
+        return None
+    return [t.strip() for t in got[:MAX_CHILDREN]]
+
+
+def prune_indices(arguments: Any, n_messages: int) -> list[int] | None:
+    """The message indices a prune call names, within the history before the prune decision (None: unusable)."""
+    got = arguments.get("drop") if isinstance(arguments, dict) else None
+    if not isinstance(got, list) or not got or not all(isinstance(i, int) and not isinstance(i, bool) for i in got):
+        return None
+    keep = sorted({i for i in got if 0 <= i < n_messages})
+    return keep or None
+
+
+def join_answers(answers: list[str | None]) -> str:
+    return "; ".join(a or "" for a in answers)
+
+
+def split_answer(answer: str | None, n: int) -> list[str | None]:
+    """One answer per part from the orchestrator's "a; b; c" (missing ones None)."""
+    pieces = [p.strip() for p in (answer or "").split(";")] if answer is not None else []
+    return [pieces[i] if i < len(pieces) and pieces[i] else None for i in range(n)]
+
+
+def chars(messages: list[tasks.Message]) -> int:
+    return sum(len(str(m.get("content", ""))) for m in messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# demonstrations for the warm start: the actions' FORMAT, at random places (not when to use them)
+# ---------------------------------------------------------------------------------------------
+Demo = tuple[list[tasks.Message], str]  # (the dialogue so far, the assistant reply to train)
+
+
+def _serial_turns(parts: tuple[tasks.Part, ...]) -> list[Demo]:
+    """A multi-part request solved by the agent itself: a call per part, then the joined answer."""
+    messages: list[tasks.Message] = [{"role": "user", "content": "; ".join(p.text for p in parts)}]
+    out: list[Demo] = []
+    for i, p in enumerate(parts):
+        call = tasks.format_tool_call(p.tool, p.args)
+        out.append((list(messages), call))
+        messages += [{"role": "assistant", "content": call}, tasks.tool_message(tasks.truth(p), f"call{i}")]
+    out.append((list(messages), tasks.format_answer(join_answers([tasks.truth(p) for p in parts]))))
+    return out
+
+
+def _long_turns(parts: tuple[tasks.Part, ...]) -> list[Demo]:
+    """Requests one after another, each a call and an answer, no edits."""
+    messages: list[tasks.Message] = []
+    out: list[Demo] = []
+    for i, p in enumerate(parts):
+        messages.append(tasks.user_message(p))
+        call = tasks.format_tool_call(p.tool, p.args)
+        out.append((list(messages), call))
+        messages += [{"role": "assistant", "content": call}, tasks.tool_message(tasks.truth(p), f"call{i}")]
+        answer = tasks.format_answer(tasks.truth(p))
+        out.append((list(messages), answer))
+        messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def _finished_history(rng: random.Random, n: int) -> list[tasks.Message]:
+    messages: list[tasks.Message] = []
+    for i in range(n):
+        p = tasks.make_part(rng, "train")
+        messages += [tasks.user_message(p), {"role": "assistant", "content": tasks.format_tool_call(p.tool, p.args)},
+                     tasks.tool_message(tasks.truth(p), f"call{i}"),
+                     {"role": "assistant", "content": tasks.format_answer(tasks.truth(p))}]
+    return messages
+
+
+def summary_text(messages: list[tasks.Message]) -> str:
+    """The demonstrated summary: the answers given so far (what a later request could need)."""
+    answers = [m["content"][len("Answer: "):] for m in messages if m["role"] == "assistant"
+               and str(m.get("content", "")).startswith("Answer: ")]
+    return join_answers(answers) if answers else "nothing yet"
+
+
+def demonstrations(rng: random.Random, tool_share: float = 0.2) -> list[Demo]:
+    """One warm-start draw: usually plain swarm dialogues (serial multi-part, long without edits); with
+    probability tool_share a demonstration of one action's format at a random place (spawn on a random
+    request, even a one-part one; summarize or prune at a random point of a history), so the warm start
+    teaches how to write each action but never when it pays."""
+    if rng.random() >= tool_share:
+        parts = tuple(tasks.make_part(rng, "train") for _ in range(rng.choice((1, 2, 3))))
+        return _serial_turns(parts) if rng.random() < 0.5 else _long_turns(parts)
+    action = rng.choice(ACTIONS)
+    if action == SPAWN:
+        parts = tuple(tasks.make_part(rng, "train") for _ in range(rng.choice((1, 2, 3))))
+        return [([{"role": "user", "content": "; ".join(p.text for p in parts)}], format_spawn([p.text for p in parts]))]
+    history = _finished_history(rng, rng.randint(0, 2))
+    current = tasks.make_part(rng, "train")
+    messages = history + [tasks.user_message(current)]
+    if action == SUMMARIZE:
+        return [(messages, format_summarize()),
+                (messages + [{"role": "user", "content": SUMMARY_REQUEST}], summary_text(history))]
+    drop = list(range(len(history))) or [0]
+    return [(messages, format_prune(drop))] if history else [(messages, format_prune([0]))]
+
+
+# ---------------------------------------------------------------------------------------------
+# the harness: one swarm session, against any generate function
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reply:
+    """One model reply: its text and, when the server returned them, its completion token ids."""
+
+    text: str
+    token_ids: list[int] | None = None
+
+
+# generate(agent, messages) -> the reply of the policy as that agent (the agent: the SDK session it logs under)
+Generate = Callable[[Any, list[tasks.Message]], Reply]
+
+
+@dataclass
+class SwarmLimits:
+    max_turns_per_part: int = 3  # model replies per part (edits and spawns not counted)
+    max_edits: int = 3  # summarize/prune actions per session
+    context_budget_chars: int = 260  # history size past which a model call is refused (long sessions: an edit is due by the third request)
+    token_count: Callable[[str], int] = lambda text: max(1, len(text) // 3)
+
+
+@dataclass
+class SwarmResult:
+    """What one session did, for the hand-off line (tasks.py's fields plus the swarm's own)."""
+
+    answers: list[str | None]
+    parts: list[dict[str, Any]]
+    spawned: int = 0
+    spawn_tasks: list[str] = field(default_factory=list)
+    edits: list[dict[str, Any]] = field(default_factory=list)  # {"kind", "call_id", "part", "removed_needed"}
+    overflow: bool = False
+    main_steps: int = 0
+    child_steps: list[int] = field(default_factory=list)
+
+    @property
+    def critical_steps(self) -> int:
+        return self.main_steps + max(self.child_steps, default=0)
+
+
+class SwarmSession:
+    """Runs one SwarmTask as `agent` (an SDK session), with `generate` the policy and `run_parallel` a map that
+    runs callables concurrently (a thread pool in the agent; a plain map in a test)."""
+
+    def __init__(self, task: SwarmTask, agent: Any, generate: Generate, limits: SwarmLimits,
+                 run_parallel: Callable[[list[Callable[[], Any]]], list[Any]] | None = None) -> None:
+        self.task, self.agent, self.generate, self.limits = task, agent, generate, limits
+        self.run_parallel = run_parallel or (lambda fns: [f() for f in fns])
+        n = len(task.spec.parts)
+        self.result = SwarmResult([None] * n, [{"agent_id": agent.agent_id, "calls": []} for _ in range(n)])
+
+    # -- logging an action the policy took --------------------------------------------------------
+    def _log_call(self, agent: Any, name: str, arguments: Any, ok: bool, output: str, malformed: bool = False) -> str:
+        call_id = agent.tool_call(name, arguments, malformed=malformed or None)
+        agent.tool_result(call_id, ok=ok, output=output, name=name)
+        return call_id
+
+    def _tool(self, agent: Any, parsed: tasks.ParsedReply, part_index: int | None) -> tasks.Message:
+        """An ordinary tool call (or a malformed reply): run it, log it, return the tool message."""
+        if parsed.kind == "malformed_call":
+            self._log_call(agent, "unparsed", None, False, "error: malformed tool call", malformed=True)
+            return tasks.tool_message("error: malformed tool call", "call")
+        ok, output = tasks.run_tool(parsed.tool or "", parsed.arguments)
+        call_id = self._log_call(agent, parsed.tool or "", parsed.arguments, ok, output)
+        if part_index is not None:
+            self.result.parts[part_index]["calls"].append({"call_id": call_id, "tool": parsed.tool,
+                                                           "arguments": parsed.arguments})
+        return tasks.tool_message(output, call_id)
+
+    def _part_of(self, parsed: tasks.ParsedReply) -> int:
+        """The part an orchestrator's own tool call works on: the first unsolved part it matches, else the first unsolved."""
+        open_parts = [i for i, d in enumerate(self.result.parts) if not d.get("solved")]
+        for i in open_parts:
+            if tasks.call_matches(self.task.spec.parts[i], parsed.tool, parsed.arguments):
+                self.result.parts[i]["solved"] = True
+                return i
+        return open_parts[0] if open_parts else 0
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def run(self) -> SwarmResult:
+        if self.task.kind == "multi":
+            self._run_multi()
+        else:
+            self._run_long()
+        for d in self.result.parts:
+            d.pop("solved", None)
+        return self.result
+
+    def _run_multi(self) -> None:
+        spec, n = self.task.spec, len(self.task.spec.parts)
+        messages: list[tasks.Message] = [{"role": "user", "content": spec.text}]
+        for _ in range(self.limits.max_turns_per_part * n):
+            reply = self.generate(self.agent, messages)
+            self.result.main_steps += 1
+            parsed = tasks.parse_reply(reply.text)
+            messages.append({"role": "assistant", "content": reply.text})
+            if parsed.kind == "answer":
+                self.result.answers = split_answer(parsed.answer, n)
+                return
+            if parsed.kind == "tool_call" and parsed.tool == SPAWN:
+                subtasks = spawn_tasks(parsed.arguments)
+                if subtasks is not None:
+                    self._spawn(subtasks)
+                    return
+                self._log_call(self.agent, SPAWN, parsed.arguments, False, "error: spawn needs tasks", malformed=True)
+                messages.append(tasks.tool_message("error: spawn needs tasks", "call"))
+                continue
+            if parsed.kind == "tool_call" and parsed.tool in (SUMMARIZE, PRUNE):
+                messages = self._edit(parsed, messages, current=0)
+                continue
+            index = self._part_of(parsed) if parsed.kind == "tool_call" else None
+            messages.append(self._tool(self.agent, parsed, index))
+
+    def _spawn(self, subtasks: list[str]) -> None:
+        """One sub-agent per task the policy wrote, in parallel; sub-agent i answers part i."""
+        spec = self.task.spec
+        call_id = self._log_call(self.agent, SPAWN, {"tasks": subtasks}, True, f"started {len(subtasks)} sub-agents")
+        children = [self.agent.spawn_subagent(subtask=t) for t in subtasks]
+        self.result.spawned, self.result.spawn_tasks = len(children), list(subtasks)
+        log.debug("swarm: spawn %s -> %d sub-agents", call_id, len(children))
+
+        def solve(i: int, child: Any, text: str) -> tuple[str | None, list[dict[str, Any]], int]:
+            calls: list[dict[str, Any]] = []
+            steps = 0
+
+            def generate(messages: list[tasks.Message]) -> str:
+                nonlocal steps
+                steps += 1
+                return self.generate(child, messages).text
+
+            def on_turn(turn: tasks.Turn) -> None:
+                if turn.parsed.kind == "answer":
+                    return
+                malformed = turn.parsed.kind == "malformed_call"
+                cid = self._log_call(child, turn.parsed.tool or "unparsed", turn.parsed.arguments, bool(turn.tool_ok),
+                                     turn.tool_output or "", malformed=malformed)
+                if not malformed:
+                    calls.append({"call_id": cid, "tool": turn.parsed.tool, "arguments": turn.parsed.arguments})
+
+            # the sub-agent's request is the text the policy wrote, not the user's: a wrong split fails its part
+            part = tasks.Part("add", {}, text)
+            answer, _ = tasks.solve_part(part, generate, self.limits.max_turns_per_part, budget_chars=10_000,
+                                         on_turn=on_turn)
+            return answer, calls, steps
+
+        jobs = [lambda i=i, c=c, t=t: solve(i, c, t) for i, (c, t) in enumerate(zip(children, subtasks))]
+        try:
+            done = self.run_parallel(jobs)
+        except Exception:
+            for c in children:
+                c.finish(ok=False)
+            raise
+        for i, (child, (answer, calls, steps)) in enumerate(zip(children, done)):
+            child.finish(ok=answer is not None)
+            self.result.child_steps.append(steps)
+            if i < len(spec.parts):
+                self.result.answers[i] = answer
+                self.result.parts[i] = {"agent_id": child.agent_id, "calls": calls}
+
+    def _edit(self, parsed: tasks.ParsedReply, messages: list[tasks.Message], current: int) -> list[tasks.Message]:
+        """summarize or prune, decided by the reply just made (the last message); returns the new history."""
+        decision = messages[-1]
+        history = messages[:-1]
+        if len(self.result.edits) >= self.limits.max_edits:
+            self._log_call(self.agent, parsed.tool or "", parsed.arguments, False, "error: no edits left")
+            return history + [decision, tasks.tool_message("error: no edits left", "call")]
+        # the current request: the latest user message before the decision
+        last_user = max((i for i, m in enumerate(history) if m["role"] == "user"), default=0)
+        if parsed.tool == SUMMARIZE:
+            call_id = self._log_call(self.agent, SUMMARIZE, parsed.arguments, True, "summarizing")
+            removed = history[:last_user]
+            summary = self.generate(self.agent, history + [{"role": "user", "content": SUMMARY_REQUEST}])
+            self.result.main_steps += 1
+            kept = history[last_user:]
+            new = ([{"role": "assistant", "content": SUMMARY_PREFIX + summary.text}] if removed else []) + kept
+            self.agent.context_edit(SUMMARIZE, sum(self.limits.token_count(str(m.get("content", ""))) for m in removed),
+                                    summary.token_ids)
+            self.result.edits.append({"kind": SUMMARIZE, "call_id": call_id, "part": current, "removed_needed": False,
+                                      "removed": len(removed)})
+            return new
+        drop = prune_indices(parsed.arguments, len(history))
+        if drop is None:
+            self._log_call(self.agent, PRUNE, parsed.arguments, False, "error: prune needs drop", malformed=True)
+            return history + [decision, tasks.tool_message("error: prune needs drop", "call")]
+        call_id = self._log_call(self.agent, PRUNE, {"drop": drop}, True, f"dropped {len(drop)} messages")
+        removed = [history[i] for i in drop]
+        # what the answer to the current request needs: the request itself and its tool results
+        needed = any(i >= last_user for i in drop)
+        self.agent.context_edit(PRUNE, sum(self.limits.token_count(str(m.get("content", ""))) for m in removed), None)
+        self.result.edits.append({"kind": PRUNE, "call_id": call_id, "part": current, "removed_needed": needed,
+                                  "removed": len(drop)})
+        return [m for i, m in enumerate(history) if i not in set(drop)]
+
+    def _run_long(self) -> None:
+        spec = self.task.spec
+        messages: list[tasks.Message] = []
+        for i, part in enumerate(spec.parts):
+            messages.append(tasks.user_message(part))
+            replies = 0
+            while replies < self.limits.max_turns_per_part:
+                if chars(messages) > self.limits.context_budget_chars:
+                    self.result.overflow = True  # the request is refused: this part and the rest fail
+                    return
+                reply = self.generate(self.agent, messages)
+                self.result.main_steps += 1
+                parsed = tasks.parse_reply(reply.text)
+                messages.append({"role": "assistant", "content": reply.text})
+                if parsed.kind == "answer":
+                    self.result.answers[i] = parsed.answer
+                    break
+                if parsed.kind == "tool_call" and parsed.tool in (SUMMARIZE, PRUNE):
+                    messages = self._edit(parsed, messages, current=i)
+                    continue
+                if parsed.kind == "tool_call" and parsed.tool == SPAWN:
+                    self._log_call(self.agent, SPAWN, parsed.arguments, False, "error: nothing to split here")
+                    messages.append(tasks.tool_message("error: nothing to split here", "call"))
+                    replies += 1
+                    continue
+                messages.append(self._tool(self.agent, parsed, i))
+                replies += 1
+
+
+def handoff_record(session_id: str, main_agent_id: str, task: SwarmTask, result: SwarmResult, ended: float) -> dict[str, Any]:
+    """The verifier's line: tasks.py's fields (task, answers, parts) and what the swarm report and checker need."""
+    return {"session_id": session_id, "task": task.spec.to_json(), "answers": result.answers, "ended": ended,
+            "parts": result.parts, "main_agent_id": main_agent_id, "scenario": "swarm", "kind": task.kind,
+            "spawned": result.spawned, "spawn_tasks": result.spawn_tasks, "edits": result.edits,
+            "overflow": result.overflow, "critical_steps": result.critical_steps}
+
+
+def harmful_prunes(record: dict[str, Any], session_ok: bool) -> list[tuple[str, bool]]:
+    """(call_id, harmful) of each prune in a swarm hand-off line: harmful when the session failed, the prune
+    dropped what the current request needed, and that request's answer is wrong (the checker can tell)."""
+    if record.get("scenario") != "swarm":
+        return []
+    spec = tasks.TaskSpec.from_json(record["task"])
+    answers = record.get("answers") or []
+    out = []
+    for e in record.get("edits") or []:
+        if e.get("kind") != PRUNE or not e.get("call_id"):
+            continue
+        i = int(e.get("part") or 0)
+        answer = answers[i] if i < len(answers) and isinstance(answers[i], str) else None
+        wrong = i < len(spec.parts) and not tasks.check_part(spec.parts[i], answer)
+        out.append((str(e["call_id"]), bool(not session_ok and e.get("removed_needed") and wrong)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the agent: `flywheel agent-sim --scenario swarm`
+# ---------------------------------------------------------------------------------------------
+def reply_token_ids(choice: Any) -> list[int] | None:
+    """The completion token ids the proxy returned with the choice (return_token_ids), if any."""
+    extra = getattr(choice, "model_extra", None) or {}
+    ids = extra.get("token_ids") if isinstance(extra, dict) else None
+    ids = ids if ids is not None else getattr(choice, "token_ids", None)
+    return [int(t) for t in ids] if isinstance(ids, list) else None
+
+
+def run_agent_session(sim: Any) -> None:
+    """One swarm session inside `flywheel agent-sim --scenario swarm` (agent_sim.AgentSim.run_session calls it
+    with itself: its logger, policy client, counters, sub-agent pool and hand-off file)."""
+    with sim.rng_lock:
+        task = make_swarm_task(sim.rng, sim.cfg.swarm_long_share)
+    session_id = uuid.uuid4().hex
+    session = sim.logger.session(task_type=task.task_type, session_id=session_id,
+                                 tags={"task_id": task.spec.task_id, "parts": str(len(task.spec.parts)), "swarm": task.kind})
+    limits = SwarmLimits(max_turns_per_part=sim.cfg.max_turns, context_budget_chars=sim.cfg.swarm_context_budget_chars,
+                         token_count=sim.tokens.count)
+    runner = SwarmSession(task, session, sim.reply_generate(task.task_type), limits,
+                          run_parallel=lambda fns: [f.result() for f in [sim.sub_pool.submit(fn) for fn in fns]])
+    status = "ok"
+    result = runner.result
+    try:
+        result = runner.run()
+        sim.counts.add("subagents", result.spawned)
+        sim.counts.add("context_edits", len(result.edits))
+    except Exception as exc:  # the policy endpoint failed: infrastructure, not a policy outcome
+        status = "error"
+        sim.counts.add("errors")
+        log.warning("agent: swarm session %s failed (%s: %s); ended with status error, not sent to the verifier",
+                    session_id, type(exc).__name__, exc)
+        sim.stop.wait(1.0)  # back off instead of spinning on a dead endpoint
+    session.end(status)
+    sim.counts.add("sessions")
+    if status == "ok":
+        line = json.dumps(handoff_record(session_id, session.agent_id, task, result, time.time())) + "\n"
+        with sim.handoff_lock, open(sim.cfg.handoff, "a") as fh:
+            fh.write(line)  # one write of a whole line, so the verifier never reads half of one

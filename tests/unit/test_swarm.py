@@ -1,0 +1,255 @@
+"""The swarm scenario's harness (infra/demo/swarm.py) with a scripted policy, and its PARL/edit rewards on
+hand-built sessions (rewards/parl.py) and the learner-step annealing (learner/data.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from bench.fixtures import sessions as synthetic
+from flywheel.demo import swarm, tasks
+from flywheel.ingest import schema
+from flywheel.learner.data import parse_row, shaping_scale
+from flywheel.rewards import config, parl
+from flywheel.rewards.session import assemble
+from flywheel.rewards.turns import turns
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+@dataclass
+class Agent:
+    """Records what the harness logs through the SDK's Session surface (tool calls, spawns, context edits)."""
+
+    agent_id: str = "main"
+    session_id: str = "s1"
+    parent_agent_id: str | None = None
+    log: list[tuple[str, Any]] = field(default_factory=list)
+    children: list["Agent"] = field(default_factory=list)
+    finished: bool | None = None
+
+    def tool_call(self, name: str, arguments: Any, malformed: bool | None = None) -> str:
+        cid = f"{self.agent_id}-c{len(self.log)}"
+        self.log.append(("tool_call", (name, cid)))
+        return cid
+
+    def tool_result(self, call_id: str, ok: bool, output: str, name: str | None = None) -> None:
+        self.log.append(("tool_result", call_id))
+
+    def spawn_subagent(self, subtask: str) -> "Agent":
+        child = Agent(f"sub{len(self.children)}", self.session_id, self.agent_id)
+        self.children.append(child)
+        self.log.append(("spawn", subtask))
+        return child
+
+    def finish(self, ok: bool) -> None:
+        self.finished = ok
+
+    def context_edit(self, kind: str, tokens_removed: int, summary_token_ids: list[int] | None) -> None:
+        self.log.append(("context_edit", (kind, tokens_removed, summary_token_ids)))
+
+
+class Policy:
+    """A scripted policy: solves a one-part request right; `plan` says what it does with a multi-part one or a
+    long history. Every reply gets fresh token ids, recorded per agent as the proxy would log them."""
+
+    def __init__(self, plan: str) -> None:
+        self.plan = plan
+        self.calls: list[tuple[str, str, list[int]]] = []  # (agent, reply, completion ids)
+
+    def reply(self, agent: Agent, messages: list[tasks.Message]) -> swarm.Reply:
+        text = self._text(messages)
+        if self.plan == "prune_needed" and '"prune"' in text:
+            self.pruned = True
+        ids = [random.randrange(512) for _ in range(len(text) // 3 + 1)]
+        self.calls.append((agent.agent_id, text, ids))
+        return swarm.Reply(text, ids)
+
+    def _text(self, messages: list[tasks.Message]) -> str:
+        last = messages[-1]
+        if self.plan == "prune_needed":  # drops the tool result it needs, then cannot answer
+            if last["role"] == "tool":
+                return swarm.format_prune([len(messages) - 1]) if not getattr(self, "pruned", False) else "Answer: ?"
+            if getattr(self, "pruned", False):
+                return "Answer: lost"
+        if last["content"] == swarm.SUMMARY_REQUEST:
+            return swarm.summary_text(messages)
+        if last["role"] == "tool":
+            return tasks.format_answer(last["content"]) if ";" not in messages[0]["content"] else self._next_serial(messages)
+        request = last["content"]
+        if ";" in request:
+            texts = [t.strip() for t in request.split(";")]
+            if self.plan == "spawn":
+                return swarm.format_spawn(texts)
+            if self.plan == "spurious":
+                return swarm.format_spawn([texts[0], texts[0]])
+            return self._next_serial(messages)
+        if self.plan == "summarize" and swarm.chars(messages) > 100 and len(messages) > 2:
+            return swarm.format_summarize()
+        part = _part_of_text(request)
+        return tasks.format_tool_call(part.tool, part.args)
+
+    def _next_serial(self, messages: list[tasks.Message]) -> str:
+        texts = [t.strip() for t in messages[0]["content"].split(";")]
+        results = [m["content"] for m in messages if m["role"] == "tool"]
+        if len(results) == len(texts):
+            return tasks.format_answer(swarm.join_answers(results))
+        part = _part_of_text(texts[len(results)])
+        return tasks.format_tool_call(part.tool, part.args)
+
+
+def _part_of_text(text: str) -> tasks.Part:
+    for tool, args, phrasing in tasks.task_space():
+        if tasks.prompt_text(tool, args, phrasing) == text:
+            return tasks.Part(tool, args, text)
+    raise AssertionError(f"no part reads {text!r}")
+
+
+def _task(kind: str, n: int, seed: int = 3) -> swarm.SwarmTask:
+    rng = random.Random(seed)
+    return swarm.SwarmTask(kind, tasks.TaskSpec("t1", tuple(tasks.make_part(rng) for _ in range(n))))
+
+
+def test_a_model_spawn_runs_one_sub_agent_per_task_it_wrote_and_pays_in_critical_steps() -> None:
+    task, main, policy = _task("multi", 3), Agent(), Policy("spawn")
+    result = swarm.SwarmSession(task, main, policy.reply, swarm.SwarmLimits()).run()
+    assert [c.agent_id for c in main.children] == ["sub0", "sub1", "sub2"] and all(c.finished for c in main.children)
+    assert tasks.check(task.spec, result.answers), result.answers
+    assert [p["agent_id"] for p in result.parts] == ["sub0", "sub1", "sub2"]
+    assert main.log[0] == ("tool_call", ("spawn", "main-c0")), "the spawn is logged as the orchestrator's own tool call"
+    assert result.critical_steps == 1 + 2, result
+    serial = swarm.SwarmSession(task, Agent(), Policy("serial").reply, swarm.SwarmLimits()).run()
+    assert tasks.check(task.spec, serial.answers) and serial.spawned == 0
+    assert serial.critical_steps == 3 + 1, f"serial: a call per part and the answer, got {serial.critical_steps}"
+    record = swarm.handoff_record("s1", "main", task, serial, 0.0)
+    assert {p["agent_id"] for p in record["parts"]} == {"main"} and record["main_agent_id"] == "main"
+
+
+def test_a_spurious_spawn_fails_the_part_it_left_out() -> None:
+    task = _task("multi", 2)
+    result = swarm.SwarmSession(task, Agent(), Policy("spurious").reply, swarm.SwarmLimits()).run()
+    assert result.spawned == 2 and result.spawn_tasks[0] == result.spawn_tasks[1]
+    assert tasks.check_part(task.spec.parts[0], result.answers[0]) and not tasks.check(task.spec, result.answers)
+
+
+def test_the_summary_tokens_are_the_models_own_completion() -> None:
+    task, main, policy = _task("long", 4), Agent(), Policy("summarize")
+    result = swarm.SwarmSession(task, main, policy.reply, swarm.SwarmLimits(context_budget_chars=200)).run()
+    edits = [x for kind, x in main.log if kind == "context_edit"]
+    assert edits and all(e[0] == "summarize" and e[1] > 0 for e in edits), main.log
+    wrote = [ids for _, text, ids in policy.calls if not text.startswith(("<tool_call>", "Answer:"))]
+    assert [e[2] for e in edits] == wrote, "summary_token_ids must be the completion of the call that wrote each summary"
+    assert not result.overflow and tasks.check(task.spec, result.answers), result
+    # the same policy without the action overflows the budget and fails the rest of the session
+    plain = swarm.SwarmSession(task, Agent(), Policy("serial").reply, swarm.SwarmLimits(context_budget_chars=200)).run()
+    assert plain.overflow and not tasks.check(task.spec, plain.answers)
+
+
+def test_a_prune_of_the_current_tool_result_is_harmful_when_the_part_then_fails() -> None:
+    task, main = _task("long", 3), Agent()
+    result = swarm.SwarmSession(task, main, Policy("prune_needed").reply, swarm.SwarmLimits(max_edits=1)).run()
+    record = swarm.handoff_record("s1", "main", task, result, 0.0)
+    ok = tasks.check(task.spec, result.answers)
+    verdicts = swarm.harmful_prunes(record, ok)
+    assert verdicts and result.edits[0]["removed_needed"], result.edits
+    assert not ok and verdicts == [(result.edits[0]["call_id"], True)], (verdicts, result)
+    # the same prune in a session that succeeded harmed nothing the checker can see
+    assert swarm.harmful_prunes(record, True) == [(result.edits[0]["call_id"], False)]
+
+
+def test_warm_start_teaches_the_actions_format_on_a_minority() -> None:
+    rng = random.Random(0)
+    replies = [reply for _ in range(2000) for _, reply in swarm.demonstrations(rng, tool_share=0.2)]
+    actions = sum(any(f'"name": "{a}"' in r for a in swarm.ACTIONS) for r in replies)
+    assert 0.03 < actions / len(replies) < 0.2, f"{actions} of {len(replies)} replies are actions"
+    for r in replies:
+        parsed = tasks.parse_reply(r)
+        assert parsed.kind in ("tool_call", "answer"), r
+
+
+# ---------------------------------------------------------------------------------------------
+# rewards on hand-built sessions
+# ---------------------------------------------------------------------------------------------
+def _rows(events: list[dict]) -> list[dict]:
+    return [e | {"ts": schema.parse_ts(e["ts"])} for e in events]
+
+
+def _session(spawn: list[str] | None) -> tuple[Any, dict, list[dict]]:
+    b = synthetic.SessionBuilder("s1", T0, task_type="tool_use.swarm_multi").begin()
+    decide = b.llm_call()
+    if spawn is not None:
+        b.tool()
+        for i, text in enumerate(spawn):
+            b.spawn(f"k{i}")
+            b.events[-1]["subtask"] = text
+        for i in range(len(spawn)):
+            b.llm_call(agent=f"k{i}", parent="main")
+            b.finish(f"k{i}", ok=True)
+    else:
+        b.llm_call()
+    b.end()
+    checks = [synthetic.outcome("s1", "task_success", 1.0, T0, agent_id="k0") | {"ts": T0}]
+    return assemble("s1", _rows(b.events)), decide, checks
+
+
+def test_parl_terms_go_to_the_spawn_decision_row_only() -> None:
+    cfg = config.ParlSettings(lambda1=0.4, lambda2=0.2, parallel_cap=4, anneal_clock="learner_step")
+    s, decide, checks = _session(["add 3 and 4", "weather in oslo"])
+    shaped = parl.row_shaping(s, cfg, checks)
+    assert list(shaped) == [decide["event_id"]], "only the orchestrator's deciding call is shaped"
+    row = shaped[decide["event_id"]]
+    assert (row.n_spawned, row.n_verified, row.n_spurious) == (2, 1, 0)
+    assert row.r_parallel == pytest.approx(0.4 * 2 / 4) and row.r_finish == pytest.approx(0.2 * 1 / 2)
+    # no spawn: nothing shaped
+    s, _, checks = _session(None)
+    assert parl.row_shaping(s, cfg, checks) == {}
+    # spurious: the same sub-task twice (and an empty one) count, and r_finish only pays verified parts
+    s, decide, checks = _session(["add 3 and 4", "add 3  and 4", ""])
+    row = parl.row_shaping(s, cfg, checks)[decide["event_id"]]
+    assert (row.n_spawned, row.n_spurious) == (3, 2) and row.r_finish == pytest.approx(0.2 / 3)
+    # harness spawns (no llm_call of the agent before them) shape nothing
+    b = synthetic.SessionBuilder("s2", T0).begin()
+    b.spawn("k0")
+    b.llm_call(agent="k0", parent="main")
+    b.end()
+    assert parl.row_shaping(assemble("s2", _rows(b.events)), cfg) == {}
+
+
+def test_policy_version_clock_anneals_to_exactly_zero_and_learner_step_clock_leaves_it_to_the_learner() -> None:
+    by_version = config.ParlSettings(lambda1=0.4, lambda2=0.2, anneal_start=0, anneal_end=5)
+    assert parl.lambdas(by_version, 5) == (0.0, 0.0) and parl.lambdas(by_version, 0) == (0.4, 0.2)
+    by_step = config.ParlSettings(lambda1=0.4, lambda2=0.2, anneal_end=5, anneal_clock="learner_step")
+    assert parl.lambdas(by_step, 50) == (0.4, 0.2)
+    assert [shaping_scale(t, 10, 30) for t in (0, 10, 20, 29)] == [1.0, 1.0, 0.5, pytest.approx(0.05)]
+    assert all(shaping_scale(t, 10, 30) == 0.0 for t in range(30, 200)), "exactly zero from the end step on"
+    assert shaping_scale(10_000, 0, 0) == 1.0, "end 0: the learner does not anneal"
+    with pytest.raises(config.RewardConfigError, match="anneal_clock"):
+        config.parse('[parl]\nanneal_clock = "wall"\n')
+
+
+def test_the_learner_trains_the_shaping_at_its_steps_weight() -> None:
+    row = {"episode_id": "e", "label_version": 1, "task_type": "tool_use.swarm_multi", "policy_version": 0,
+           "prompt_token_ids": [1, 2], "completion_token_ids": [3], "completion_logprobs": [-0.5], "loss_mask": [1],
+           "reward": 1.3, "r_parallel": 0.2, "r_finish": 0.1}
+    ep = parse_row(row, vocab_size=512, max_seq_len=64)
+    assert not isinstance(ep, str), ep
+    assert ep.trained_reward(1.0) == pytest.approx(1.3) and ep.trained_reward(0.0) == pytest.approx(1.0)
+
+
+def test_a_harmful_prune_costs_the_row_that_decided_it() -> None:
+    b = synthetic.SessionBuilder("s1", T0).begin()
+    prune_row = b.llm_call()
+    call_id = b.tool()
+    other = b.llm_call()
+    b.end()
+    s = assemble("s1", _rows(b.events))
+    pens = config.PenaltySettings(harmful_prune=-0.3)
+    harmful = [synthetic.outcome("s1", "prune_harmful", 1.0, T0, call_id=call_id) | {"ts": T0}]
+    assert parl.harmful_prune_penalties(turns(s), harmful, pens) == {prune_row["event_id"]: -0.3}
+    assert other["event_id"] not in parl.harmful_prune_penalties(turns(s), harmful, pens)
+    harmless = [harmful[0] | {"value": 0.0}]
+    assert parl.harmful_prune_penalties(turns(s), harmless, pens) == {}
