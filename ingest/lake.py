@@ -41,6 +41,20 @@ could both win there.
 Readers keep a cursor: {"<source>/<partition>": last offset consumed}. `files_since(cursor)`
 returns the files with anything past it; rows at or below the cursor inside a file that
 straddles it (only after compaction) are filtered by `rows_after_cursor`.
+
+Listing by cursor (the claims are the manifest). Every published file is claimed first
+(`write_file` claims unless its caller already did), and a writer opens each file where the
+last one of its stream ended, offsets missing from the log included, so a stream's claims form
+a chain: the file after one ending at L starts at L + 1, and the claim on L + 1 names its end
+and date, hence its path. `files_since` follows that chain from each stream's cursor + 1: a
+read of the claim and a look at the file per new file, and one missed look per stream when
+nothing is new, so its cost grows with new files and streams, never with the table. A claim
+is made before its file is published, so there is no window in which a published file is
+missing from the manifest; a claimed file not yet published ends the chain until it is (the
+claim fixes its range: the writer, or the next owner, publishes exactly it). A claimed file
+that is gone was merged by a compaction: one listing of the claim's date finds the covering
+file. The whole table is listed only for what the chain cannot know: a reader's first call
+in a process (`full`), a stream new to the cursor, and files written without claims.
 """
 
 from __future__ import annotations
@@ -57,7 +71,7 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from flywheel.base.atomic import Durability, write_json, write_with
 
@@ -167,9 +181,105 @@ def list_files(root: str, table: str) -> list[LakeFile]:
     return _drop_covered(list(_walk_table(fs, base, table)))
 
 
-def files_since(root: str, table: str, cursor: Cursor) -> list[LakeFile]:
-    """Files holding anything past the cursor (the incremental readers' hand-off)."""
-    return [f for f in list_files(root, table) if f.last > cursor.get(f.key, -1)]
+def files_since(root: str, table: str, cursor: Cursor, owns: Callable[[int], bool] | None = None,
+                limit: int | None = None, full: bool = False) -> list[LakeFile]:
+    """Files holding anything past the cursor (the incremental readers' hand-off), by stream and offset.
+
+    Listing by cursor (see "Listing by cursor" in the module docstring): each stream the cursor knows
+    is followed along its claims from its cursor + 1, so the cost grows with the new files and the
+    number of streams, not with the table. The whole table is listed instead when `full` is asked
+    (a reader's first call in a process), or when an owned stream is new to the cursor or has no
+    claims (written before every table was claimed).
+    owns: only streams of these partitions; limit: at most this many files per stream (the first ones).
+    """
+    assert table in TABLES, f"unknown table {table!r}"
+    keep = owns or (lambda partition: True)
+    fs, base = filesystem(root)
+    streams = {s for s in _claimed_streams(fs, base, table) if keep(s[1])}
+    known = {k: v for k, v in cursor.items() if keep(int(k.rsplit("/", 1)[1]))}
+    if full or not known or any(cursor_key(*s) not in known for s in streams) \
+            or len(known) > len({cursor_key(*s) for s in streams} & known.keys()):
+        files = [f for f in list_files(root, table) if keep(f.partition) and f.last > cursor.get(f.key, -1)]
+        return _first_per_stream(files, limit)
+    out: list[LakeFile] = []
+    for source, partition in sorted(streams):
+        out.extend(_follow(fs, base, table, source, partition, known[cursor_key(source, partition)], limit))
+    return out
+
+
+def _first_per_stream(files: list[LakeFile], limit: int | None) -> list[LakeFile]:
+    if limit is None:
+        return files
+    seen: dict[str, int] = {}
+    out = []
+    for f in files:  # ordered by stream and offset
+        seen[f.key] = seen.get(f.key, 0) + 1
+        if seen[f.key] <= limit:
+            out.append(f)
+    return out
+
+
+_STREAM_DIR = re.compile(r"^(?P<source>.+)-(?P<partition>\d{4})$")
+
+
+def _claimed_streams(fs: "pafs.FileSystem", base: str, table: str) -> set[tuple[str, int]]:
+    """(source, partition) of every stream with claims: one level of `_claims/<table>/`, one entry per stream."""
+    import pyarrow.fs as pafs
+
+    found = set()
+    selector = pafs.FileSelector(f"{base}/{CLAIMS_DIR}/{table}", allow_not_found=True)
+    for info in fs.get_file_info(selector):
+        m = _STREAM_DIR.match(info.base_name)
+        if info.type == pafs.FileType.Directory and m is not None:
+            found.add((m["source"], int(m["partition"])))
+    return found
+
+
+def _follow(fs: "pafs.FileSystem", base: str, table: str, source: str, partition: int, after: int,
+            limit: int | None) -> list[LakeFile]:
+    """The stream's published files after offset `after`, along its claims: the file after one ending at L
+    starts at L + 1 (the writers open each file where the last one ended, gaps included), and the claim
+    on L + 1 names its end and date. Stops at the first offset nobody claimed (nothing newer) or claimed
+    but not published (a writer between claim and publish: the next call finds it)."""
+    import pyarrow.fs as pafs
+
+    out: list[LakeFile] = []
+    first = after + 1
+    while limit is None or len(out) < limit:
+        claim_path = _claim_path(base, table, source, partition, first)
+        if fs.get_file_info(claim_path).type == pafs.FileType.NotFound:
+            break
+        with fs.open_input_stream(claim_path) as fh:
+            claim = _parse_claim(first, fh.read().decode())
+        path = f"{base}/{table}/date={claim.date}/{file_name(source, partition, first, claim.last)}"
+        if fs.get_file_info(path).type == pafs.FileType.File:
+            f = LakeFile(table, claim.date, source, partition, first, claim.last, path)
+        else:
+            f = _covering(fs, base, table, claim, source, partition)
+            if f is None:
+                break
+        out.append(f)
+        first = f.last + 1
+    return out
+
+
+def _covering(fs: "pafs.FileSystem", base: str, table: str, claim: Claim, source: str,
+              partition: int) -> LakeFile | None:
+    """The file holding a claimed range whose own file is gone: the covering file a compaction published
+    (it starts at or before the claim and reaches past it, in the claim's date), or None while the claimed
+    file is not published yet. Lists one date of the table: compaction is the only rare path here."""
+    import pyarrow.fs as pafs
+
+    directory = f"{base}/{table}/date={claim.date}"
+    cover = None
+    for info in fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
+        parsed = parse_file_name(info.base_name)
+        if info.type != pafs.FileType.File or parsed is None or parsed[:2] != (source, partition):
+            continue
+        _, _, first, last = parsed
+        if first <= claim.first <= last and (cover is None or last > cover.last):
+            cover = LakeFile(table, claim.date, source, partition, first, last, info.path)
+    return cover
 
 
 def advance(cursor: Cursor, files: Iterable[LakeFile]) -> Cursor:
@@ -256,10 +366,21 @@ def _read_tail(root: str, files: list[LakeFile], column: str, n: int) -> list[An
 
 
 def write_file(root: str, table: str, date: str, source: str, partition: int, first: int, last: int, data: "pa.Table",
-               compression: str = "zstd") -> LakeFile:
-    """Write `data` as one immutable file and publish it atomically under its range name."""
+               compression: str = "zstd", claimed: bool = False) -> LakeFile:
+    """Write `data` as one immutable file and publish it atomically under its range name.
+
+    The range is claimed first unless the caller already did (`claimed`: the lake writer claims before
+    it decides the range), so every published file is on its stream's claim chain, which is how readers
+    list by cursor. A claim already in force must be this range, or a narrower one in the same date that
+    this file covers (a compaction's merged file); anything else would publish a file no reader finds.
+    """
     import pyarrow.parquet as pq
 
+    if not claimed:
+        claim = claim_range(root, table, source, partition, first, last, date)
+        if claim.date != date or claim.last > last:
+            raise ValueError(f"lake: {table} {source}-{partition} {first}..{last} ({date}) conflicts with the claim in "
+                             f"force on {first} (..{claim.last}, {claim.date}); publish exactly the claimed range")
     fs, base = filesystem(root)
     directory = f"{base}/{table}/date={date}"
     fs.create_dir(directory, recursive=True)

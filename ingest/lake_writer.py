@@ -658,7 +658,7 @@ class LakeWriter:
         whole = pa.concat_tables(buf.chunks) if buf.chunks else rows_to_table(buf.table, [])
         data = whole if claim.last >= buf.last else whole.filter(pc.less_equal(whole["_offset"], claim.last))
         lake.write_file(self.cfg.lake_root, buf.table, claim.date, buf.topic, buf.partition, buf.first, claim.last,
-                        data, compression=self.cfg.compression)
+                        data, compression=self.cfg.compression, claimed=True)  # claimed just above
         self.stats.files += 1
         self.stats.rows += data.num_rows
         self.published[tp] = claim.last

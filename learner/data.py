@@ -1,6 +1,7 @@
 """The learner's input: new rows of the episodes table, checked, de-duplicated and batched.
 
-Read path: `lake.files_since(root, "episodes", cursor)` lists files with anything new; every
+Read path: `lake.files_since(root, "episodes", cursor)` lists files with anything new (by the
+cursor: the cost of a poll grows with new files, not with the table); every
 row is validated (`parse_row`), and valid rows wait in `pending` until a step takes them.
 A step takes rows in lake order (`take`; or newest first, see `take`), dropping rows served more
 than K learner steps before the current weights (counted per lag) at the moment the step is
@@ -223,6 +224,7 @@ class EpisodeStream:
         self.pending: list[_Pending] = []
         self._index: dict[str, int] = {}  # episode_id -> position in pending
         self._loaded: list[lake.LakeFile] = []  # files read into memory, in lake order
+        self._listed = False  # whether a poll has listed the whole table (lake.files_since's full)
         self._remaining: Counter = Counter()  # file path -> rows of it still pending
         self.counters: Counter = Counter()  # corrupt, stale, duplicate, relabel_after_train, relabel_replaced
         self._sampling_reasons: set[str] = set()  # unsupported_sampling reasons already logged
@@ -234,7 +236,11 @@ class EpisodeStream:
     def poll(self) -> int:
         """Read files not yet loaded; returns how many valid new rows became pending."""
         loaded = {f.path for f in self._loaded}
-        new_files = [f for f in lake.files_since(self.root, TABLE, self.cursor) if f.path not in loaded]
+        # listed by cursor from past what is already loaded, so a poll costs what is new; the first poll of a
+        # process lists the whole table once (files written before every table was claimed)
+        read_to = lake.advance(self.cursor, self._loaded)
+        new_files = [f for f in lake.files_since(self.root, TABLE, read_to, full=not self._listed) if f.path not in loaded]
+        self._listed = True
         added = 0
         for f in new_files:
             try:

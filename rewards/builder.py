@@ -297,10 +297,15 @@ def _read_columns(root: str, f: lake.LakeFile, names: list[str]) -> "pa.Table":
                             "restore or remove the file, then restart") from exc
 
 
-def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int, owns: Callable[[int], bool] = lambda p: True
-               ) -> tuple[lake.Cursor, list[lake.LakeFile], int]:
-    """The cursor after the next `max_files` new files of the owned partitions, those files, and how many remain after them."""
-    files = [f for f in lake.files_since(root, table, cursor) if owns(f.partition)]
+def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int, owns: Callable[[int], bool] = lambda p: True,
+               full: bool = False) -> tuple[lake.Cursor, list[lake.LakeFile], int]:
+    """The cursor after the next `max_files` new files of the owned partitions, those files, and how many remain after them.
+
+    Listed by cursor (lake.files_since), so a pass costs what is new, not what the lake holds; `full` lists the
+    whole table (a builder's first pass in its process). Each stream is followed for at most max_files + 1
+    files: the pass takes no more, and one past them says that more remain (the count is then a lower bound).
+    """
+    files = lake.files_since(root, table, cursor, owns=owns, limit=max_files + 1, full=full)
     return lake.advance(cursor, files[:max_files]), files[:max_files], max(0, len(files) - max_files)
 
 
@@ -593,6 +598,7 @@ class Builder:
             raise
         self.judge_memo: dict[str, tuple[int | None, str]] = {}
         self.backlog_files = 0  # lake files past this pass's input (catch-up progress)
+        self.listed = False  # whether a pass of this process has listed the whole lake (plan_until's full)
         self.claimed: set[int] = set()  # partitions this process has recorded as its own in the lake
         full = schema.event_arrow_schema()
         self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED])
@@ -704,10 +710,12 @@ class Builder:
         clock = now or dt.datetime.now(dt.timezone.utc)
         max_files = self.cfg.max_files_per_pass
         owns = self.assignment.owns
+        # the first pass of a process lists the whole tables once (files the claim chain cannot reach), then by cursor
+        full, self.listed = not self.listed, True
         events_until, event_files, events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, max_files,
-                                                            owns)
+                                                            owns, full)
         outcomes_until, outcome_files, outcomes_left = plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor,
-                                                                  max_files, owns)
+                                                                  max_files, owns, full)
         self.backlog_files = events_left + outcomes_left
         intent = Intent(
             base_pass=st.pass_no,

@@ -66,8 +66,12 @@ def test_cursor_hand_off(tmp_path: Path) -> None:
     cursor = lake.advance(cursor, new[:1])
     assert cursor == {f"{SRC}/0": 4}
     assert [(f.first, f.last) for f in lake.files_since(str(tmp_path), "events", cursor)] == [(5, 9)]
-    # after compaction a file straddles the cursor: only rows past it are new
+    # mid-compaction (merged file published, originals not yet deleted) the reader keeps to the originals
+    originals = lake.list_all_files(str(tmp_path), "events")
     wide = put(tmp_path, 0, 9)
+    assert [(f.first, f.last) for f in lake.files_since(str(tmp_path), "events", cursor)] == [(5, 9)]
+    # after compaction the merged file straddles the cursor: only rows past it are new
+    lake.delete_files(str(tmp_path), originals)
     (straddling,) = lake.files_since(str(tmp_path), "events", cursor)
     assert straddling == wide
     rows = lake.rows_after_cursor(lake.read_file(str(tmp_path), wide), wide, cursor)
@@ -182,3 +186,78 @@ def test_s3_endpoint_comes_from_the_variables_pyarrow_reads() -> None:
         "https://s3.us-east-1.amazonaws.com"
     with pytest.raises(RuntimeError, match="AWS_SECRET_ACCESS_KEY"):
         lake.s3_endpoint({"AWS_ACCESS_KEY_ID": "k"})
+
+
+def _no_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("files_since walked the whole table on a cursor that knows every stream")
+
+    monkeypatch.setattr(lake, "_walk_table", refuse)
+
+
+def test_listing_by_cursor_follows_the_claims_and_never_walks_the_table(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    root = str(tmp_path)
+    for o in range(0, 300, 3):  # a long history in two dates and two partitions
+        put(tmp_path, o, o + 2, date="2026-11-29" if o < 150 else "2026-11-30")
+        put(tmp_path, o, o + 2, partition=1)
+    everything = lake.files_since(root, "events", {})  # a fresh reader lists the table once
+    assert len(everything) == 200
+    cursor = lake.advance({}, everything)
+    new = [put(tmp_path, 300, 304), put(tmp_path, 305, 305, date="2026-12-01"), put(tmp_path, 300, 301, partition=1)]
+    _no_walk(monkeypatch)
+    assert lake.files_since(root, "events", cursor) == sorted(new, key=lambda f: (f.source, f.partition, f.first))
+    assert lake.files_since(root, "events", lake.advance(cursor, new)) == []
+    # a cursor in the middle gets exactly what the full listing gives past it
+    middle = lake.advance({}, [f for f in everything if f.first < 120])
+    monkeypatch.undo()
+    expected = [f for f in lake.list_files(root, "events") if f.last > middle.get(f.key, -1)]
+    _no_walk(monkeypatch)
+    assert lake.files_since(root, "events", middle) == expected
+    assert lake.files_since(root, "events", middle, owns=lambda p: p == 1, limit=2) == \
+        [f for f in expected if f.partition == 1][:2]
+
+
+def test_a_claimed_range_is_listed_only_once_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = str(tmp_path)
+    cursor = lake.advance({}, [put(tmp_path, 0, 4)])
+    # the lake writer claims, then publishes: a reader in between must wait, not skip the range
+    lake.claim_range(root, "events", SRC, 0, 5, 9, "2026-11-30")
+    _no_walk(monkeypatch)
+    assert lake.files_since(root, "events", cursor) == []
+    published = lake.write_file(root, "events", "2026-11-30", SRC, 0, 5, 9, table(list(range(5, 10))), claimed=True)
+    assert lake.files_since(root, "events", cursor) == [published]
+
+
+def test_a_gap_and_a_dead_letter_range_stay_on_the_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = str(tmp_path)
+    cursor = lake.advance({}, [put(tmp_path, 0, 4)])
+    # offsets 5..7 were deleted by retention (the writer's next file starts where the last ended anyway),
+    # and 10..11 were all dead-lettered (a file of zero rows)
+    gap = lake.write_file(root, "events", "2026-11-30", SRC, 0, 5, 9, table([8, 9]))
+    dead = lake.write_file(root, "events", "2026-11-30", SRC, 0, 10, 11, table([]).cast(table([0]).schema))
+    after = put(tmp_path, 12, 12, date="2026-12-01")
+    _no_walk(monkeypatch)
+    assert lake.files_since(root, "events", cursor) == [gap, dead, after]
+
+
+def test_a_new_stream_or_one_without_claims_is_found_by_listing(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    cursor = lake.advance({}, [put(tmp_path, 0, 4)])
+    other = put(tmp_path, 0, 2, partition=3)  # a partition the cursor has not seen
+    assert lake.files_since(root, "events", cursor) == [other]
+    # a file written before every table was claimed (no claim): the start-up listing (full) finds it
+    import pyarrow.parquet as pq
+
+    legacy = Path(root) / "events" / "date=2026-11-30" / lake.file_name(SRC, 0, 5, 6)
+    pq.write_table(table([5, 6]), legacy)
+    assert [(f.partition, f.first) for f in lake.files_since(root, "events", cursor, full=True)] == [(0, 5), (3, 0)]
+
+
+def test_write_file_refuses_a_range_its_claim_does_not_allow(tmp_path: Path) -> None:
+    put(tmp_path, 0, 9)
+    put(tmp_path, 0, 19)  # wider, same date: a compaction's merged file
+    with pytest.raises(ValueError, match="conflicts with the claim"):
+        put(tmp_path, 0, 4)
+    with pytest.raises(ValueError, match="conflicts with the claim"):
+        put(tmp_path, 0, 9, date="2026-12-01")
