@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
     import duckdb
+    import pyarrow.dataset as pa_dataset
 
 # session_end statuses of an infrastructure error, by default (the gate's rule and the demo report's)
 ERROR_STATUSES = ("error",)
@@ -64,8 +65,8 @@ def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
-def _files_view(con: "duckdb.DuckDBPyConnection", name: str, lake_root: str, table: str, paths: list[str]) -> None:
-    """View `name` over lake files of `table`, columns matched by name across files.
+def lake_view(con: "duckdb.DuckDBPyConnection", name: str, lake_root: str, table: str, paths: list[str]) -> None:
+    """View `name` over lake files of `table` (paths as `lake.list_files` gives them), columns matched by name.
 
     A remote lake (s3://...) is scanned through pyarrow's filesystem, with the endpoint and credentials pyarrow
     reads from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), because DuckDB's own S3 reader is
@@ -75,15 +76,21 @@ def _files_view(con: "duckdb.DuckDBPyConnection", name: str, lake_root: str, tab
     if "://" not in lake_root:
         con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({_sql_list(paths)}, union_by_name = true)")
         return
+    con.register(f"{name}_files", lake_dataset(lake_root, table, paths))
+    con.execute(f"CREATE VIEW {name} AS SELECT * FROM {name}_files")
+
+
+def lake_dataset(lake_root: str, table: str, paths: list[str]) -> "pa_dataset.Dataset":
+    """A pyarrow dataset over lake files of `table` on the lake's filesystem, in the table's schema of today:
+    a column an older file lacks reads as null, as DuckDB's union_by_name does."""
     import pyarrow.dataset as ds
 
     from flywheel.ingest import lake, schema
 
     fs, _ = lake.filesystem(lake_root)
-    # the lake schema of today: a column an older file lacks reads as null, as union_by_name does
-    wanted = {"events": schema.event_arrow_schema, "outcomes": schema.outcome_arrow_schema}[table]()
-    con.register(f"{name}_files", ds.dataset(paths, schema=wanted, filesystem=fs, format="parquet"))
-    con.execute(f"CREATE VIEW {name} AS SELECT * FROM {name}_files")
+    wanted = {"events": schema.event_arrow_schema, "outcomes": schema.outcome_arrow_schema,
+              "episodes": schema.episode_arrow_schema}[table]()
+    return ds.dataset(paths, schema=wanted, filesystem=fs, format="parquet")
 
 
 def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", lake_root: str, outcomes: list[str]) -> None:
@@ -93,7 +100,7 @@ def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", lake_root: str, out
         con.execute("CREATE VIEW oc AS SELECT NULL::VARCHAR AS session_id, NULL::VARCHAR AS kind, "
                     "NULL::DOUBLE AS value, NULL::TIMESTAMPTZ AS ts WHERE false")
         return
-    _files_view(con, "oc_all", lake_root, "outcomes", outcomes)
+    lake_view(con, "oc_all", lake_root, "outcomes", outcomes)
     cols = {r[0] for r in con.execute("DESCRIBE oc_all").fetchall()}
     narrow = " AND ".join(f"{c} IS NULL" for c in ("agent_id", "call_id") if c in cols) or "true"
     con.execute(f"CREATE VIEW oc AS SELECT session_id, kind, value, ts FROM oc_all WHERE {narrow}")
@@ -118,7 +125,7 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone='UTC'")
-        _files_view(con, "ev", lake_root, "events", events)
+        lake_view(con, "ev", lake_root, "events", events)
         has_arm = "arm" in {r[0] for r in con.execute("DESCRIBE ev").fetchall()}
         arm = "min(arm)" if has_arm else "NULL"
         _session_outcomes_view(con, lake_root, outcomes)

@@ -41,6 +41,8 @@ from flywheel.serving.sessions import (
     ERROR_STATUSES,
     SessionRecord,
     epoch,
+    lake_dataset,
+    lake_view,
     mature,
     read_sessions,
 )
@@ -118,33 +120,65 @@ class Facts:
 # ---------------------------------------------------------------------------------------------
 # gathering
 # ---------------------------------------------------------------------------------------------
-def _glob(root: str, table: str) -> str | None:
-    base = Path(root) / table
-    return str(base / "**" / "*.parquet") if any(base.rglob("*.parquet")) else None
+def _lake_files(lake_root: str, table: str) -> list[str]:
+    """Paths of the table's visible files, local or remote (a compaction's originals are not counted twice)."""
+    from flywheel.ingest import lake
+
+    return [f.path for f in lake.list_files(lake_root, table)]
+
+
+def _published_at(lake_root: str, table: str) -> dict[str, float]:
+    """Epoch seconds each file of a lake table was published: its modification time (a lake file is written
+    once, by an atomic rename or a single PUT, and never changed). One listing, local or remote."""
+    import pyarrow.fs as pafs
+
+    from flywheel.ingest import lake
+
+    fs, base = lake.filesystem(lake_root)
+    infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", recursive=True, allow_not_found=True))
+    return {i.path: i.mtime.timestamp() for i in infos if i.type == pafs.FileType.File and i.mtime is not None}
+
+
+def _rows_with_file(lake_root: str, table: str, paths: list[str], columns: list[str], where: Any = None) -> Any:
+    """`columns` of the rows of these lake files matching the pyarrow expression `where`, with each row's file in
+    a `filename` column (what DuckDB's read_parquet(filename=true) gives, on any filesystem pyarrow reaches)."""
+    import pyarrow as pa
+
+    dataset = lake_dataset(lake_root, table, paths)
+    parts = [dataset.schema.empty_table().select(columns).append_column("filename", pa.array([], pa.string()))]
+    for frag in dataset.get_fragments():
+        t = frag.to_table(schema=dataset.schema, columns=columns, filter=where)
+        parts.append(t.append_column("filename", pa.array([frag.path] * t.num_rows, pa.string())))
+    return pa.concat_tables(parts)
 
 
 def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> Facts:
-    """Per-version success and freshness from the lake's events, outcomes and episodes (sessions ending after `since`)."""
+    """Per-version success and freshness from the lake's events, outcomes and episodes (sessions ending after `since`).
+
+    Reads a local or a remote (s3://...) lake alike: files from the lake's listing, rows through DuckDB (remote
+    files as pyarrow datasets, serving.sessions.lake_view), publication times from the filesystem's listing.
+    """
     import duckdb
+    import pyarrow.dataset as ds
 
     facts = Facts()
     con = duckdb.connect()
     con.execute("SET TimeZone='UTC'")
-    events = _glob(lake_root, "events")
-    if events is None:
+    events = _lake_files(lake_root, "events")
+    if not events:
         return facts
-    src = f"read_parquet('{events}', hive_partitioning=true, union_by_name=true, filename=true)"
-    con.execute(f"CREATE VIEW ev AS SELECT * FROM {src}")
-    ends = con.execute(
-        "SELECT session_id, min(ts) AS end_ts, min(filename) AS file FROM ev WHERE type='session_end' AND status='ok' "
-        "AND epoch(ts) >= ? GROUP BY session_id", [since]).fetchall()
-    mtimes: dict[str, float] = {}
+    lake_view(con, "ev", lake_root, "events", events)
+    ended = _rows_with_file(lake_root, "events", events, ["session_id", "ts"],
+                            (ds.field("type") == "session_end") & (ds.field("status") == "ok"))
+    con.register("ended_files", ended)
+    ends = con.execute("SELECT session_id, min(ts) AS end_ts, min(filename) AS file FROM ended_files "
+                       "WHERE epoch(ts) >= ? GROUP BY session_id", [since]).fetchall()
+    con.unregister("ended_files")
+    mtimes = _published_at(lake_root, "events")
     for session_id, end_ts, file in ends:
-        if file not in mtimes:
-            mtimes[file] = os.path.getmtime(file) if os.path.exists(file) else float("nan")
         end = epoch(end_ts)
         facts.session_end_times.append(end)
-        if not math.isnan(mtimes[file]):
+        if file in mtimes:
             # visible in the lake = the moment its file was published (atomic rename)
             facts.session_to_lake_s.append(max(0.0, mtimes[file] - end))
     facts.sessions_total = len(ends)
@@ -153,16 +187,18 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
                       if (r.ended if r.ended is not None else r.started) >= since]
     by_version(facts, error_statuses)
     facts.tool_calls = tool_calls(con)
-    episodes = _glob(lake_root, "episodes")
-    if episodes is not None:
-        rows = con.execute(
-            f"SELECT last_outcome_ts, emitted_ts, filename FROM read_parquet('{episodes}', hive_partitioning=true, "
-            "union_by_name=true, filename=true) WHERE last_outcome_ts IS NOT NULL AND epoch(emitted_ts) >= ?", [since]).fetchall()
+    episodes = _lake_files(lake_root, "episodes")
+    if episodes:
+        emitted = _rows_with_file(lake_root, "episodes", episodes, ["last_outcome_ts", "emitted_ts"],
+                                  ds.field("last_outcome_ts").is_valid())
+        con.register("emitted_files", emitted)
+        rows = con.execute("SELECT last_outcome_ts, emitted_ts, filename FROM emitted_files WHERE epoch(emitted_ts) >= ?",
+                           [since]).fetchall()
         facts.episodes = len(rows)
-        for last_outcome, emitted, file in rows:
-            if file not in mtimes:
-                mtimes[file] = os.path.getmtime(file) if os.path.exists(file) else epoch(emitted)
-            facts.outcome_to_episode_s.append(max(0.0, mtimes[file] - epoch(last_outcome)))
+        mtimes = _published_at(lake_root, "episodes")
+        for last_outcome, emitted_ts, file in rows:
+            published = mtimes.get(file, epoch(emitted_ts))
+            facts.outcome_to_episode_s.append(max(0.0, published - epoch(last_outcome)))
     return facts
 
 
@@ -215,14 +251,15 @@ def learner_facts(facts: Facts, lake_root: str, learner_run_dir: str | None, pol
     if not learner_run_dir or not policies:
         return
     trained_path = Path(learner_run_dir) / "trained.jsonl"
-    episodes = _glob(lake_root, "episodes")
-    if not trained_path.exists() or episodes is None:
+    episodes = _lake_files(lake_root, "episodes")
+    if not trained_path.exists() or not episodes:
         return
     import duckdb
 
-    emitted = dict(duckdb.connect().execute(
-        f"SELECT episode_id, epoch(min(emitted_ts)) FROM read_parquet('{episodes}', hive_partitioning=true, "
-        "union_by_name=true) GROUP BY 1").fetchall())
+    con = duckdb.connect()
+    lake_view(con, "ep", lake_root, "episodes", episodes)
+    emitted = dict(con.execute("SELECT episode_id, epoch(min(emitted_ts)) FROM ep GROUP BY 1").fetchall())
+    con.close()
     for line in trained_path.read_text().splitlines():
         try:
             step_record = json.loads(line)
