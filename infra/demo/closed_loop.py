@@ -57,8 +57,10 @@ from flywheel.demo.plan import (
     outcome_sim_command,
     plan_run,
     policy_v0,
+    for_scenario,
     promote_command,
     proxy_command,
+    scenario_flags,
     tier_env,
 )
 from flywheel.ingest.sdk import LEGACY_SPOOL_ROOT, SPOOL_DIR_ENV
@@ -134,9 +136,15 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
         return {}
     record_path = Path(cfg.warm_model) / "warm_start.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    if not is_model_dir(cfg.warm_model) or record.get("rule") != warm_start.RULE:
-        log.info("demo: warm-starting %s into %s (rule %s)", cfg.base_model, cfg.warm_model, warm_start.RULE)
-        record = warm_start.run(cfg.base_model, cfg.warm_model)
+    if cfg.scenario == "swarm":  # its own policy-v0: the tools' format taught on a minority of demonstrations
+        from flywheel.demo import swarm
+
+        rule, build = swarm.warm_rule(), swarm.warm_start_model
+    else:
+        rule, build = warm_start.RULE, warm_start.run
+    if not is_model_dir(cfg.warm_model) or record.get("rule") != rule:
+        log.info("demo: warm-starting %s into %s (rule %s)", cfg.base_model, cfg.warm_model, rule)
+        record = build(cfg.base_model, cfg.warm_model)
     return record
 
 
@@ -144,10 +152,13 @@ def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
     from flywheel import stack
     from flywheel.serving.publisher import reload_full
 
-    scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(cfg), vllm_servers=cfg.vllm_servers)
+    # with load_policy_v0_weights the servers run on base_model and get policy-v0's weights by the reload below
+    # (same architecture and tokenizer): a stack shared with other runs is not restarted for another model dir
+    served_dir = cfg.base_model if cfg.load_policy_v0_weights else policy_v0(cfg)
+    scfg = stack.replace_config(stack.load_stack_config([]), base_model=served_dir, vllm_servers=cfg.vllm_servers)
     started = stack.ensure_up(scfg)
     if not stack.vllm_serves_base(scfg):
-        raise stack.StackError(f"vLLM at {scfg.vllm_urls} does not serve {policy_v0(cfg)} as {scfg.served_model_name}")
+        raise stack.StackError(f"vLLM at {scfg.vllm_urls} does not serve {served_dir} as {scfg.served_model_name}")
     # An earlier run may have left its trained weights in place (full reloads keep the served name):
     # start every server from exactly policy-v0's weights, as the publisher does when it restores a
     # version. (no pause: the demo's own traffic has not started yet)
@@ -235,7 +246,7 @@ class Traffic:
         return time.time() - self.traffic_start
 
     def start_training(self) -> None:
-        self.procs.start("learner", learner_command(self.cfg, self.plan, self.ends),
+        self.procs.start("learner", learner_command(self.cfg, self.plan, self.ends) + scenario_flags(self.cfg, "learner"),
                          env=tier_env(self.cfg, self.plan, self.ends))
         self.procs.start("promote", promote_command(self.cfg, self.plan, self.ends))
         self.training = True
@@ -366,11 +377,11 @@ def start_processes(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, procs: Proc
     """The loop's processes up to the agent, whose start begins the traffic phase (the learner and the
     gate start later, from Traffic.tick)."""
     procs.start("lake-writer", lake_writer_command(plan, ends))
-    procs.start("episodes", episodes_command(plan))
+    procs.start("episodes", episodes_command(plan) + scenario_flags(cfg, "episodes"))
     procs.start("proxy", proxy_command(plan, ends), env=tier_env(cfg, plan, ends))
     procs.start("outcome-sim", outcome_sim_command(plan, ends))
     _wait_for_proxy(ends.proxy_port, procs)
-    procs.start("agent-sim", agent_sim_command(cfg, plan, ends))
+    procs.start("agent-sim", agent_sim_command(cfg, plan, ends) + scenario_flags(cfg, "agent-sim"))
     return Traffic(cfg, plan, ends, procs, started_at)
 
 
@@ -410,10 +421,23 @@ def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, wa
                "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}
     summary = report.write_run_report(cfg.report_dir, cfg, plan, ends.tracking_uri, context, final_since(plan),
                                       since=started_at)
+    if cfg.scenario == "swarm":
+        summary = swarm_section(cfg, plan, summary, started_at)
     record_evidence(cfg, summary, warm, started_at)
     console.print(Path(cfg.report_dir, "report.md").read_text())
     print(json.dumps(summary))
     return summary
+
+
+def swarm_section(cfg: DemoConfig, plan: RunPlan, summary: dict[str, Any], started_at: float) -> dict[str, Any]:
+    """The swarm scenario's section of report.md and its summary.json keys (infra/demo/swarm_report.py)."""
+    from flywheel.demo import swarm_report
+    from flywheel.demo.plan import SWARM_REWARDS
+    from flywheel.rewards.config import load
+
+    parl = load(SWARM_REWARDS).parl
+    return swarm_report.write(Path(cfg.report_dir), plan.handoff, str(plan.lake_root), plan.learner_dir,
+                              (parl.lambda1, parl.lambda2), started_at, summary)
 
 
 def record_evidence(cfg: DemoConfig, summary: dict[str, Any], warm: dict[str, Any], started_at: float) -> Path:
@@ -434,6 +458,7 @@ def run(cfg: DemoConfig) -> int:
 
     console = Console()
     t_setup = time.time()
+    cfg = for_scenario(cfg)
     plan = set_up(cfg, t_setup)
     warm = ready_models(cfg)
     scfg, stack_started, ends = start_stack(cfg, plan)

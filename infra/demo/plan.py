@@ -96,6 +96,13 @@ class DemoConfig:
     keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop everything it started)")
     live: bool = setting(True, "show the rich live view (off: a log line every 30 s)")
     run_id: str = setting("", "name of this run (default: demo-<utc time>)")
+    load_policy_v0_weights: bool = setting(False, "start vLLM on base_model and load policy-v0's weights into it (same "
+                                                  "architecture) instead of serving the warm model's folder: a shared "
+                                                  "stack is not restarted (the swarm integration test)")
+    scenario: str = setting("tool_use", "tool_use (the default loop) or swarm (infra/demo/swarm.py: the policy decides to "
+                                        "spawn sub-agents, summarise or prune; docs/swarm.md)")
+    shaping_anneal_end_step: int = setting(40, "swarm: learner step from which the PARL shaping is exactly 0 (about a "
+                                               "third of a 20-minute run's steps, so the last third trains on outcomes alone)")
 
     def check(self) -> None:
         if self.minutes <= 0:
@@ -112,12 +119,42 @@ class DemoConfig:
             raise ConfigError(f"control_share ({self.control_share}) and challenger_share ({self.challenger_share}): each "
                               "must be a share within [0, 1) and the two must sum to at most 1")
         gate_rule(self).check_rule()
+        if self.scenario not in SCENARIOS:
+            raise ConfigError(f"scenario: {self.scenario!r} is not one of {SCENARIOS}")
+        if self.shaping_anneal_end_step < 1:
+            raise ConfigError(f"shaping_anneal_end_step: must be >= 1, got {self.shaping_anneal_end_step}")
 
 
 def gate_rule(cfg: DemoConfig) -> GateRule:
     """The demo's promotion rule: the one place it is built (the gate's flags and the report read it)."""
     return GateRule(alpha=cfg.gate_alpha, tau=cfg.gate_tau, margin=cfg.gate_margin, min_sessions=cfg.gate_min_sessions,
                     max_sessions=cfg.gate_max_sessions, maturity_s=cfg.gate_maturity_s)
+
+
+SCENARIOS = ("tool_use", "swarm")
+SWARM_REWARDS = Path(__file__).with_name("swarm_rewards.toml")
+SWARM_WARM_MODEL = Path("var/models/tiny-swarm-warm")
+SWARM_MAX_TOKENS = 96  # a spawn of 4 sub-tasks is about 60 tokens of the tiny model's BPE
+
+
+def for_scenario(cfg: DemoConfig) -> DemoConfig:
+    """The config a scenario runs with: the swarm's policy-v0 is its own warm start (the tools' format), unless
+    warm_model was set to something other than the default."""
+    import dataclasses
+
+    if cfg.scenario == "swarm" and Path(cfg.warm_model) == Path("var/models/tiny-warm"):
+        return dataclasses.replace(cfg, warm_model=SWARM_WARM_MODEL)
+    return cfg
+
+
+def scenario_flags(cfg: DemoConfig, process: str) -> list[str]:
+    """Flags a scenario adds to a process's command (after the command's own: the last of a repeated flag wins)."""
+    if cfg.scenario != "swarm":
+        return []
+    return {"agent-sim": ["--scenario", "swarm", "--max-tokens", str(SWARM_MAX_TOKENS)],
+            "episodes": ["--rewards-toml", str(SWARM_REWARDS)],
+            "learner": ["--shaping-anneal-start-step", "0", "--shaping-anneal-end-step", str(cfg.shaping_anneal_end_step)],
+            }.get(process, [])
 
 
 def policy_v0(cfg: DemoConfig) -> Path:

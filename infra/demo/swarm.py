@@ -483,3 +483,37 @@ def run_agent_session(sim: Any) -> None:
         line = json.dumps(handoff_record(session_id, session.agent_id, task, result, time.time())) + "\n"
         with sim.handoff_lock, open(sim.cfg.handoff, "a") as fh:
             fh.write(line)  # one write of a whole line, so the verifier never reads half of one
+
+
+# ---------------------------------------------------------------------------------------------
+# the warm start of the swarm scenario's policy-v0
+# ---------------------------------------------------------------------------------------------
+WARM_RULE = "swarm-actions-20pct"  # appended to warm_start.RULE in the model's warm_start.json
+WARM_TOOL_SHARE = 0.2
+
+
+def warm_demos(rng: random.Random, n: int, tool_share: float = WARM_TOOL_SHARE) -> list[Demo]:
+    """n (dialogue so far, reply) pairs for one warm-start batch (demonstrations(): actions on a minority)."""
+    out: list[Demo] = []
+    while len(out) < n:
+        out += demonstrations(rng, tool_share)
+    return out[:n]
+
+
+def warm_rule() -> str:
+    from flywheel.demo import warm_start
+
+    return f"{warm_start.RULE}+{WARM_RULE}"
+
+
+def warm_start_model(base_dir: Any, out_dir: Any, settings: Any = None, tool_share: float = WARM_TOOL_SHARE) -> dict[str, Any]:
+    """The swarm's policy-v0: warm_start.run's stopping rule (held-out loss of one-part demonstrations), trained on
+    warm_demos batches. Returns the record written to out_dir/warm_start.json. settings and tool_share: a test's
+    shorter, action-heavier build (the demo uses the defaults)."""
+    import functools
+
+    from flywheel.demo import warm_start
+
+    log.info("swarm: warm start with the actions' format on %.0f%% of the draws", 100 * tool_share)
+    return warm_start.run(base_dir, out_dir, settings, demos=functools.partial(warm_demos, tool_share=tool_share),
+                          rule=warm_rule())

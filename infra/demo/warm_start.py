@@ -25,7 +25,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from flywheel.base.atomic import Durability, publish
 from flywheel.demo import tasks
@@ -97,6 +97,20 @@ def _examples(tok: Any, parts: list[tasks.Part]) -> list[Example]:
             completion_ids = tok(demo[k]["content"] + eos, add_special_tokens=False)["input_ids"]
             out.append((prompt_ids, completion_ids))
     return out
+
+
+def dialogue_examples(tok: Any, demos: list[tuple[list[tasks.Message], str]]) -> list[Example]:
+    """(prompt ids, completion ids) of (dialogue so far, assistant reply) pairs, rendered as _examples renders them."""
+    out: list[Example] = []
+    for messages, reply in demos:
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append((tok(prompt, add_special_tokens=False)["input_ids"],
+                    tok(reply + tok.eos_token, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+# demos(rng, n) -> n (dialogue so far, reply) pairs: a scenario's own training draws (infra/demo/swarm.py)
+Demos = Callable[[random.Random, int], list[tuple[list[tasks.Message], str]]]
 
 
 def _batch(examples: list[Example], pad_id: int) -> tuple[Any, Any, Any]:
@@ -177,13 +191,17 @@ def _success(model: Any, tok: Any, parts: list[tasks.Part], s: WarmStartSettings
     return {"success": rate, "first_call_correct": calls, "example": [parts[0].text, first[0] if first else ""]}
 
 
-def _train_step(model: Any, tok: Any, opt: Any, s: WarmStartSettings, step: int, rng: random.Random) -> float:
+def _train_step(model: Any, tok: Any, opt: Any, s: WarmStartSettings, step: int, rng: random.Random,
+                demos: Demos | None = None) -> float:
     import torch
 
     for group in opt.param_groups:  # linear decay to 10%: a constant 2e-3 diverged after 350 steps here
         group["lr"] = s.lr * max(0.1, 1.0 - step / s.max_steps)
-    parts = [tasks.make_part(rng, "train") for _ in range(s.batch_size // 2)]
-    ids, labels, mask = _batch(_examples(tok, parts), tok.pad_token_id)
+    if demos is not None:
+        examples = dialogue_examples(tok, demos(rng, s.batch_size))
+    else:
+        examples = _examples(tok, [tasks.make_part(rng, "train") for _ in range(s.batch_size // 2)])
+    ids, labels, mask = _batch(examples, tok.pad_token_id)
     loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     opt.zero_grad()
     loss.backward()
@@ -192,7 +210,8 @@ def _train_step(model: Any, tok: Any, opt: Any, s: WarmStartSettings, step: int,
     return float(loss.detach())
 
 
-def train(model: Any, tok: Any, s: WarmStartSettings) -> tuple[int, int, list[dict[str, Any]], float]:
+def train(model: Any, tok: Any, s: WarmStartSettings, demos: Demos | None = None
+          ) -> tuple[int, int, list[dict[str, Any]], float]:
     """Train until the stopping rule says stop (or max_steps); load the best-loss weights.
 
     Returns (kept step, last step trained, the history of evaluations, seconds)."""
@@ -207,7 +226,7 @@ def train(model: Any, tok: Any, s: WarmStartSettings) -> tuple[int, int, list[di
     t0 = time.time()
     step = 0
     while step < s.max_steps:
-        train_loss = _train_step(model, tok, opt, s, step, rng)
+        train_loss = _train_step(model, tok, opt, s, step, rng, demos)
         step += 1
         if step % s.eval_every and step != s.max_steps:
             continue
@@ -234,7 +253,8 @@ def train(model: Any, tok: Any, s: WarmStartSettings) -> tuple[int, int, list[di
     return best[1], step, history, time.time() - t0
 
 
-def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings | None = None) -> dict[str, Any]:
+def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings | None = None,
+        demos: Demos | None = None, rule: str = RULE) -> dict[str, Any]:
     """Train a copy of the model in base_dir on train-split demonstrations; write it to out_dir (atomically).
 
     Returns the record also written to out_dir/warm_start.json: the kept step, its held-out loss and
@@ -252,10 +272,10 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     log.info("warm start: training %s on train-split demonstrations, early stopping on the held-out loss every %d "
              "steps (patience %d, min delta %.0f%%, at most %d steps)", base_dir, s.eval_every, s.patience,
              100 * s.min_delta, s.max_steps)
-    kept, trained, history, seconds = train(model, tok, s)
+    kept, trained, history, seconds = train(model, tok, s, demos)
     at = next(h for h in history if h["step"] == kept)
     held = tasks.heldout_keys()
-    record = {"rule": RULE, "base_model": str(base_dir), "steps": kept, "steps_trained": trained,
+    record = {"rule": rule, "base_model": str(base_dir), "steps": kept, "steps_trained": trained,
               "stopped_early": trained < s.max_steps, "heldout_loss": at["heldout_loss"],
               "final_success": at["success"], "first_call_correct": at["first_call_correct"],
               "eval_parts": s.eval_parts, "seconds": seconds,

@@ -253,3 +253,25 @@ def test_a_harmful_prune_costs_the_row_that_decided_it() -> None:
     assert other["event_id"] not in parl.harmful_prune_penalties(turns(s), harmful, pens)
     harmless = [harmful[0] | {"value": 0.0}]
     assert parl.harmful_prune_penalties(turns(s), harmless, pens) == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# the report's swarm section (infra/demo/swarm_report.py)
+# ---------------------------------------------------------------------------------------------
+def test_report_compares_the_final_window_and_finds_when_shaping_reached_zero() -> None:
+    from flywheel.demo import swarm_report as sr
+
+    def s(arm: str, version: int, spawned: int, steps: int, ok: bool, kind: str = "multi") -> sr.SwarmSession:
+        return sr.SwarmSession(kind, version, arm, 100.0, ok, spawned, 0, steps, 0)
+
+    window = ([s("control", 0, 0, 4, True)] * 30 + [s("control", 0, 2, 3, True)] * 10
+              + [s("champion", 3, 3, 3, True)] * 36 + [s("champion", 3, 0, 5, False)] * 4 + [s("champion", 3, 0, 9, True, "long")])
+    out = sr.compare(window + [sr.SwarmSession("multi", 3, "champion", 50.0, True, 0, 0, 9, 0)], since=90.0, champion=3)
+    assert (out["parallel_share_control"], out["parallel_share_champion"]) == (0.25, 0.9)
+    assert out["p_value_parallel"] < 0.01 and out["n_multi_champion"] == 40, out
+    assert out["critical_steps_champion"] == pytest.approx(3.2) and out["critical_steps_control"] == pytest.approx(3.75)
+    assert out["success_champion"] == pytest.approx(37 / 41, abs=1e-4) and len(out["success_ci_champion"]) == 2
+    curve = [{"t": 60.0 * m, "step": m, "lambda1": 0.3 * max(0.0, 1 - m / 5), "lambda2": 0.0} for m in range(10)]
+    assert sr.zero_from(curve, 0.0) == 5.0
+    rec = {"task": {"parts": [{}, {}]}, "spawn_tasks": ["add 3 and 4", "Add 3 and 4", "", "weather in oslo"]}
+    assert sr.spurious(rec) == 2 + 2, "a repeat, an empty task, and two past the request's two parts"

@@ -1,0 +1,105 @@
+"""A short swarm run (`flywheel demo --scenario swarm`) against the real Kafka, vLLM and MLflow: the policy's
+own spawn and summary decisions flow through the lake into episodes, with the right rows rewarded.
+
+The policy-v0 is a quick swarm warm start of the tiny base (100 steps, the actions' format on half the
+draws so a 3-minute run sees them; the demo's own uses a fifth), loaded into the test session's two
+servers as weights (load_policy_v0_weights), so the shared stack is not restarted. It says nothing about
+learning; the 20-minute demo's report does.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flywheel import stack as stack_mod
+from flywheel.demo import closed_loop as demo
+from flywheel.demo import swarm
+from flywheel.demo.warm_start import WarmStartSettings
+from flywheel.ingest import lake
+
+pytestmark = pytest.mark.slow
+
+
+def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewarded(
+        stack: stack_mod.StackConfig, base_model_dir: Path, vllm_urls: list[str], tmp_path: Path,
+        vllm_weights_lock: None) -> None:
+    from flywheel.serving.publisher import reload_full
+
+    warm = tmp_path / "swarm-warm"
+    swarm.warm_start_model(base_model_dir, warm, WarmStartSettings(max_steps=100, eval_every=100, patience=1, loss_parts=8,
+                                                                   eval_parts=8, batch_size=16), tool_share=0.5)
+    cfg = demo.DemoConfig(scenario="swarm", minutes=3.0, var_dir=tmp_path / "var", report_dir=tmp_path / "report",
+                          base_model=base_model_dir, warm_model=warm, load_policy_v0_weights=True, concurrency=6,
+                          learner_batch=16, publish_every_steps=2, publish_every_s=30.0, vllm_servers=2,
+                          gate_interval_s=10.0, gate_min_sessions=5, base_sessions=30, measure_s=40.0, drain_s=20.0,
+                          shaping_anneal_end_step=4, keep_stack=True, live=False,
+                          run_id=f"swarm-test-{uuid.uuid4().hex[:8]}")
+    cfg.check()
+    try:
+        assert demo.run(cfg) == 0
+    finally:
+        for url in vllm_urls:  # leave the shared servers on the base weights for everyone else
+            reload_full(url, base_model_dir.resolve(), 0)
+    run_dir = tmp_path / "var" / "demo" / cfg.run_id
+    events = _table(str(run_dir / "lake"), "events")
+    episodes = {r["episode_id"]: r for r in _table(str(run_dir / "lake"), "episodes") if r["label_version"] == 1}
+    by_agent: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for e in sorted(events, key=lambda e: (e["ts"], e["seq"])):
+        by_agent.setdefault((e["session_id"], e["agent_id"]), []).append(e)
+
+    # a spawn the model decided: the orchestrator's llm_call, then its spawn tool call and the subagent_spawn events
+    decisions: dict[str, int] = {}
+    for evs in by_agent.values():
+        last = None
+        for e in evs:
+            if e["type"] == "llm_call":
+                last = e
+            elif e["type"] == "subagent_spawn" and last is not None:
+                decisions[last["event_id"]] = decisions.get(last["event_id"], 0) + 1
+    assert decisions, f"no model-initiated spawn in {len(events)} events"
+    decided_rows = [episodes[eid] for eid in decisions if eid in episodes]
+    assert decided_rows, f"none of {len(decisions)} spawn decisions has an episode row"
+    shaped = {eid for eid, r in episodes.items() if r["r_parallel"] > 0}
+    assert shaped and shaped <= set(decisions), \
+        f"r_parallel on {len(shaped - set(decisions))} rows that decided no spawn (of {len(shaped)} shaped)"
+    child_rows = [r for r in episodes.values() if r["parent_agent_id"] is not None]
+    assert child_rows and all(r["r_parallel"] == 0 and r["r_finish"] == 0 for r in child_rows), \
+        "a sub-agent's row was paid for its parent's spawn"
+
+    # a summary the model wrote: context_edit(summarize) whose token ids are the completion of the agent's call just before
+    summaries = []
+    for evs in by_agent.values():
+        last = None
+        for e in evs:
+            if e["type"] == "llm_call":
+                last = e
+            elif e["type"] == "context_edit" and e["edit_kind"] == "summarize" and last is not None:
+                summaries.append((e, last))
+    assert summaries, "no model-initiated summary"
+    own = [(e, call) for e, call in summaries if list(e["summary_token_ids"] or []) == list(call["completion_token_ids"])]
+    assert len(own) == len(summaries), f"{len(summaries) - len(own)} of {len(summaries)} summaries are not their call's tokens"
+    rewarded = [episodes[call["event_id"]] for _, call in own if call["event_id"] in episodes]
+    assert rewarded, "no summary-writing call reached the episodes"
+    for r in rewarded:  # trained with the session's outcome (no turn check verifies a summary)
+        assert r["r_turn"] is None and r["reward"] == pytest.approx(r["r_outcome"] + r["r_penalty"]), r
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    for key in ("parallel_share_control", "parallel_share_champion", "p_value_parallel", "critical_steps_control",
+                "critical_steps_champion", "success_control", "success_champion", "shaping_zero_from_min", "minutes"):
+        assert key in summary, f"summary.json lacks {key}"
+    assert summary["swarm_sessions"] > 0, summary
+    assert (tmp_path / "report" / "swarm_by_version.png").stat().st_size > 0
+
+
+def _table(lake_root: str, table: str) -> list[dict[str, Any]]:
+    import duckdb
+
+    files = [f.path for f in lake.list_files(lake_root, table)]
+    if not files:
+        return []
+    listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+    return duckdb.sql(f"SELECT * FROM read_parquet([{listed}], union_by_name = true)").arrow().to_pylist()
