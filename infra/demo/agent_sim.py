@@ -389,10 +389,7 @@ class AgentSim:
                     child.finish(ok=answer is not None)
         except Exception as exc:  # the policy endpoint failed: an infrastructure error, not a policy outcome
             status = "error"
-            self.counts.add("errors")
-            log.warning("agent: session %s failed (%s: %s); ended with status error, not sent to the verifier",
-                        session_id, type(exc).__name__, exc)
-            self.stop.wait(1.0)  # back off instead of spinning on a dead endpoint
+            self.session_failed(session_id, exc)
         session.end(status)
         self.counts.add("sessions")
         finished = Finished(session_id, session.agent_id, status, spec, answers, time.time(), parts)
@@ -400,6 +397,13 @@ class AgentSim:
             self.durable.put(finished)  # handed off once the SDK confirms its events
         else:
             self._finish(finished, None)
+
+    def session_failed(self, session_id: str, exc: Exception) -> None:
+        """A session the policy endpoint failed: counted, logged, and a pause before the next."""
+        self.counts.add("errors")
+        log.warning("agent: session %s failed (%s: %s); ended with status error, not sent to the verifier",
+                    session_id, type(exc).__name__, exc)
+        self.stop.wait(1.0)  # back off instead of spinning on a dead endpoint
 
     def _finish(self, f: Finished, durable: bool | None) -> None:
         if f.status == "ok":
@@ -414,6 +418,10 @@ class AgentSim:
                                   "ended": f.ended, "parts": f.parts}
         if durable is not None:
             record["durable"] = durable
+        self.hand_off_record(record)
+
+    def hand_off_record(self, record: dict[str, Any]) -> None:
+        """Append one finished session's line to the verifier's hand-off file."""
         line = json.dumps(record) + "\n"
         with self.handoff_lock, open(self.cfg.handoff, "a") as fh:
             fh.write(line)  # one write of a whole line, so the verifier never reads half of one

@@ -31,7 +31,6 @@ swarm report counts. Pure Python here except the agent class, which runs inside 
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -473,16 +472,11 @@ def run_agent_session(sim: Any) -> None:
         sim.counts.add("context_edits", len(result.edits))
     except Exception as exc:  # the policy endpoint failed: infrastructure, not a policy outcome
         status = "error"
-        sim.counts.add("errors")
-        log.warning("agent: swarm session %s failed (%s: %s); ended with status error, not sent to the verifier",
-                    session_id, type(exc).__name__, exc)
-        sim.stop.wait(1.0)  # back off instead of spinning on a dead endpoint
+        sim.session_failed(session_id, exc)
     session.end(status)
     sim.counts.add("sessions")
     if status == "ok":
-        line = json.dumps(handoff_record(session_id, session.agent_id, task, result, time.time())) + "\n"
-        with sim.handoff_lock, open(sim.cfg.handoff, "a") as fh:
-            fh.write(line)  # one write of a whole line, so the verifier never reads half of one
+        sim.hand_off_record(handoff_record(session_id, session.agent_id, task, result, time.time()))
 
 
 # ---------------------------------------------------------------------------------------------
