@@ -374,6 +374,9 @@ class SwarmSession:
                                       "removed": len(removed)})
             return new
         drop = prune_indices(parsed.arguments, len(history))
+        # the current request stays: without it there is nothing to answer (and no prompt to send)
+        if drop is not None:
+            drop = [i for i in drop if i != last_user] or None
         if drop is None:
             self._log_call(self.agent, PRUNE, parsed.arguments, False, "error: prune needs drop", malformed=True)
             return history + [decision, tasks.tool_message("error: prune needs drop", "call")]

@@ -275,3 +275,12 @@ def test_report_compares_the_final_window_and_finds_when_shaping_reached_zero() 
     assert sr.zero_from(curve, 0.0) == 5.0
     rec = {"task": {"parts": [{}, {}]}, "spawn_tasks": ["add 3 and 4", "Add 3 and 4", "", "weather in oslo"]}
     assert sr.spurious(rec) == 2 + 2, "a repeat, an empty task, and two past the request's two parts"
+
+
+def test_a_prune_never_drops_the_request_being_answered() -> None:
+    task, main = _task("long", 3), Agent()
+    session = swarm.SwarmSession(task, main, Policy("serial").reply, swarm.SwarmLimits())
+    history = [tasks.user_message(task.spec.parts[0])]
+    parsed = tasks.parse_reply(swarm.format_prune([0]))
+    out = session._edit(parsed, history + [{"role": "assistant", "content": swarm.format_prune([0])}], current=0)
+    assert out[0] == history[0] and not main.log[-1][0] == "context_edit", "the request stays; the prune is refused"
