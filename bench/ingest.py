@@ -2,16 +2,22 @@
 how long an event takes from produce to visible in the lake.
 
     flywheel bench ingest [--events 20000] [--partitions 4] [--live-rate 500] [--live-seconds 10] [--lake local|s3]
+                          [--binary] [--profile]
 
 1. Produce N realistic session events (llm_calls of several KB with prompt/completion token
-   ids and logprobs, plus tool calls) into a fresh topic.
-2. (a) raw: a kafka-python consumer reads the same records with no processing.
-   (b) writer: the lake writer (in this process) reads them and publishes Parquet.
-   Both rates run from the first record received to the last record handled (consumed,
-   resp. published), so group join and connection set-up are not counted for either.
-3. Live: a lake writer subprocess follows a second topic while this process produces at a
-   steady rate, stamping each event's ts at send time; a watcher lists the lake every 50 ms
+   ids and logprobs, plus tool calls) into fresh topics, the same events once per wire format
+   (ingest/wire.py): v1 (token lists as JSON) and v3 (packed: base64 of int32/float32), and with
+   --binary also the binary envelope v3 was measured against.
+2. For each format's topic: (a) raw: a kafka-python consumer reads the records with no processing;
+   (b) writer: the lake writer (in this process) reads them and publishes Parquet, with the same
+   fetch settings. Both rates run from the first record received to the last record handled
+   (consumed, resp. published), so group join and connection set-up are not counted for either.
+   `ratio` is the v3 writer over the raw consume of the v3 records, `ratio_v1` the same for v1.
+3. Live: a lake writer subprocess follows another topic while this process produces v3 records
+   at a steady rate, stamping each event's ts at send time; a watcher lists the lake every 50 ms
    and records when each event became visible. p95_visible_s is over all events.
+4. Per event, without Kafka: the writer's steps (decode, validate, Arrow, Parquet) for v1 and v3;
+   with --profile, the top of a cProfile of LakeWriter.add + publish for each format.
 
 With --lake s3 the writer and the live run publish into an s3:// lake on the stack's S3-compatible server
 (S3Proxy, `flywheel infra up --parts s3`), configured through the AWS_* variables as any process of an s3 lake
@@ -38,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from flywheel.ingest import lake, schema
+from flywheel.ingest import lake, schema, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,19 +73,29 @@ def _producer(bootstrap: str) -> Any:
                          compression_type="lz4", max_request_size=8 * 1024 * 1024)
 
 
-def produce_prefilled(bootstrap: str, topic: str, n: int, seed: int) -> int:
-    """Produce n events; return their total wire bytes."""
+# the formats a run compares: v1 is the JSON lists every SDK before v3 sent; `packed` is v3 as emitted
+FORMATS = {"v1": "json", "v3": "packed", "binary": "binary"}
+
+
+def encoded(fmt: str, event: dict[str, Any]) -> bytes:
+    return wire.encode(event, FORMATS[fmt])
+
+
+def produce_prefilled(bootstrap: str, topics: dict[str, str], n: int, seed: int) -> dict[str, int]:
+    """Produce the same n events into each format's topic; return each topic's total wire bytes."""
     from rich.progress import Progress
 
     rng = random.Random(seed)
     producer = _producer(bootstrap)
-    total = 0
+    total = dict.fromkeys(topics, 0)
     with Progress(transient=True) as progress:
-        task = progress.add_task(f"produce {n} events", total=n)
+        task = progress.add_task(f"produce {n} events x {len(topics)} formats", total=n)
         for i in range(n):
-            value = json.dumps(realistic_event(rng, i)).encode()
-            total += len(value)
-            producer.send(topic, key=f"sess-{i // 20}".encode(), value=value)
+            event = realistic_event(rng, i)
+            for fmt, topic in topics.items():
+                value = encoded(fmt, event)
+                total[fmt] += len(value)
+                producer.send(topic, key=f"sess-{i // 20}".encode(), value=value)
             if i % 500 == 0:
                 progress.update(task, completed=i)
         producer.flush()
@@ -180,7 +196,7 @@ def live_latency(bootstrap: str, topic: str, rate: float, seconds: float, lake_r
             time.sleep(max(0.0, t0 + i / rate - time.time()))
             event = realistic_event(rng, i)
             sent[event["event_id"]] = time.time()
-            producer.send(topic, key=event["session_id"].encode(), value=json.dumps(event).encode())
+            producer.send(topic, key=event["session_id"].encode(), value=encoded("v3", event))
             producer.flush() if i % 10 == 0 else None  # the SDK's linger is ms; keep sends prompt
         producer.flush()
         producer.close()
@@ -197,31 +213,72 @@ def live_latency(bootstrap: str, topic: str, rate: float, seconds: float, lake_r
 
 def cost_breakdown(n: int = 2000, seed: int = 3) -> dict[str, float]:
     """Microseconds per event of each step of the writer, on the same kind of events, without Kafka:
-    where the writer's time goes (JSON decode, schema validation, Arrow conversion, Parquet write)."""
+    where the writer's time goes (decode, schema validation and limits, Arrow conversion, Parquet write),
+    for v3 records and (prefixed v1_) for v1 records. `json_decode_us` is v1's JSON decode, as before."""
+    rng = random.Random(seed)
+    events = [realistic_event(rng, i) for i in range(n)]
+    out: dict[str, float] = {}
+    for fmt, prefix in (("v1", "v1_"), ("v3", "")):
+        out.update({prefix + k: v for k, v in _step_costs([encoded(fmt, e) for e in events]).items()})
+    out["json_decode_us"] = out.pop("v1_decode_us")
+    return out
+
+
+def _step_costs(values: list[bytes]) -> dict[str, float]:
     import io
 
     import pyarrow.parquet as pq
 
-    from flywheel.ingest.lake_writer import _loads, decode_record, rows_to_table
+    from flywheel.ingest.lake_writer import _b64decode, _loads, decode_record, rows_to_table
 
-    rng = random.Random(seed)
-    values = [json.dumps(realistic_event(rng, i)).encode() for i in range(n)]
     out: dict[str, float] = {}
 
     def timed(name: str, fn: Any) -> Any:
         t = time.perf_counter()
         result = fn()
-        out[name] = round((time.perf_counter() - t) / n * 1e6, 1)
+        out[name] = round((time.perf_counter() - t) / len(values) * 1e6, 1)
         return result
 
-    records = timed("json_decode_us", lambda: [_loads(v.decode()) for v in values])
-    timed("validate_us", lambda: [schema.validate_event(r) for r in records])
+    records = timed("decode_us", lambda: [wire.decode(v, _loads, _b64decode) for v in values])
+    timed("validate_us", lambda: [schema.check_limits(schema.validate_event(r)) for r in records])
     rows = timed("decode_validate_convert_us", lambda: [decode_record("events", v)[0] for v in values])
     for i, row in enumerate(rows):
         row.update(_topic="t", _partition=0, _offset=i, _ingest_ts=row["ts"])
     data = timed("arrow_us", lambda: rows_to_table("events", rows))
     timed("parquet_zstd_us", lambda: pq.write_table(data, io.BytesIO(), compression="zstd"))
     return out
+
+
+def profile_writer(fmts: list[str], n: int = 4000, seed: int = 5, top: int = 15) -> str:
+    """cProfile of the writer's own part (LakeWriter.add, conversion, publish into a temp lake; no Kafka) for
+    each format: the table docs/lake.md's "where the time went" is read from."""
+    import cProfile
+    import io
+    import pstats
+
+    from flywheel.ingest.lake_writer import DeadLetters, LakeWriter, LakeWriterConfig, _rare_gc
+
+    rng = random.Random(seed)
+    events = [realistic_event(rng, i) for i in range(n)]
+    report = io.StringIO()
+    for fmt in fmts:
+        values = [encoded(fmt, e) for e in events]
+        with tempfile.TemporaryDirectory(prefix="bench-ingest-profile-") as root:
+            cfg = LakeWriterConfig(events_topic="t", outcomes_topic="", lake_root=root, log_level="WARNING")
+            writer = LakeWriter(cfg, DeadLetters(None, cfg.dlq_topic, root))
+            writer.assign([("t", 0)])
+            profiler = cProfile.Profile()
+            with _rare_gc():  # as run() does
+                t = time.perf_counter()
+                profiler.enable()
+                for i, value in enumerate(values):
+                    writer.add("t", 0, i, value)
+                writer.flush_all()
+                profiler.disable()
+                elapsed = time.perf_counter() - t
+        report.write(f"\n--- {fmt}: {elapsed / n * 1e6:.1f} us/event under cProfile ({n} events) ---\n")
+        pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(top)
+    return report.getvalue()
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -239,6 +296,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lake", choices=("local", "s3"), default="local",
                         help="where the writer publishes: a local folder, or an s3:// lake on the stack's S3 server "
                              "(then also measured into a local folder on the same records, as ratio_local)")
+    parser.add_argument("--binary", action="store_true",
+                        help="also measure the binary envelope v3 was chosen against (ratio_binary)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print a cProfile of the writer's own part per format before the JSON line")
     return parser.parse_args(argv)
 
 
@@ -258,19 +319,32 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def summarize(args: argparse.Namespace, wire_bytes: int, raw_s: float, writer_s: float, files: int,
-              latencies: list[float], costs: dict[str, float], local_writer_s: float | None = None) -> dict[str, Any]:
-    """The JSON line; writer_s and files are for the lake under test, local_writer_s (s3 runs) the local disk's."""
-    raw_rate, rate = args.events / raw_s, args.events / writer_s
-    local = {} if local_writer_s is None else {"ratio_local": round(args.events / local_writer_s / raw_rate, 3)}
+def summarize(args: argparse.Namespace, wire_bytes: dict[str, int], raw_s: dict[str, float],
+              writer_s: dict[str, float], files: int, latencies: list[float], costs: dict[str, float],
+              local_writer_s: float | None = None) -> dict[str, Any]:
+    """The JSON line. The dicts hold one value per format ("v3", "v1", and "binary" with --binary); writer_s
+    and files are for the lake under test, local_writer_s (s3 runs) the local disk's, v3 records."""
+    n = args.events
+    raw_rate, rate = n / raw_s["v3"], n / writer_s["v3"]
+    local = {} if local_writer_s is None else {"ratio_local": round(n / local_writer_s / raw_rate, 3)}
+    binary = {} if "binary" not in writer_s else {
+        "ratio_binary": round(raw_s["binary"] / writer_s["binary"], 3),
+        "events_per_s_binary": round(n / writer_s["binary"], 1),
+        "raw_consume_binary_events_per_s": round(n / raw_s["binary"], 1),
+        "mean_event_bytes_binary": round(wire_bytes["binary"] / n)}
     return {
-        "events": args.events,
-        "mean_event_bytes": round(wire_bytes / args.events),
+        "events": n,
+        "mean_event_bytes": round(wire_bytes["v3"] / n),
+        "mean_event_bytes_v1": round(wire_bytes["v1"] / n),
         "raw_consume_events_per_s": round(raw_rate, 1),
+        "raw_consume_v1_events_per_s": round(n / raw_s["v1"], 1),
         "events_per_s": round(rate, 1),
-        "mb_per_s": round(wire_bytes / writer_s / 1e6, 2),
+        "events_per_s_v1": round(n / writer_s["v1"], 1),
+        "mb_per_s": round(wire_bytes["v3"] / writer_s["v3"] / 1e6, 2),
         "ratio": round(rate / raw_rate, 3),
+        "ratio_v1": round(raw_s["v1"] / writer_s["v1"], 3),
         **local,
+        **binary,
         "files": files,
         "live_rate": args.live_rate,
         "p50_visible_s": round(_percentile(latencies, 0.5), 3),
@@ -283,31 +357,37 @@ def summarize(args: argparse.Namespace, wire_bytes: int, raw_s: float, writer_s:
     }
 
 
-def print_table(args: argparse.Namespace, result: dict[str, Any], raw_s: float, writer_s: float,
-                local_writer_s: float | None) -> None:
+def print_table(args: argparse.Namespace, result: dict[str, Any], on_s3: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    raw_rate, rate, files = args.events / raw_s, args.events / writer_s, result["files"]
-    on_s3 = local_writer_s is not None
+    r = result
     table = Table(title="ingest: Kafka -> Parquet lake" + (" on S3 (S3Proxy)" if on_s3 else ""))
     table.add_column("measure")
-    table.add_column("value", justify="right")
-    table.add_row("events (mean bytes)", f"{args.events} ({result['mean_event_bytes']} B)")
-    table.add_row("raw kafka-python consume", f"{raw_rate:,.0f} events/s")
-    table.add_row("lake writer to published Parquet" + (" on s3" if on_s3 else ""),
-                  f"{rate:,.0f} events/s, {result['mb_per_s']} MB/s, {files} files")
-    if local_writer_s is not None:
-        table.add_row("lake writer to local disk (same records)", f"{args.events / local_writer_s:,.0f} events/s")
-        table.add_row("ratio writer / raw: s3 / local disk (target >= 0.7)",
-                      f"{result['ratio']:.2f} / {result['ratio_local']:.2f}")
-    else:
-        table.add_row("ratio writer / raw (target >= 0.7)", f"{result['ratio']:.2f}")
-    table.add_row("per event: raw consume / JSON decode / validate / Arrow / Parquet (us)",
-                  f"{result['raw_consume_us_per_event']} / {result['json_decode_us']} / {result['validate_us']} / "
-                  f"{result['arrow_us']} / {result['parquet_zstd_us']}")
-    table.add_row(f"produce -> visible at {args.live_rate:.0f}/s: p50 / p95 / max (target p95 < 5 s)",
-                  f"{result['p50_visible_s']} / {result['p95_visible_s']} / {result['max_visible_s']} s")
+    table.add_column("v1 (JSON lists)", justify="right")
+    table.add_column("v3 (packed)", justify="right")
+    if "ratio_binary" in r:
+        table.add_column("binary envelope", justify="right")
+    b = "ratio_binary" in r
+
+    def row(name: str, v1: str, v3: str, binary: str = "") -> None:
+        table.add_row(name, v1, v3, *([binary] if b else []))
+
+    row("events (mean bytes)", f"{args.events} ({r['mean_event_bytes_v1']} B)", f"{args.events} ({r['mean_event_bytes']} B)",
+        f"{args.events} ({r.get('mean_event_bytes_binary')} B)")
+    row("raw kafka-python consume, events/s", f"{r['raw_consume_v1_events_per_s']:,.0f}",
+        f"{r['raw_consume_events_per_s']:,.0f}", f"{r.get('raw_consume_binary_events_per_s', 0):,.0f}")
+    row("lake writer to published Parquet" + (" on s3" if on_s3 else "") + ", events/s",
+        f"{r['events_per_s_v1']:,.0f}", f"{r['events_per_s']:,.0f} ({r['mb_per_s']} MB/s, {r['files']} files)",
+        f"{r.get('events_per_s_binary', 0):,.0f}")
+    row("ratio writer / raw (target >= 0.8)", f"{r['ratio_v1']:.2f}", f"{r['ratio']:.2f}"
+        + (f" (local disk {r['ratio_local']:.2f})" if on_s3 else ""), f"{r.get('ratio_binary', 0):.2f}")
+    row("per event (us): decode / validate+limits / Arrow / Parquet",
+        f"{r['json_decode_us']} / {r['v1_validate_us']} / {r['v1_arrow_us']} / {r['v1_parquet_zstd_us']}",
+        f"{r['decode_us']} / {r['validate_us']} / {r['arrow_us']} / {r['parquet_zstd_us']}")
+    row("per event (us): raw consume", f"{1e6 / r['raw_consume_v1_events_per_s']:.1f}", f"{r['raw_consume_us_per_event']}")
+    table.add_row(f"produce -> visible at {args.live_rate:.0f}/s (v3): p50 / p95 / max (target p95 < 5 s)", "",
+                  f"{r['p50_visible_s']} / {r['p95_visible_s']} / {r['max_visible_s']} s", *([""] if b else []))
     Console().print(table)
 
 
@@ -326,27 +406,36 @@ def main(argv: list[str] | None = None) -> int:
     if started:
         console.print(f"started {started} for this benchmark")
     suffix = uuid.uuid4().hex[:8]
-    rate_topic, live_topic = f"bench.ingest.{suffix}", f"bench.ingest-live.{suffix}"
-    topics = [rate_topic, live_topic, f"{rate_topic}.dlq", f"{live_topic}.dlq"]
+    fmts = ["v1", "v3"] + (["binary"] if args.binary else [])
+    rate_topics = {fmt: f"bench.ingest.{fmt}.{suffix}" for fmt in fmts}
+    live_topic = f"bench.ingest-live.{suffix}"
+    data_topics = [*rate_topics.values(), live_topic]
+    topics = data_topics + [f"{t}.dlq" for t in data_topics]
     s3_root = f"s3://{scfg.s3_bucket}/bench-ingest-{suffix}"
     admin = KafkaAdminClient(bootstrap_servers=args.kafka_bootstrap)
-    admin.create_topics([NewTopic(t, args.partitions if i < 2 else 1, 1) for i, t in enumerate(topics)])
+    admin.create_topics([NewTopic(t, args.partitions if t in data_topics else 1, 1) for t in topics])
     local_writer_s = None
+    raw_s: dict[str, float] = {}
+    writer_s: dict[str, float] = {}
+    files: dict[str, int] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp, \
                 environment(stack.s3_env(scfg) if on_s3 else {}):
             lake_base = s3_root if on_s3 else tmp
-            rate_lake, live_lake = f"{lake_base}/lake", f"{lake_base}/live-lake"
-            console.print(f"producing {args.events} events into {rate_topic} ...")
-            wire_bytes = produce_prefilled(args.kafka_bootstrap, rate_topic, args.events, seed=1)
-            console.print("raw kafka-python consume ...")
-            raw_s = raw_consume(args.kafka_bootstrap, rate_topic, args.events)
-            if on_s3:
-                console.print("lake writer, local disk ...")
-                local_writer_s, _ = writer_rate(args.kafka_bootstrap, rate_topic, args.events, f"{tmp}/lake",
-                                                f"{tmp}/var-local")
-            console.print(f"lake writer{' into ' + rate_lake if on_s3 else ''} ...")
-            writer_s, files = writer_rate(args.kafka_bootstrap, rate_topic, args.events, rate_lake, f"{tmp}/var")
+            live_lake = f"{lake_base}/live-lake"
+            console.print(f"producing {args.events} events into {', '.join(rate_topics.values())} ...")
+            wire_bytes = produce_prefilled(args.kafka_bootstrap, rate_topics, args.events, seed=1)
+            # formats alternate raw, writer, raw, writer ...: a change in the machine's load hits both of a format
+            for fmt, topic in rate_topics.items():
+                console.print(f"{fmt}: raw kafka-python consume ...")
+                raw_s[fmt] = raw_consume(args.kafka_bootstrap, topic, args.events)
+                if on_s3 and fmt == "v3":
+                    console.print("v3: lake writer, local disk ...")
+                    local_writer_s, _ = writer_rate(args.kafka_bootstrap, topic, args.events, f"{tmp}/lake-local-{fmt}",
+                                                    f"{tmp}/var-local-{fmt}")
+                console.print(f"{fmt}: lake writer{' into ' + lake_base if on_s3 else ''} ...")
+                writer_s[fmt], files[fmt] = writer_rate(args.kafka_bootstrap, topic, args.events,
+                                                        f"{lake_base}/lake-{fmt}", f"{tmp}/var-{fmt}")
             console.print("cost breakdown ...")
             costs = cost_breakdown()
             console.print(f"live: {args.live_rate:.0f} events/s for {args.live_seconds:.0f} s ...")
@@ -360,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         if started:
             stack.down(scfg, parts=started)
 
-    result = summarize(args, wire_bytes, raw_s, writer_s, files, latencies, costs, local_writer_s)
-    print_table(args, result, raw_s, writer_s, local_writer_s)
+    result = summarize(args, wire_bytes, raw_s, writer_s, files["v3"], latencies, costs, local_writer_s)
+    print_table(args, result, on_s3)
+    if args.profile:
+        print(profile_writer(fmts))
     print(json.dumps(result))
     return 0
 

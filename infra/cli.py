@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lake-writer": ("flywheel.ingest.lake_writer:main", "Kafka -> exactly-once Parquet lake daemon"),
     "compact": ("flywheel.ingest.lake_writer:compact_main", "merge small files of closed lake partitions"),
     "episodes": ("flywheel.rewards.builder:main", "build episodes (outcome join + rewards) from the lake"),
+    "judge": ("flywheel.rewards.calibrate:main", "calibrate: the LLM judge's agreement with verified outcomes over a lake"),
     "learner": ("flywheel.learner.daemon:main", "continuous training daemon"),
     "publish": ("flywheel.serving.publisher:main", "push a policy version directory to the vLLM tier"),
     "promote": ("flywheel.serving.promote:main", "champion/challenger gate"),

@@ -56,6 +56,7 @@ import contextlib
 import datetime as dt
 import functools
 import gc
+import itertools
 import json
 import logging
 import os
@@ -76,7 +77,7 @@ from flywheel.base.heartbeat import write_status
 from flywheel.base.kafka import client_kwargs, load_kafka_config
 from flywheel.base.metrics import Metrics, Reading, nan_if_negative
 from flywheel.base.stop import stop_on_signals
-from flywheel.ingest import lake, schema
+from flywheel.ingest import lake, schema, wire
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -87,6 +88,7 @@ log = logging.getLogger(__name__)
 _VALIDATE = {"events": schema.validate_event, "outcomes": schema.validate_outcome}
 _COLUMNS = {"events": schema.EVENT_COLUMNS, "outcomes": schema.OUTCOME_COLUMNS}
 _ARROW_SCHEMA = {"events": schema.event_arrow_schema, "outcomes": schema.outcome_arrow_schema}
+_LIST_KIND = {"int32": "ints", "float": "floats"}  # str() of a packed list column's item type -> schema kind
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,10 +186,19 @@ except ImportError:  # pragma: no cover - the lake extra installs orjson
     def _dumps_sorted(value: Any) -> str:
         return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
+try:  # a v3 record's token ids are base64: pybase64 (the lake extra, SIMD) decodes them 10x faster than binascii
+    import pybase64
+
+    def _b64decode(text: str) -> bytes:
+        return pybase64.b64decode(text, validate=True)
+
+except ImportError:  # pragma: no cover - the lake extra installs pybase64
+    _b64decode = wire._b64decode
+
 
 # Every reason a dead letter can carry (docs/lake.md has the table): the decode path's, the limits', Arrow's.
-DLQ_REASONS = ("empty", "oversized", "not_utf8", "malformed_json", "unsupported_schema_version", "invalid",
-               *schema.LIMIT_REASONS, "decode_error", "unstorable")
+DLQ_REASONS = ("empty", "oversized", "not_utf8", "malformed_json", "malformed_packed", "unsupported_schema_version",
+               "invalid", *schema.LIMIT_REASONS, "decode_error", "unstorable")
 _ID_COLUMN = {"events": "event_id", "outcomes": "outcome_id"}
 
 
@@ -219,17 +230,15 @@ def _decode(table: str, value: bytes | None) -> tuple[dict[str, Any], str]:
         raise Rejected("empty", "record has no value (tombstone)")
     if len(value) > schema.MAX_RECORD_BYTES:
         raise Rejected("oversized", f"{len(value)} bytes > schema.MAX_RECORD_BYTES={schema.MAX_RECORD_BYTES}")
-    try:
-        text = value.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise Rejected("not_utf8", f"value is not UTF-8: {exc}") from None
-    try:
-        record = _loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeErrors are ValueErrors; the stdlib recurses on depth
-        raise Rejected("malformed_json", f"value is not JSON: {exc}") from None
+    record = _parse(value)
     if isinstance(record, dict) and not schema.supported_version(record.get("schema_version")):
         raise Rejected("unsupported_schema_version", f"schema_version {schema.short_repr(record.get('schema_version'))} "
                        f"not in {sorted(schema.SUPPORTED_SCHEMA_VERSIONS)}")
+    try:
+        if isinstance(record, dict) and wire.is_packed_version(record["schema_version"]) and not wire.is_binary(value):
+            wire.unpack_fields(record, _b64decode)  # base64 -> memoryviews of int32 / float32 items, no Python int per item
+    except wire.WireError as exc:
+        raise Rejected("malformed_packed", str(exc)) from None
     try:
         _VALIDATE[table](record)
         schema.check_limits(record, _COLUMNS[table])
@@ -245,6 +254,25 @@ def _decode(table: str, value: bytes | None) -> tuple[dict[str, Any], str]:
         if record.get(name) is not None:
             record[name] = _dumps_sorted(record[name])
     return record, record["ts"].date().isoformat()
+
+
+def _parse(value: bytes) -> Any:
+    """Kafka value -> the decoded JSON value (a binary envelope's packed fields already memoryviews)."""
+    if wire.is_binary(value):
+        try:
+            return wire.decode_binary(value, _loads)
+        except wire.WireError as exc:
+            raise Rejected("malformed_packed", str(exc)) from None
+        except (ValueError, RecursionError) as exc:
+            raise Rejected("malformed_json", f"binary envelope's header is not JSON: {exc}") from None
+    try:
+        text = value.decode("utf-8")  # ASCII in the common case: a memcpy; and a reason of its own when it fails
+    except UnicodeDecodeError as exc:
+        raise Rejected("not_utf8", f"value is not UTF-8: {exc}") from None
+    try:
+        return _loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeErrors are ValueErrors; the stdlib recurses on depth
+        raise Rejected("malformed_json", f"value is not JSON: {exc}") from None
 
 
 def dlq_envelope(reason: str, detail: str, topic: str, partition: int, offset: int, value: bytes | None,
@@ -263,10 +291,46 @@ def dlq_envelope(reason: str, detail: str, topic: str, partition: int, offset: i
 
 
 def rows_to_table(table: str, rows: list[dict[str, Any]]) -> "pa.Table":
-    """Rows (already converted by decode_record, meta columns added) -> an Arrow table of the lake schema."""
+    """Rows (already converted by decode_record, meta columns added) -> an Arrow table of the lake schema.
+
+    Column by column: a packed field (v3) is one join of its rows' item bytes and one offsets array, so its
+    thousands of items never become Python objects; the other columns go through pa.array as before.
+    """
     import pyarrow as pa
 
-    return pa.Table.from_pylist(rows, schema=_ARROW_SCHEMA[table]())
+    arrow_schema = _arrow_schema(table)
+    columns = [_column(f, [row.get(f.name) for row in rows]) for f in arrow_schema]
+    return pa.Table.from_arrays(columns, schema=arrow_schema)
+
+
+@functools.lru_cache(maxsize=None)
+def _arrow_schema(table: str) -> "pa.Schema":
+    return _ARROW_SCHEMA[table]()
+
+
+def _column(field: "pa.Field", values: list[Any]) -> "pa.Array":
+    import pyarrow as pa
+
+    if field.name in schema.PACKED_FIELDS and any(type(v) is memoryview for v in values):
+        return _packed_column(field.type, values)
+    return pa.array(values, type=field.type)
+
+
+def _packed_column(list_type: "pa.ListType", values: list[Any]) -> "pa.Array":
+    """A list<int32> / list<float32> column from rows holding memoryviews of packed items (or None, or a v1 list)."""
+    import pyarrow as pa
+
+    kind = _LIST_KIND[str(list_type.value_type)]
+    # a v1 row in the same chunk as v3 rows is packed here (OverflowError for an id beyond int32: the chunk then
+    # goes row by row, and that row to the DLQ as unstorable, as before)
+    views = [wire.packed_view(kind, v) if type(v) is list else v for v in values]
+    offsets = list(itertools.accumulate((0 if v is None else len(v) for v in views), initial=0))
+    if offsets[-1] > 2**31 - 1:
+        raise OverflowError(f"{offsets[-1]} list items in one chunk exceed a list column's int32 offsets")
+    items = pa.Array.from_buffers(list_type.value_type, offsets[-1],
+                                  [None, pa.py_buffer(b"".join(v for v in views if v is not None))])
+    nulls = None if all(v is not None for v in views) else pa.array([v is None for v in views])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), items, type=list_type, mask=nulls)
 
 
 def convert_rows(table: str, rows: list[dict[str, Any]]) -> tuple["pa.Table", list[tuple[int, str]]]:

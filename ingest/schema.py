@@ -16,19 +16,31 @@ remove, rename or retype one, so the lake tables of all versions union into one 
 (missing columns read as null). Readers accept every version in SUPPORTED_SCHEMA_VERSIONS;
 a record of any other version goes to the dead-letter topic, never half-parsed.
 
+Versions: v1 the first; v2 adds an outcome's `call_id`; v3 changes only how the `ints` and
+`floats` fields (PACKED_FIELDS: token ids, logprobs) travel, as base64 of little-endian
+int32 / float32 inside the same JSON object (ingest/wire.py encodes and decodes it). Their
+lake columns keep their types (list<int32>, list<float32>), so the rule holds where it
+matters, in the lake: a v3 row is a v1 row. Base64 in JSON was measured against a binary
+envelope on `flywheel bench ingest` (docs/lake.md, "Ingest throughput") and chosen because
+it kept within a few percent of it while every record stays JSON for every tool that reads
+one. A decoded v3 record holds such a field as a memoryview of its items, which validation
+accepts beside the JSON list of v1 and v2.
+
 This module imports only the standard library: it is on the SDK's hot import path.
 """
 
 from __future__ import annotations
 
+import array
 import datetime as _dt
 import math
 import reprlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SCHEMA_VERSION = 2
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+SCHEMA_VERSION = 3
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3})
 # Fields a version added (the first version carrying them); a record of an older version that holds
 # one is rejected like any unknown field. v2: an outcome may name the tool call it verifies (per-turn credit).
 ADDED_IN: dict[str, dict[str, int]] = {"outcome": {"call_id": 2}}
@@ -160,11 +172,19 @@ EVENT_FIELDS: dict[str, tuple[Col, ...]] = {
     "session_end": (Col("status", "str", True, "how the session ended: ok, error, abandoned, timeout ..."),),
 }
 
+# The list fields that travel packed from v3 on (name -> kind), in the order a binary envelope holds them; the
+# array typecode of a 4-byte int (the lake's token-id type) for packing and for decoded views.
+PACKED_FIELDS: dict[str, str] = {
+    c.name: c.kind for cols in EVENT_FIELDS.values() for c in cols if c.kind in ("ints", "floats")}
+INT32_CODE = next(code for code in "il" if array.array(code).itemsize == 4)
+_HIGH_BYTE = 3 if sys.byteorder == "little" else 0  # where a native float32's sign and exponent bits start
+
 # Every per-type column, in declaration order, de-duplicated (ok is shared by two types).
 _EVENT_TYPE_COLS: tuple[Col, ...] = tuple(
     {c.name: Col(c.name, c.kind, False, c.doc) for cols in EVENT_FIELDS.values() for c in cols}.values()
 )
 EVENT_COLUMNS: tuple[Col, ...] = EVENT_COMMON + _EVENT_TYPE_COLS
+_EVENT_TYPE_FIELDS = {etype: EVENT_COMMON + cols for etype, cols in EVENT_FIELDS.items()}  # what validation checks
 
 # ---------------------------------------------------------------------------------------------
 # Outcomes
@@ -215,6 +235,8 @@ EPISODE_COLUMNS: tuple[Col, ...] = (
     Col("r_finish", "float", True, "PARL sub-agent finish shaping (already multiplied by its lambda)"),
     Col("r_penalty", "float", True, "penalties, e.g. malformed tool calls (<= 0)"),
     Col("r_turn", "float", False, "this turn's own verified reward (replaces r_outcome in reward); null: nothing verified the turn"),
+    Col("judge_score", "int", False, "the LLM judge's score of the session, 1..5 (null: not judged); stored in shadow mode "
+                                     "(judge weight 0) too, where it is not in reward; reward_detail.judge names its version"),
     Col("sampling", "json", False, "the llm_call's sampling parameters (temperature, top_p, top_k ...): the learner scores "
                                    "its tokens under the same distribution"),
     Col("reward_detail", "json", False, "per outcome kind values, judge status, lambdas in force"),
@@ -236,14 +258,37 @@ _KIND_CHECK = {
     "ts": lambda v: isinstance(v, str) and _parse_ts(v) is not None,
     # token-id lists run to thousands of items per event: a C-level pass over the item types settles
     # the common case, the per-item check only runs for unusual items (the lake writer's hot path)
-    "ints": lambda v: isinstance(v, list) and (
+    # a v3 record's packed field decodes to a memoryview of int32 / float32 items (ingest/wire.py): its type
+    # is settled by its format; NaN in it is looked for by _packed_nonfinite, like the limits
+    "ints": lambda v: (type(v) is memoryview and v.format == INT32_CODE) or isinstance(v, list) and (
         set(map(type, v)) <= {int} or all(isinstance(x, int) and not isinstance(x, bool) for x in v)),
-    "floats": lambda v: isinstance(v, list) and (
-        (set(map(type, v)) <= {int, float} and not any(map(math.isnan, v)))
-        or all(isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) for x in v)),
+    "floats": lambda v: (type(v) is memoryview and v.format == "f" and not _packed_nonfinite(v)[0]) or (
+        isinstance(v, list) and (
+            (set(map(type, v)) <= {int, float} and not any(map(math.isnan, v)))
+            or all(isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) for x in v))),
     "strs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "json": lambda v: True,
 }
+
+
+def _packed_nonfinite(items: memoryview) -> tuple[bool, bool]:
+    """(holds NaN, holds an infinity) for float32 items, without a Python float per item in the common case.
+
+    A float32 is NaN or infinite exactly when its 8 exponent bits are all set, which puts 0x7f or 0xff in its
+    high byte (little-endian: every 4th byte, 3 onwards); a logprob's high byte is 0x80..0xc2. So two byte
+    searches over the high bytes clear almost every array, and only a candidate is looked at item by item.
+    """
+    high = items.cast("B")[_HIGH_BYTE::4].tobytes() if items.nbytes else b""
+    if b"\x7f" not in high and b"\xff" not in high:
+        return False, False
+    values = items.tolist()
+    return any(map(math.isnan, values)), any(map(math.isinf, values))
+
+
+def _packed_problem(value: memoryview) -> str:
+    if value.format == "f" and _packed_nonfinite(value)[0]:
+        return "packed float32 items holding NaN"
+    return f"packed items of format {value.format!r}"
 
 
 def _parse_ts(value: str) -> _dt.datetime | None:
@@ -277,18 +322,33 @@ def _kind_ok(kind: str, value: Any) -> bool:
         return False
 
 
+# A value whose type is exactly this one needs no further kind check (bool is not int; JSON gives no subclasses).
+_PLAIN_TYPE: dict[str, type] = {"str": str, "int": int, "bool": bool}
+_SPECS: dict[int, tuple[tuple[Col, ...], tuple[tuple[str, str, bool, type | None], ...], frozenset[str]]] = {}
+
+
+def _spec(cols: tuple[Col, ...]) -> tuple[tuple[tuple[str, str, bool, type | None], ...], frozenset[str]]:
+    # cached by identity, as _kinds: the lake writer validates every record, so the per-column work is kept tiny
+    cached = _SPECS.get(id(cols))
+    if cached is None or cached[0] is not cols:
+        spec = tuple((c.name, c.kind, c.required, _PLAIN_TYPE.get(c.kind)) for c in cols)
+        cached = _SPECS[id(cols)] = (cols, spec, frozenset(c.name for c in cols))
+    return cached[1], cached[2]
+
+
 def _check(record: Mapping[str, Any], cols: tuple[Col, ...], what: str) -> None:
-    for col in cols:
-        value = record.get(col.name)
+    spec, known = _spec(cols)
+    for name, kind, required, plain in spec:
+        value = record.get(name)
         if value is None:
-            if col.required:
-                raise SchemaError(f"{what}: missing required field {col.name!r}")
+            if required:
+                raise SchemaError(f"{what}: missing required field {name!r}")
             continue
-        if not _kind_ok(col.kind, value):
-            raise SchemaError(f"{what}: field {col.name!r} should be {col.kind}, got {type(value).__name__} {short_repr(value)}")
-    known = {c.name for c in cols}
-    unknown = [k for k in record if k not in known]
-    if unknown:
+        if type(value) is not plain and not _kind_ok(kind, value):
+            got = _packed_problem(value) if type(value) is memoryview else f"{type(value).__name__} {short_repr(value)}"
+            raise SchemaError(f"{what}: field {name!r} should be {kind}, got {got}")
+    if not known.issuperset(record):
+        unknown = [k for k in record if k not in known]
         raise SchemaError(f"{what}: unknown field(s) {sorted(unknown)} (schema v{record.get('schema_version')} is closed; add fields in a new version)")
 
 
@@ -322,7 +382,7 @@ def validate_event(record: Any) -> dict[str, Any]:
     etype = record.get("type")
     if not isinstance(etype, str) or etype not in EVENT_FIELDS:
         raise SchemaError(f"unknown event type {short_repr(etype)} (known: {', '.join(EVENT_TYPES)})")
-    _check(record, EVENT_COMMON + EVENT_FIELDS[etype], f"{etype} event")
+    _check(record, _EVENT_TYPE_FIELDS[etype], f"{etype} event")
     if record["seq"] < 0:
         raise SchemaError(f"{etype} event: seq must be >= 0, got {record['seq']}")
     if etype == "llm_call" and len(record["completion_logprobs"]) != len(record["completion_token_ids"]):
@@ -379,6 +439,8 @@ def check_limits(record: Mapping[str, Any], cols: tuple[Col, ...] = EVENT_COLUMN
         kind = kinds.get(name)
         if value is None or kind is None:
             continue
+        if type(value) is bool or (type(value) is int and MIN_INT <= value <= MAX_INT):
+            continue  # the common small scalars: nothing to check
         if isinstance(value, str):
             _check_string(name, value)
             if kind == "ts":
@@ -387,6 +449,8 @@ def check_limits(record: Mapping[str, Any], cols: tuple[Col, ...] = EVENT_COLUMN
             raise LimitError("int_out_of_range", f"field {name!r}: {short_repr(value)} is outside int64")
         elif kind in ("ints", "floats", "strs") and isinstance(value, list):
             _check_list(name, kind, value)
+        elif kind in ("ints", "floats") and type(value) is memoryview:
+            _check_packed(name, kind, value)
         elif kind == "json":
             _check_json(name, value, 0)
 
@@ -421,6 +485,15 @@ def _check_list(name: str, kind: str, value: list[Any]) -> None:
         for item in value:
             if isinstance(item, str):
                 _check_string(name, item)
+
+
+def _check_packed(name: str, kind: str, value: memoryview) -> None:
+    """The limits of a list field on a v3 record's packed items: int32 token ids are in range by construction,
+    a float32 within range is finite (NaN is validation's business: it fails the kind check)."""
+    if len(value) > MAX_TOKENS:
+        raise LimitError("too_many_tokens", f"field {name!r}: {len(value)} items > schema.MAX_TOKENS={MAX_TOKENS}")
+    if kind == "floats" and _packed_nonfinite(value)[1]:
+        raise LimitError("float_out_of_range", f"field {name!r}: an item beyond float32 (an infinity)")
 
 
 def _check_json(name: str, value: Any, depth: int) -> None:

@@ -61,6 +61,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
 import signal
 import time
 from collections import Counter, defaultdict
@@ -76,6 +77,7 @@ from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
 from flywheel.rewards import config as reward_config
 from flywheel.rewards import judge as judge_mod
+from flywheel.rewards import judge_pass
 from flywheel.rewards import outcome_rewards, parl, turns
 from flywheel.rewards.session import Session, assemble
 from flywheel.rewards.state import (
@@ -102,6 +104,8 @@ EVENT_COLUMNS_USED = (
     "malformed", "ok", "child_agent_id", "edit_kind", "tokens_removed", "status", "_offset",
     "call_id", "sampling",  # a turn check names its call; the learner scores tokens under the logged sampling
 )
+# ... except by the LLM judge, which reads the whole trajectory (rewards/transcript.py): read only when a task type judges
+JUDGE_EVENT_COLUMNS = ("name", "arguments", "output", "subtask")
 
 
 @dataclass
@@ -116,6 +120,8 @@ class EpisodesConfig:
     max_files_per_pass: int = setting(256, "lake files per table consumed by one pass (bounds a pass's memory)")
     judge_url: str = setting(defaults.VLLM_URL, "OpenAI-compatible endpoint of the LLM judge")
     judge_model: str = setting("", "judge model name (empty: [judge].model of the rewards TOML)")
+    judge_api_key_env: str = setting("FLYWHEEL_JUDGE_API_KEY", "environment variable holding the judge endpoint's API "
+                                                               "key (the key itself is never logged or written)")
     var_dir: str = setting(defaults.VAR_DIR, "where the status heartbeat is written")
     metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9102)")
     partitions: list[int] = setting([], "Kafka partitions (of events and outcomes alike) this builder owns (empty: all, "
@@ -586,8 +592,8 @@ class Builder:
             self.store = StateStore(cfg.state_dir)
             self.con = duckdb.connect()
             self.con.execute("SET TimeZone='UTC'")
-            self.judge = judge_mod.Judge(cfg.judge_url, cfg.judge_model or rewards.judge.model, rewards.judge.timeout_s,
-                                         Path(cfg.state_dir) / "judge_cache")
+            self.judge = judge_mod.Judge(cfg.judge_url, cfg.judge_model or rewards.judge.model, rewards.judge,
+                                         Path(cfg.state_dir) / "judge_cache", api_key=os.environ.get(cfg.judge_api_key_env))
             self.state = self.store.load()
             self.assignment = Assignment.of(cfg)
             self._check_assignment()
@@ -597,11 +603,13 @@ class Builder:
             self.lock.release()  # a builder that failed to start must not keep the state locked
             raise
         self.judge_memo: dict[str, tuple[int | None, str]] = {}
+        self.judged = judge_pass.JudgedPass()  # this pass's judge answers and the retry queue it commits
         self.backlog_files = 0  # lake files past this pass's input (catch-up progress)
         self.listed = False  # whether a pass of this process has listed the whole lake (plan_until's full)
         self.claimed: set[int] = set()  # partitions this process has recorded as its own in the lake
         full = schema.event_arrow_schema()
-        self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED])
+        judging = any(t.judge for t in rewards.task_types.values())
+        self.event_schema = pa.schema([full.field(n) for n in EVENT_COLUMNS_USED + JUDGE_EVENT_COLUMNS * judging])
         self.outcome_schema = schema.outcome_arrow_schema()
         self.episode_schema = schema.episode_arrow_schema()
 
@@ -664,7 +672,7 @@ class Builder:
         res.new_event_rows, res.new_outcome_rows = new_events.num_rows, new_outcomes.num_rows
         has_pending = st.pending is not None and st.pending.num_rows > 0
         if not plan.resumed and not new_events.num_rows and not new_outcomes.num_rows and not has_pending \
-                and not st.held_outcomes:
+                and not st.held_outcomes and not judge_pass.due_retries(st.judge_retry, clock):
             return self._idle(res, t0)
         if not plan.resumed:
             self.store.save_intent(intent)
@@ -684,7 +692,8 @@ class Builder:
         res.pending_sessions, res.held_outcomes = len(routing.pending), len(routing.held)
 
         if not plan.resumed and not (res.new_event_rows or res.new_outcome_rows or labelled.rows or labelled.index_rows
-                                     or any(drops.values())) and len(routing.held) == len(held):
+                                     or any(drops.values())) and len(routing.held) == len(held) \
+                and self.judged.queue == st.judge_retry:
             # waiting sessions, nothing changed: no new generation for a pass that decided nothing
             self.store.clear_intent()
             return self._idle(res, t0)
@@ -792,23 +801,26 @@ class Builder:
     def _label(self, routing: Routing, index: dict[str, dict[str, Any]], clock: dt.datetime, resumed: bool) -> Labelled:
         """Rewards for the routed sessions: label 1 of the due ones, label N+1 of the relabelled ones."""
         out = Labelled()
-        judge_deadline = time.monotonic() + self.rewards.judge.budget_s
         # a re-run of this intent reuses the judge answers (failures included) its killed attempt
         # recorded, so it writes the same rows as the attempt a reader may already have seen
         self.judge_memo = self.store.load_judge_memo() if resumed else {}
+        self.judged = judge_pass.judge_pass([d.session for d in routing.due if d.drop is None], self.state.judge_retry,
+                                            self.rewards, self.judge, self.judge_memo, clock)
         for due in routing.due:
-            rows, index_row = self._label_one(due, judge_deadline)
+            rows, index_row = self._label_one(due)
             out.rows.extend(rows)
             out.index_rows.append(index_row)
             out.sessions += bool(rows)
-        for sid in sorted(routing.relabel):
-            rows, index_row = self._relabel(index[sid], routing.relabel[sid], clock)
+        retried = self.judged.retried  # queued sessions the judge scored now: a new label, with a late outcome's if any
+        entries = index | lookup_index(self.con, self.store, self.state.segments, set(retried) - set(index))
+        for sid in sorted(set(routing.relabel) | (set(retried) & set(entries))):
+            rows, index_row = self._relabel(entries[sid], routing.relabel.get(sid, []), clock, retried.get(sid))
             out.rows.extend(rows)
             out.index_rows.append(index_row)
             out.relabels += 1
         return out
 
-    def _label_one(self, due: Due, judge_deadline: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def _label_one(self, due: Due) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Label 1 of a due session: its rows and its index row (label 0 and no rows when it is dropped)."""
         s = due.session
         task = self.rewards.task(s.task_type)
@@ -822,11 +834,10 @@ class Builder:
         harmful = parl.harmful_prune_penalties(made, due.outcomes, self.rewards.penalties)
         for eid, p in harmful.items():
             penalties[eid] = penalties.get(eid, 0.0) + p
-        judged = self._judge(s, task, judge_deadline)
-        r_judge = judged.r_judge(self.rewards.judge.weight) if judged is not None else None
+        judged = self.judged.judged.get(s.session_id)
+        r_judge = judged.r_judge(self.rewards.judge_weight(task)) if judged is not None else None
         detail_base = {
-            "judge": None if judged is None else {"status": judged.status, "score": judged.score,
-                                                   "rubric": task.rubric, "rubric_version": self.rewards.rubrics[task.rubric].version},
+            "judge": judge_pass.judge_detail(self.rewards, self.judge.model, task, judged),
             "parl": parl.detail(stats) | {"anneal_clock": self.rewards.parl.anneal_clock,
                                           "spurious": sum(x.n_spurious for x in shaping.values())},
             "malformed_tool_calls": n_malformed,
@@ -855,30 +866,13 @@ class Builder:
                                                         "spawn_decision": None if decided is None else {
                                                             "n_spawned": decided.n_spawned, "n_verified": decided.n_verified,
                                                             "n_spurious": decided.n_spurious}},
-                                  outcomes=due.outcomes, r_turn=turn.r_turn, shaping=decided))
+                                  outcomes=due.outcomes, r_turn=turn.r_turn, judge_score=None if judged is None else judged.score, shaping=decided))
         return rows, index_row
-
-    def _judge(self, s: Session, task: reward_config.TaskType, deadline: float) -> judge_mod.JudgeResult | None:
-        if not task.judge:
-            return None
-        main_calls = [e for e in s.llm_calls if e["agent_id"] == s.main_agent] or s.llm_calls
-        text = judge_mod.transcript(main_calls, self.rewards.judge.max_chars)
-        rubric = self.rewards.rubrics[task.rubric]
-        key = judge_mod.cache_key(text, rubric, self.judge.model)
-        if key in self.judge_memo:
-            score, status = self.judge_memo[key]
-            return judge_mod.JudgeResult(score, status)
-        if time.monotonic() > deadline:
-            # this pass spent its judge budget: record it rather than hold the whole pass up
-            self.judge_memo[key] = (None, "budget")
-            return judge_mod.JudgeResult(None, "budget")
-        result = self.judge.score(text, rubric)
-        self.judge_memo[key] = (result.score, result.status)
-        return result
 
     def _row(self, s: Session, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
              r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]],
-             r_turn: float | None = None, shaping: parl.RowShaping | None = None) -> dict[str, Any]:
+             r_turn: float | None = None, shaping: parl.RowShaping | None = None,
+             judge_score: int | None = None) -> dict[str, Any]:
         # PARL terms go to the row that decided the spawn (parl.row_shaping), none to the others
         r_parallel, r_finish = (shaping.r_parallel, shaping.r_finish) if shaping is not None else (0.0, 0.0)
         reward = total_reward(r_outcome, r_turn, r_judge, r_parallel, r_finish, r_penalty)
@@ -903,6 +897,7 @@ class Builder:
             "r_finish": r_finish,
             "r_penalty": r_penalty,
             "r_turn": r_turn,
+            "judge_score": judge_score,
             "sampling": e.get("sampling"),
             "reward_detail": json.dumps(detail, sort_keys=True, default=str),
             "critical_steps": stats.critical_steps,
@@ -911,8 +906,10 @@ class Builder:
             "last_outcome_ts": max((o["ts"] for o in outcomes), default=None),
         }
 
-    def _relabel(self, entry: dict[str, Any], new: list[dict[str, Any]], clock: dt.datetime) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """Label N+1 of an emitted session: its rows of label N again, the outcome reward recomputed."""
+    def _relabel(self, entry: dict[str, Any], new: list[dict[str, Any]], clock: dt.datetime,
+                 judged: judge_mod.JudgeResult | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Label N+1 of an emitted session: its rows of label N again, the outcome reward recomputed (and the judge's
+        score set, when a queued retry scored it now)."""
         import pyarrow.parquet as pq
 
         label = int(entry["label_version"]) + 1
@@ -926,20 +923,24 @@ class Builder:
         whole = outcome_rewards.session_level(outcomes)
         _, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in whole}, end_ts, clock)
         scores = {a: outcome_rewards.score_for_agent(self.rewards, task, outcomes, a, closed) for a in {r["agent_id"] for r in prev}}
-        last_outcome = max(o["ts"] for o in outcomes)
+        last_outcome = max((o["ts"] for o in outcomes), default=None)  # a judge retry's session may have none
+        reason = "late_outcome" if new else "judge_retry"
         rows = []
         for r in prev:  # file order: the same row order as the label it follows
             score = scores[r["agent_id"]]
             detail = json.loads(r["reward_detail"])
             turn = turns.recredit(self.rewards, task, detail, outcomes, score.r_outcome)
-            detail |= {"outcomes": score.detail, "label_reason": "late_outcome", "rewards_config": self.rewards.digest,
+            detail |= {"outcomes": score.detail, "label_reason": reason, "rewards_config": self.rewards.digest,
                        "turn": turn.detail or None}
+            if judged is not None:
+                r = r | {"r_judge": judged.r_judge(self.rewards.judge_weight(task)), "judge_score": judged.score}
+                detail["judge"] = judge_pass.judge_detail(self.rewards, self.judge.model, task, judged)
             reward = total_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"], r["r_penalty"])
             rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "r_turn": turn.r_turn, "reward": reward,
                              "reward_detail": json.dumps(detail, sort_keys=True), "last_outcome_ts": last_outcome})
         index_row = entry | {
             "label_version": label,
-            "reason": "late_outcome",
+            "reason": reason,
             "outcomes": json.dumps([_outcome_json(o) for o in outcomes], sort_keys=True),
         }
         return rows, index_row
@@ -984,6 +985,7 @@ class Builder:
             counters=lifetime_counters(self.state.counters, drops, res),
             pending=pending,
             assignment=self.assignment.describe(),
+            judge_retry=self.judged.queue,
         )
         self.store.commit(new_state, retired)
         self.state = new_state
@@ -1053,6 +1055,7 @@ class Builder:
             "held_outcomes": len(st.held_outcomes),
             "judge_calls": self.judge.calls,
             "judge_failures": self.judge.failures,
+            "judge_retry_queue": len(st.judge_retry),
             "last_pass_s": round(res.seconds, 3) if res else None,
             "backlog_files": self.backlog_files,
             **st.counters,
@@ -1122,8 +1125,11 @@ def run(cfg: EpisodesConfig, rewards: reward_config.RewardConfig | None = None,
                  cfg.state_dir, builder.state.pass_no, builder.state.next_seq, cfg.lake_root,
                  builder.assignment.describe(), builder.assignment.stream)
         if any(t.judge for t in rewards.task_types.values()):
-            log.info("episodes: LLM judge on for %s via %s model %s",
-                     [t.name for t in rewards.task_types.values() if t.judge], cfg.judge_url, builder.judge.model)
+            log.info("episodes: LLM judge on for %s via %s model %s (output %s, API key %s)",
+                     {t.name: {"weight": rewards.judge_weight(t), "sample": t.judge_sample}
+                      for t in rewards.task_types.values() if t.judge},
+                     cfg.judge_url, builder.judge.model, rewards.judge.output,
+                     "set" if os.environ.get(cfg.judge_api_key_env) else f"not set (${cfg.judge_api_key_env})")
         metrics = EpisodesMetrics(builder)
         metrics.metrics.serve(cfg.metrics_port)
         try:

@@ -20,6 +20,7 @@ from typing import Any
 DEFAULT_TOML = Path(__file__).with_name("rewards.toml")
 ANNEAL_CLOCKS = ("policy_version", "learner_step")  # what [parl] anneal_start/anneal_end count
 MISSING_POLICIES = ("drop", "ignore")  # besides a number: the value a missing outcome counts as
+JUDGE_OUTPUTS = ("json_schema", "choice")  # how the judge's answer is constrained (rewards/judge.py)
 
 
 class RewardConfigError(ValueError):
@@ -58,6 +59,10 @@ class TaskType:
     wait_for: tuple[str, ...] = ()  # outcome kinds label 1 waits for (up to each kind's window)
     judge: bool = False  # score the session with the LLM judge
     rubric: str = "default"  # key into [rubrics]
+    # r_judge = judge_weight * (score - 3) / 2 (None: [judge].weight). 0 is shadow mode: the score is computed
+    # and stored (episodes.judge_score) but never enters the reward, so the judge can be calibrated first
+    judge_weight: float | None = None
+    judge_sample: float = 1.0  # share of sessions judged, chosen by a hash of session_id (a re-run picks the same)
     # per-turn credit: outcome kinds that verify ONE tool call (reported with its call_id). The llm_call
     # that produced a verified call is rewarded by that check (r_turn) instead of the session's outcome,
     # and with turn kinds set a malformed call is a verified failure of its turn (r_turn 0).
@@ -73,11 +78,23 @@ class Rubric:
 
 @dataclass(frozen=True)
 class JudgeSettings:
-    model: str = "policy-v0"  # served model name at the judge endpoint
-    timeout_s: float = 10.0  # per request; a timeout is recorded, never retried in the same pass
-    weight: float = 0.5  # r_judge = weight * (score - 3) / 2, so scores 1..5 map to [-weight, +weight]
-    max_chars: int = 1500  # transcript characters sent (the tail); keeps the prompt inside the judge's context
-    budget_s: float = 60.0  # judge time per builder pass; sessions past it are recorded as "budget" (unjudged)
+    """The LLM judge's client and budgets (rewards/judge.py; the endpoint, model and API key are process settings)."""
+
+    model: str = "policy-v0"  # served model name at the judge endpoint (the builder's --judge-model overrides it)
+    timeout_s: float = 10.0  # per request
+    weight: float = 0.5  # r_judge = weight * (score - 3) / 2 for a task type without its own judge_weight
+    max_tokens: int = 1000  # transcript budget in tokens, estimated as UTF-8 bytes / chars_per_token (rewards/transcript.py)
+    chars_per_token: float = 4.0  # the estimate's ratio: about 4 for hosted models' tokenizers, under 2 for a tiny BPE
+    output: str = "json_schema"  # "json_schema": response_format (OpenAI, vLLM, SGLang); "choice": vLLM's structured_outputs
+    reason_chars: int = 0  # 0: the judge answers a score only; > 0: also a reason of about this many characters
+    concurrency: int = 2  # judge requests in flight at once
+    retries: int = 2  # retries within a request of a timeout, connection error, 429 or 5xx (never other 4xx), with backoff
+    backoff_s: float = 0.5  # wait before the first retry, doubled for each next one
+    budget_s: float = 60.0  # judge time per builder pass; sessions past it are recorded "budget" and retried on a later pass
+    max_calls: int = 0  # judge requests per pass (0: no limit); sessions past it as for budget_s
+    max_attempts: int = 3  # passes a session whose judge failed retryably (timeout, 429/5xx, budget) is tried on
+    retry_after_s: float = 60.0  # a failed session is tried again on a pass this long later, doubled per failed attempt
+    retry_queue: int = 1000  # sessions waiting for a judge retry at most; past it the oldest are given up
 
 
 @dataclass(frozen=True)
@@ -148,6 +165,10 @@ class RewardConfig:
     def kind(self, name: str) -> OutcomeKind | None:
         return self.outcomes.get(name)
 
+    def judge_weight(self, task: TaskType) -> float:
+        """The weight of a task type's judge score in its reward (0: shadow mode)."""
+        return self.judge.weight if task.judge_weight is None else task.judge_weight
+
 
 def _build(cls: type, table: dict[str, Any], where: str, **extra: Any) -> Any:
     names = {f.name for f in dataclasses.fields(cls)} - set(extra)
@@ -192,12 +213,53 @@ def _check_task_types(task_types: dict[str, TaskType], outcomes: dict[str, Outco
             raise RewardConfigError(f"task_types.{name}.rubric: no [rubrics.{t.rubric}] table")
 
 
+def _check_judge(judge: JudgeSettings, task_types: dict[str, TaskType]) -> None:
+    _check_number("judge", "timeout_s", judge.timeout_s, lo=0.001)
+    _check_number("judge", "budget_s", judge.budget_s, lo=0)
+    _check_number("judge", "weight", judge.weight)
+    _check_number("judge", "chars_per_token", judge.chars_per_token, lo=0.1)
+    for name in ("max_tokens", "concurrency", "max_attempts"):
+        _check_number("judge", name, getattr(judge, name), lo=1)
+    for name in ("reason_chars", "retries", "backoff_s", "max_calls", "retry_queue", "retry_after_s"):
+        _check_number("judge", name, getattr(judge, name), lo=0)
+    if judge.output not in JUDGE_OUTPUTS:
+        raise RewardConfigError(f"judge.output: {judge.output!r} is not one of {JUDGE_OUTPUTS}")
+    for name, t in task_types.items():
+        if t.judge_weight is not None:
+            _check_number(f"task_types.{name}", "judge_weight", t.judge_weight)
+        _check_number(f"task_types.{name}", "judge_sample", t.judge_sample, lo=0, hi=1)
+
+
+def _with_base(doc: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
+    """The document merged over the one its `extends` names ("default": the packaged rewards.toml; else a path
+    relative to this file), and the base's text (part of the digest). A table's keys override the base's one by one."""
+    base_name = doc.pop("extends", None)
+    if base_name is None:
+        return doc, ""
+    if not isinstance(base_name, str):
+        raise RewardConfigError(f"{source}: extends must be a string, got {base_name!r}")
+    path = DEFAULT_TOML if base_name == "default" else Path(source).parent / base_name
+    try:
+        base_text = path.read_text()
+        base = tomllib.loads(base_text)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RewardConfigError(f"{source}: extends {base_name!r}: {exc}") from exc
+    if "extends" in base:
+        raise RewardConfigError(f"{source}: extends {base_name!r}, which extends another file (one level only)")
+
+    def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()}}
+
+    return merge(base, doc), base_text
+
+
 def parse(text: str, source: str = "<string>") -> RewardConfig:
     """Parse and check a reward TOML document."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RewardConfigError(f"{source}: {exc}") from exc
+    doc, base_text = _with_base(doc, source)
     known = {"outcomes", "task_types", "rubrics", "judge", "parl", "penalties", "join"}
     unknown = sorted(set(doc) - known)
     if unknown:
@@ -223,8 +285,7 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
     task_types.setdefault("default", TaskType("default"))
     _check_task_types(task_types, outcomes, rubrics)
     judge = _build(JudgeSettings, doc.get("judge", {}), "judge")
-    _check_number("judge", "timeout_s", judge.timeout_s, lo=0.001)
-    _check_number("judge", "budget_s", judge.budget_s, lo=0)
+    _check_judge(judge, task_types)
     parl = _build(ParlSettings, doc.get("parl", {}), "parl")
     if parl.parallel_cap < 1:
         raise RewardConfigError(f"parl.parallel_cap: must be >= 1, got {parl.parallel_cap}")
@@ -244,7 +305,7 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
             f"join.relabel_horizon_s ({join.relabel_horizon_s}) must be >= the longest outcomes.*.window_s ({max_window})"
         )
     return RewardConfig(outcomes, task_types, rubrics, judge, parl, penalties, join, source,
-                        hashlib.sha256(text.encode()).hexdigest()[:16])
+                        hashlib.sha256((base_text + text).encode()).hexdigest()[:16])
 
 
 def load(path: str | Path | None = None) -> RewardConfig:

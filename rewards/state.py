@@ -107,6 +107,8 @@ class BuilderState:
     pending: "pa.Table | None" = None  # events of sessions not emitted yet
     # the partitions whose cursors, pending sessions and index these are (Assignment.describe); None: a fresh state
     assignment: str | None = None
+    # sessions whose judge failed retryably (timeout, unavailable, budget), retried on later passes (rewards/builder.py)
+    judge_retry: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -118,6 +120,7 @@ class BuilderState:
             "segments": self.segments,
             "counters": self.counters,
             "assignment": self.assignment,
+            "judge_retry": self.judge_retry,
         }
 
 

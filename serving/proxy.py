@@ -53,7 +53,7 @@ from flywheel.base import defaults
 from flywheel.base.config import ConfigError, load_config, setting, setup_logging
 from flywheel.base.metrics import CONTENT_TYPE, Metrics, Reading
 from flywheel.base.versions import version_name
-from flywheel.ingest import schema
+from flywheel.ingest import schema, wire
 from flywheel.ingest.sdk import (
     HEADER_AGENT_ID,
     HEADER_PARENT_AGENT_ID,
@@ -106,6 +106,8 @@ class ProxyConfig:
     log_completion_text: bool = setting(True, "log the completion text (redacted) next to the token ids")
     log_prompt_text: bool = setting(False, "log the rendered prompt text (redacted); token ids are always logged")
     upstream_timeout_s: float = setting(600.0, "longest a forwarded request may take")
+    wire_format: str = setting("packed", "how llm_calls travel (ingest/wire.py): packed (schema v3, token ids as base64 "
+                               "int32) or json (v2, for a lake writer older than v3)")
     spool_name: str = setting("proxy", "name of the SDK's spill spool (<FLYWHEEL_SPOOL_DIR or state dir>/<name>@<topic>), stable so a restart replays it")
     heartbeat_s: float = setting(5.0, "how often the status heartbeat (var/run/status/proxy*.json) is written; 0: never")
     log_level: str = setting("INFO", "logging level")
@@ -115,6 +117,8 @@ class ProxyConfig:
             raise ConfigError(f"router: {self.router!r} is not static or serving")
         if self.idle_timeout_s <= 0:
             raise ConfigError(f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}")
+        if self.wire_format not in wire.FORMATS:
+            raise ConfigError(f"wire_format: {self.wire_format!r} is not one of {wire.FORMATS}")
 
 
 def static_route(model: str, policy_version: int) -> RouteFn:
@@ -614,7 +618,7 @@ def run(cfg: ProxyConfig) -> int:
 
     route, router_state = build_route(cfg)
     log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "flywheel.serving.router.Router")
-    logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name)
+    logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name, wire_format=cfg.wire_format)
     log.info("proxy: logging llm_call events to %s on %s", cfg.events_topic, cfg.kafka_bootstrap)
     proxy = CaptureProxy(cfg, logger, route, router_state)
     log.info("proxy: listening on http://%s:%d/v1, forwarding to %s", cfg.host, cfg.port, cfg.upstream)

@@ -36,7 +36,7 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 DEMO = ("lake", "train", "serve", "dev")
 EXTRAS: dict[str, tuple[str, ...]] = {
     "infra": (), "status": (), "proxy": (), "topics": (),
-    "lake-writer": ("lake",), "compact": ("lake",), "episodes": ("lake",),
+    "lake-writer": ("lake",), "compact": ("lake",), "episodes": ("lake",), "judge": ("lake",),
     "learner": ("train", "lake"), "model": ("train",),
     "publish": ("serve",), "promote": ("serve", "lake"), "rollback": ("serve", "lake"),
     "report": ("lake", "serve", "dev"),

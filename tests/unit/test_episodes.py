@@ -325,11 +325,11 @@ def test_rerun_of_a_killed_pass_reuses_its_judge_answers(tmp_path: Path, monkeyp
     monkeypatch.undo()
 
     class Answering(judge_mod.Judge):  # a judge that would now answer 5
-        def score(self, text: str, rubric: config.Rubric) -> judge_mod.JudgeResult:
+        def score(self, text: str, rubric: config.Rubric, deadline: float | None = None) -> judge_mod.JudgeResult:
             return judge_mod.JudgeResult(5, "ok")
 
     rig.restart()
-    rig.builder.judge = Answering(rig.cfg.judge_url, rig.builder.judge.model, 1.0, None)
+    rig.builder.judge = Answering(rig.cfg.judge_url, rig.builder.judge.model, rig.rewards.judge, None)
     res = rig.run(after(end, 500))  # the clock passed in is ignored: the intent's clock rules
     strip = lambda rows: sorted((r["episode_id"], r["r_judge"], r["reward_detail"]) for r in rows)  # noqa: E731
     assert res.sessions_emitted == 1

@@ -24,7 +24,7 @@ FOLDERS = {"infra": "flywheel", "ingest": "flywheel.ingest", "rewards": "flywhee
            "learner": "flywheel.learner", "serving": "flywheel.serving"}
 STAGES = ["flywheel.base", "flywheel.ingest", "flywheel.rewards", "flywheel.learner", "flywheel.serving"]
 HANDOFFS = {"flywheel.learner": {"flywheel.serving.publisher", "flywheel.serving.registry", "flywheel.serving.tier"}}
-SDK = {"flywheel.ingest.schema", "flywheel.ingest.sdk", "flywheel.ingest.spool", "flywheel.ingest.redact"}
+SDK = {"flywheel.ingest.schema", "flywheel.ingest.sdk", "flywheel.ingest.spool", "flywheel.ingest.redact", "flywheel.ingest.wire"}
 TOP = ["flywheel.demo", "flywheel.stack", "flywheel.status", "flywheel.cli", "flywheel.topics"]
 MAX_FUNCTION_LINES = 60
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.ingest import schema
+from flywheel.ingest import schema, wire
 from flywheel.ingest.sdk import OutcomeReporter, SessionLogger
 from flywheel.ingest.spool import Spool
 
@@ -29,7 +29,7 @@ def dead_bootstrap() -> str:
 
 def _spooled(directory: Path) -> list[dict]:
     spool = Spool(directory)
-    records = [json.loads(r) for r in spool.peek(1_000_000)]
+    records = [wire.as_lists(wire.decode(r)) for r in spool.peek(1_000_000)]  # v3: token lists packed on the wire
     spool.close()
     return records
 

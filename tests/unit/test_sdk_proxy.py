@@ -3,6 +3,7 @@ streamed), what it strips before the agent sees them, and how sessions end."""
 
 from __future__ import annotations
 
+import array
 import json
 import socket
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.ingest import schema
+from flywheel.ingest import schema, wire
 from flywheel.ingest.sdk import SessionLogger
 from flywheel.ingest.spool import Spool
 from flywheel.serving.proxy import CaptureProxy, ProxyConfig, Routed, static_route
@@ -40,14 +41,20 @@ def proxy(tmp_path: Path) -> CaptureProxy:
     return proxy
 
 
+def _f32(values: list[float]) -> list[float]:
+    """What the lake holds of these logprobs: v3 sends float32, the lake's column type."""
+    return list(array.array("f", values))
+
+
 def _logged(proxy: CaptureProxy) -> list[dict]:
     proxy.logger.close(timeout=5)
     spool = Spool(proxy.spool_dir)  # type: ignore[attr-defined]
-    events = [json.loads(r) for r in spool.peek(10_000)]
+    events = [wire.decode(r) for r in spool.peek(10_000)]
     spool.close()
     for event in events:
-        schema.validate_event(event)
-    return events
+        schema.validate_event(event)  # as the lake writer sees it: token lists as packed views
+        assert event["type"] != "llm_call" or event["schema_version"] == wire.PACKED_VERSION, "the proxy logs v3"
+    return [wire.as_lists(event) for event in events]
 
 
 def _call(proxy: CaptureProxy, body: dict, headers: dict[str, str], kind: str = "chat") -> Any:
@@ -78,7 +85,7 @@ def test_whole_reply_logs_each_choice_and_strips_unrequested_fields(proxy: Captu
     assert all(c["logprobs"] is None and c["token_ids"] is None for c in reply["choices"])
     events = _logged(proxy)
     assert [(e["completion_token_ids"], e["completion_logprobs"], e["finish_reason"]) for e in events] == [
-        ([7, 8], [-0.1, -0.2], "stop"), ([9, 10], [-1.0, -2.0], "length")]
+        ([7, 8], _f32([-0.1, -0.2]), "stop"), ([9, 10], [-1.0, -2.0], "length")]
     assert all(e["prompt_token_ids"] == [1, 2, 3] and e["policy_version"] == 4 and e["model"] == "policy-v4" for e in events)
     assert all(e["group_id"] == "chatcmpl-1" and e["agent_id"] == "a" for e in events), "n>1 choices form one group"
     assert events[0]["sampling"] == {"temperature": 0.7, "n": 2} and events[0]["completion_text"] == "hi"
@@ -117,7 +124,7 @@ def test_completions_logprobs_and_echo(proxy: CaptureProxy) -> None:
     proxy._strip(call, reply, streaming=False)
     assert reply["choices"][0]["logprobs"] is None and reply["choices"][0]["prompt_token_ids"] is None
     (event,) = _logged(proxy)
-    assert event["completion_logprobs"] == [-0.5, -0.7], "echo: the prompt's logprobs are not behaviour logprobs"
+    assert event["completion_logprobs"] == _f32([-0.5, -0.7]), "echo: the prompt's logprobs are not behaviour logprobs"
 
 
 def test_mismatched_reply_is_not_logged_but_counted(proxy: CaptureProxy) -> None:
