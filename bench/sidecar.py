@@ -155,7 +155,8 @@ def _free_port() -> int:
 # elsewhere), in alternating rounds AB BA AB ..., and the ratio gets a bootstrap interval over rounds.
 
 REPO = Path(__file__).resolve().parents[1]
-ARM_LABELS = {"baseline": "baseline SDK", "current": "working tree SDK", "packed": "working tree SDK, packed wire format"}
+ARM_LABELS = {"baseline": "baseline SDK", "current": "candidate SDK", "json": "candidate SDK, json wire format",
+              "packed": "candidate SDK, packed wire format"}
 
 
 def export_sdk(source: str, dest: Path, repo: Path = REPO) -> tuple[Path, str]:
@@ -225,6 +226,16 @@ def ratio_interval(a_rounds: list[list[int]], b_rounds: list[list[int]], q: floa
     return point, float(lo), float(hi)
 
 
+def mean_ratio_interval(a: list[float], b: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """mean(b) / mean(a) with a 95% bootstrap interval over rounds, resampled in pairs as in ratio_interval."""
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    pick = np.random.default_rng(seed).integers(0, len(x), (reps, len(x)))
+    lo, hi = np.percentile(y[pick].mean(axis=1) / x[pick].mean(axis=1), [2.5, 97.5])
+    return float(y.mean() / x.mean()), float(lo), float(hi)
+
+
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One arm of one round, in its own process: the paced and back-to-back calls of the `sdk` variant."""
     import logging
@@ -241,17 +252,22 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
                                    spool_dir=spec["spool_dir"], **spec["options"])
     except TypeError as exc:  # an option this version does not have (e.g. wire_format before it existed)
         return {"unsupported": str(exc)}
-    if spec.get("probe"):  # only whether this SDK takes the options
+    if spec.get("probe"):  # only whether this SDK takes the options, and its default wire format
+        import inspect
+
         logger.close()
-        return {"supported": True}
+        defaults = [inspect.signature(cls.__init__).parameters.get("wire_format") for cls in type(logger).__mro__]
+        return {"supported": True, "default_wire_format": next((p.default for p in defaults if p is not None), None)}
     payload = _payload(spec["prompt_tokens"], spec["completion_tokens"])
     call = _sdk_call(logger, payload)
     for i in range(spec["warmup"]):
         call(i)
     logger.flush(60)
     gc.collect()
+    cpu_before = _thread_cpu_ns(spec["name"])
     paced = _paced(call, spec["calls"], spec["rate"], None, None)
-    logger.flush(120)
+    logger.flush(120)  # inside the CPU window: every record of the paced phase is encoded and sent in it
+    cpu_after = _thread_cpu_ns(spec["name"])
     burst = _paced(call, spec["burst_calls"], 0, None, None)
     delivered = logger.flush(120)
     metrics = logger.metrics()
@@ -259,8 +275,28 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     threads = sorted(t.name for t in threading.enumerate())  # what ran beside the host while it was measured
     logger.close()
+    cpu_us = {k: (cpu_after.get(k, 0) - cpu_before.get(k, 0)) / 1e3 / spec["calls"] for k in cpu_after}
     return {"sdk_file": str(where), "paced": paced, "burst": burst, "delivered": delivered,
-            "sent": metrics.get("sent"), "enqueued": metrics.get("enqueued"), "threads": threads}
+            "sent": metrics.get("sent"), "enqueued": metrics.get("enqueued"), "threads": threads, "cpu_us": cpu_us}
+
+
+def _thread_cpu_ns(name: str) -> dict[str, int]:
+    """CPU time so far of the host thread, the SDK's thread and the other (Kafka client) threads.
+
+    The background work reaches the host only by holding the GIL, and a thread holds it only while it runs
+    Python, so its CPU time per call measures what it can take from the host, without the machine's
+    noise in it (a wait for a core is not CPU time)."""
+    import threading
+
+    out = {"host": 0, "sdk": 0, "kafka": 0}
+    for t in threading.enumerate():
+        try:
+            ns = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
+        except (OSError, TypeError):  # the thread ended meanwhile
+            continue
+        kind = "host" if t is threading.main_thread() else "sdk" if t.name == f"flywheel-sdk-{name}" else "kafka"
+        out[kind] += ns
+    return out
 
 
 def worker_env(root: Path) -> dict[str, str]:
@@ -281,23 +317,33 @@ def _run_worker(root: Path, spec: dict[str, Any], timeout_s: float) -> dict[str,
 
 
 def compare_interleaved(args: argparse.Namespace, bootstrap: str, topic: str, tmp: Path, console: Any) -> dict[str, Any]:
-    """The working tree's SDK against --baseline (and against itself with the packed wire format, where the
-    working tree has that switch), in alternating rounds; per arm the samples of every round."""
+    """The candidate SDK (the working tree's unless --candidate) against --baseline, in alternating rounds; per
+    arm the samples of every round.
+
+    Where the candidate has issue 21's `wire_format` switch it runs twice per round, packed and json (issue 21
+    asks for that ratio in the same run), and "current" is whichever of the two is its default; json is also
+    the like-for-like comparison with a baseline from before the switch.
+    """
     roots: dict[str, Path] = {}
     roots["baseline"], resolved = export_sdk(args.baseline, tmp / "export-baseline")
-    roots["current"], _ = export_sdk(str(REPO), tmp / "export-current")
-    options = {"baseline": {}, "current": {}, "packed": {"wire_format": "packed"}}
-    roots["packed"] = roots["current"]
-    arms = ["baseline", "current", "packed"]
+    roots["current"], _ = export_sdk(args.candidate or str(REPO), tmp / "export-current")
+    roots["json"] = roots["packed"] = roots["current"]
+    options = {"baseline": {}, "current": {}, "json": {"wire_format": "json"}, "packed": {"wire_format": "packed"}}
     notes: dict[str, str] = {}
     probe = _run_worker(roots["packed"], {"bootstrap": bootstrap, "topic": topic, "name": "bench-probe",
                                           "spool_dir": str(tmp / "probe"), "options": options["packed"], "probe": True},
                         timeout_s=120)
-    if "unsupported" in probe:  # decided before the rounds, so the rotation of the arms stays balanced
-        notes["packed"] = probe["unsupported"]
-        arms.remove("packed")
+    # decided before the rounds, so the rotation of the arms stays balanced
+    default = probe.get("default_wire_format")
+    if "unsupported" in probe or default not in ("json", "packed"):
+        notes["packed"] = probe.get("unsupported") or f"the candidate's default wire format is {default!r}"
+        arms = ["baseline", "current"]
+    else:
+        arms = ["baseline", "json", "packed"]
+        notes["current"] = f"the {default} arm (the candidate's default wire format)"
     samples: dict[str, dict[str, list[list[int]]]] = {arm: {"paced": [], "burst": []} for arm in arms}
     threads: dict[str, list[str]] = {}
+    cpu: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     spec = {"bootstrap": bootstrap, "topic": topic, "calls": args.round_calls, "rate": args.rate,
             "warmup": args.round_warmup, "burst_calls": args.round_burst_calls,
             "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens}
@@ -309,10 +355,14 @@ def compare_interleaved(args: argparse.Namespace, bootstrap: str, topic: str, tm
             samples[arm]["paced"].append(result["paced"])
             samples[arm]["burst"].append(result["burst"])
             threads[arm] = result["threads"]
+            cpu[arm].append(result["cpu_us"])
         console.print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{a} p99 {_percentiles(samples[a]['paced'][-1])['p99']:.1f} us" for a in arms))
-    return {"ref": args.baseline, "resolved": resolved, "arms": arms, "samples": samples, "notes": notes,
-            "threads": threads}
+    if "current" not in arms:  # the default's arm is the candidate as its users get it
+        samples["current"], cpu["current"] = samples[default], cpu[default]
+        arms = ["baseline", "current", *(a for a in arms if a not in ("baseline", default))]
+    return {"ref": args.baseline, "resolved": resolved, "candidate": args.candidate or "working tree", "arms": arms,
+            "samples": samples, "notes": notes, "threads": threads, "cpu": cpu}
 
 
 def summarize_interleaved(result: dict[str, Any], rounds: int) -> tuple[dict[str, Any], list[tuple[str, ...]]]:
@@ -326,11 +376,12 @@ def summarize_interleaved(result: dict[str, Any], rounds: int) -> tuple[dict[str
     p99 = ratio_interval(base["paced"], cur["paced"], 0.99)
     p999 = ratio_interval(base["paced"], cur["paced"], 0.999)
     burst = ratio_interval(base["burst"], cur["burst"], 0.99)
-    rows.append(("ratio working tree / baseline [95% CI]", "",
+    rows.append(("ratio candidate / baseline [95% CI]", "",
                  f"{p99[0]:.3f} [{p99[1]:.3f}, {p99[2]:.3f}]", f"{p999[0]:.3f} [{p999[1]:.3f}, {p999[2]:.3f}]",
                  f"{burst[0]:.3f} [{burst[1]:.3f}, {burst[2]:.3f}]"))
     fields: dict[str, Any] = {
-        "baseline_ref": result["ref"], "baseline_commit": result["resolved"], "rounds": rounds,
+        "baseline_ref": result["ref"], "baseline_commit": result["resolved"],
+        "candidate": result.get("candidate", "working tree"), "rounds": rounds,
         "baseline_p50_us": round(pooled["baseline"]["paced"]["p50"], 2),
         "baseline_p99_us": round(pooled["baseline"]["paced"]["p99"], 2),
         "baseline_p999_us": round(pooled["baseline"]["paced"]["p999"], 2),
@@ -342,17 +393,33 @@ def summarize_interleaved(result: dict[str, Any], rounds: int) -> tuple[dict[str
         "p99_ratio_vs_baseline": round(p99[0], 3), "p99_ratio_ci95": [round(p99[1], 3), round(p99[2], 3)],
         "p999_ratio_vs_baseline": round(p999[0], 3), "p999_ratio_ci95": [round(p999[1], 3), round(p999[2], 3)],
         "burst_p99_ratio_vs_baseline": round(burst[0], 3), "burst_p99_ratio_ci95": [round(burst[1], 3), round(burst[2], 3)],
-        # "No worse": the interval reaches 1 or below, i.e. this run cannot tell the working tree from the baseline
+        # "No worse": the interval reaches 1 or below, i.e. this run cannot tell the candidate from the baseline
         # or finds it faster.
         "p99_no_worse_than_baseline": p99[1] <= 1.0,
         "burst_p99_no_worse_than_baseline": burst[1] <= 1.0,
     }
-    if "packed" in arms:
-        packed = ratio_interval(samples["current"]["paced"], samples["packed"]["paced"], 0.99)
+    cpu = result.get("cpu") or {}
+    if cpu.get("baseline") and cpu.get("current"):
+        background = {arm: [r["sdk"] + r["kafka"] for r in cpu[arm]] for arm in ("baseline", "current")}
+        ratio = mean_ratio_interval(background["baseline"], background["current"])
+        for arm in ("baseline", "current"):
+            fields[f"{arm}_background_cpu_us_per_call"] = round(statistics.fmean(background[arm]), 2)
+            fields[f"{arm}_host_cpu_us_per_call"] = round(statistics.fmean(r["host"] for r in cpu[arm]), 2)
+        fields["background_cpu_ratio_vs_baseline"] = round(ratio[0], 3)
+        fields["background_cpu_ratio_ci95"] = [round(ratio[1], 3), round(ratio[2], 3)]
+        rows.append(("background CPU per call, candidate / baseline", "",
+                     f"{ratio[0]:.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}]", "", ""))
+    if "packed" in samples and "json" in samples:
+        packed = ratio_interval(samples["json"]["paced"], samples["packed"]["paced"], 0.99)
         rows.append(("ratio packed / json wire format [95% CI]", "",
                      f"{packed[0]:.3f} [{packed[1]:.3f}, {packed[2]:.3f}]", "", ""))
         fields["packed_vs_json_p99_ratio"] = round(packed[0], 3)
         fields["packed_vs_json_p99_ci95"] = [round(packed[1], 3), round(packed[2], 3)]
+        like = ratio_interval(base["paced"], samples["json"]["paced"], 0.99)  # the same encoding as the baseline's
+        rows.append(("ratio candidate json / baseline [95% CI]", "",
+                     f"{like[0]:.3f} [{like[1]:.3f}, {like[2]:.3f}]", "", ""))
+        fields["json_p99_ratio_vs_baseline"] = round(like[0], 3)
+        fields["json_p99_ratio_ci95"] = [round(like[1], 3), round(like[2], 3)]
     else:  # issue 21's switch is not in this SDK yet: the arm is there, the number is not
         fields["packed_vs_json_p99_ratio"] = None
         fields["packed_note"] = result["notes"].get("packed", "no packed arm")[:200]
@@ -447,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-calls", type=int, default=10_000, help="timed back-to-back calls (no pacing)")
     parser.add_argument("--baseline", default=None, metavar="REF",
                         help="also compare with the SDK of this git ref (or source directory), in alternating rounds")
+    parser.add_argument("--candidate", default=None, metavar="REF",
+                        help="with --baseline: the SDK compared with it, a git ref or source directory [the working tree]")
     parser.add_argument("--rounds", type=int, default=20, help="with --baseline: rounds, each arm once per round")
     parser.add_argument("--round-calls", type=int, default=4000, help="with --baseline: timed paced calls per arm and round")
     parser.add_argument("--round-burst-calls", type=int, default=2000,
@@ -515,7 +584,8 @@ def _print_interleaved(args: argparse.Namespace, result: dict[str, Any], rows: l
     from rich.table import Table
 
     table = Table(title=f"same run, alternating rounds: {args.rounds} rounds x {args.round_calls} calls at "
-                        f"{args.rate:.0f}/s per SDK (baseline {result['ref']} = {result['resolved'][:12]})")
+                        f"{args.rate:.0f}/s per SDK (baseline {result['ref']} = {result['resolved'][:12]}, "
+                        f"candidate {result['candidate']})")
     table.add_column("SDK, each in its own process")
     for col in ("p50 µs", "p99 µs", "p99.9 µs", "burst p99 µs"):
         table.add_column(col, justify="right")
@@ -523,7 +593,12 @@ def _print_interleaved(args: argparse.Namespace, result: dict[str, Any], rows: l
         table.add_row(*row)
     console.print(table)
     for arm, why in result["notes"].items():
-        console.print(f"{ARM_LABELS[arm]}: not run ({why})")
+        console.print(f"{ARM_LABELS[arm]}: {why}" if arm == "current" else f"{ARM_LABELS[arm]}: not run ({why})")
+    for arm, rounds in result.get("cpu", {}).items():
+        if rounds:
+            mean = {k: statistics.fmean(r[k] for r in rounds) for k in ("host", "sdk", "kafka")}
+            console.print(f"{ARM_LABELS[arm]}: CPU per paced call, mean of rounds: host thread {mean['host']:.1f} µs, "
+                          f"SDK thread {mean['sdk']:.1f} µs, Kafka client threads {mean['kafka']:.1f} µs")
     for arm, names in result["threads"].items():
         console.print(f"{ARM_LABELS[arm]}: threads at the end of its last round: {', '.join(names)}")
 

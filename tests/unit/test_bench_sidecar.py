@@ -84,7 +84,24 @@ def test_the_summary_keeps_baseline_fields_and_says_when_the_packed_arm_did_not_
     assert fields["packed_vs_json_p99_ratio"] is None and "wire_format" in fields["packed_note"]
     assert len(rows) == 3, rows  # two SDKs and their ratio
 
+    # a candidate with the wire_format switch: its default (packed here) is "current", json runs beside it
     samples["packed"] = samples["current"]
-    result["arms"].append("packed")
+    samples["json"] = {"paced": [[2 * x for x in r] for r in samples["current"]["paced"]], "burst": samples["current"]["burst"]}
+    result["arms"] = ["baseline", "current", "json"]
     fields, rows = sidecar.summarize_interleaved(result, 4)
-    assert fields["packed_vs_json_p99_ratio"] == 1.0 and "packed_note" not in fields
+    assert fields["packed_vs_json_p99_ratio"] == 0.5 and "packed_note" not in fields, fields
+    assert fields["json_p99_ratio_vs_baseline"] == pytest.approx(2 * fields["p99_ratio_vs_baseline"], abs=2e-3)
+    assert len(rows) == 6, rows  # three arms, candidate / baseline, packed / json, json / baseline
+
+
+def test_background_cpu_is_compared_per_call_with_an_interval() -> None:
+    base = [{"host": 8.0, "sdk": 100.0 + r % 3, "kafka": 20.0} for r in range(10)]
+    cur = [{"host": 8.0, "sdk": 130.0 + r % 3, "kafka": 26.0} for r in range(10)]
+    samples = {arm: {"paced": _rounds(1, 1.0, rounds=10, calls=300), "burst": _rounds(2, 1.0, rounds=10, calls=100)}
+               for arm in ("baseline", "current")}
+    result = {"ref": "x", "resolved": "x", "arms": ["baseline", "current"], "samples": samples, "notes": {},
+              "cpu": {"baseline": base, "current": cur}}
+    fields, _ = sidecar.summarize_interleaved(result, 10)
+    assert fields["baseline_background_cpu_us_per_call"] == 120.9 and fields["current_host_cpu_us_per_call"] == 8.0
+    lo, hi = fields["background_cpu_ratio_ci95"]
+    assert lo <= fields["background_cpu_ratio_vs_baseline"] <= hi and lo > 1.2, fields
