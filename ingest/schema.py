@@ -17,8 +17,9 @@ remove, rename or retype one, so the lake tables of all versions union into one 
 a record of any other version goes to the dead-letter topic, never half-parsed.
 
 Versions: v1 the first; v2 adds an outcome's `call_id`; v3 changes only how the `ints` and
-`floats` fields (PACKED_FIELDS: token ids, logprobs) travel, as base64 of little-endian
-int32 / float32 inside the same JSON object (ingest/wire.py encodes and decodes it). Their
+`floats` fields (PACKED_FIELDS: token ids, logprobs) may travel, as base64 of little-endian
+int32 / float32 inside the same JSON object (ingest/wire.py encodes and decodes it; a JSON list
+stays valid, so v3 only adds an encoding). Their
 lake columns keep their types (list<int32>, list<float32>), so the rule holds where it
 matters, in the lake: a v3 row is a v1 row. Base64 in JSON was measured against a binary
 envelope on `flywheel bench ingest` (docs/lake.md, "Ingest throughput") and chosen because

@@ -5,7 +5,8 @@ schema.py says what an event or outcome holds; this module says how its bytes lo
 * `json` (schema v1, v2): the record as one JSON object, token ids and logprobs as JSON number lists.
 * `packed` (schema v3): the same JSON object, except that every `ints` / `floats` field (schema.PACKED_FIELDS:
   prompt, completion and summary token ids, completion logprobs) is a base64 string of its items as
-  little-endian int32 / float32. Decoded, such a field is a `memoryview` of the items (format schema.INT32_CODE
+  little-endian int32 / float32. A JSON list stays valid there too (v3 only adds an encoding), so a
+  producer that builds records with schema.SCHEMA_VERSION and plain lists is still read. Decoded, such a field is a `memoryview` of the items (format schema.INT32_CODE
   resp. "f"), which schema validation accepts and the lake writer hands to Arrow without a Python object per
   item. The lake stores the same list<int32> / list<float32> columns as for v1, so readers do not change.
 
@@ -150,11 +151,11 @@ def unpack_fields(record: dict[str, Any], b64decode: Callable[[str], bytes] = _b
     """
     for name, (fmt, kind) in _ITEM.items():
         value = record.get(name)
-        if value is None:
-            continue
+        if value is None or isinstance(value, list):
+            continue  # a JSON list is still a valid v3 field (validation checks it as for v1)
         if not isinstance(value, str):
             raise WireError(f"field {name!r}: a v3 record carries {kind} as base64 of little-endian "
-                            f"{'int32' if kind == 'ints' else 'float32'}, got {type(value).__name__}")
+                            f"{'int32' if kind == 'ints' else 'float32'} (or a JSON list), got {type(value).__name__}")
         try:
             raw = b64decode(value)
         except (binascii.Error, ValueError) as exc:

@@ -7,6 +7,7 @@ the routed policy version.
 
 from __future__ import annotations
 
+import array
 import json
 import subprocess
 import time
@@ -18,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from flywheel.ingest import schema
+from flywheel.ingest import schema, wire
 
 openai = pytest.importorskip("openai")
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +66,7 @@ def _events(kafka_bootstrap: str, topic: str, session_id: str, want: int, timeou
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         raw += [m.value for m in consumer]
-        found = [e for e in map(json.loads, raw) if e["session_id"] == session_id]
+        found = [wire.as_lists(e) for e in map(wire.decode, raw) if e["session_id"] == session_id]  # v3: packed lists
         if len(found) >= want:
             break
     consumer.close()
@@ -132,6 +133,7 @@ def test_requested_logprobs_completions_and_n_choices(proxy: dict, kafka_bootstr
     assert len(chat_events) == 2 and len(comp_events) == 1, [e["request_id"] for e in events]
     assert chat_events[0]["group_id"] == chat_events[1]["group_id"] == chat.id, "n>1 choices share a group"
     served = sorted([c.logprob for c in ch.logprobs.content] for ch in chat.choices)
+    served = sorted(list(array.array("f", lps)) for lps in served)  # v3 sends float32, the lake's column type
     assert sorted(e["completion_logprobs"] for e in chat_events) == served, "logged logprobs differ from the served ones"
     assert comp_events[0]["completion_text"] == comp.choices[0].text
     assert comp.choices[0].logprobs is None

@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 
 from flywheel import stack as stack_mod
-from flywheel.ingest import schema
+from flywheel.ingest import schema, wire
 from flywheel.ingest.sdk import OutcomeReporter, SessionLogger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,9 +64,12 @@ def test_every_event_type_and_outcome_round_trips(kafka_bootstrap: str, new_topi
     outcome_id = reporter.report(s.session_id, kind="tests_passed", value=1.0, source="ci")
     assert log.flush(30) and reporter.flush(30), f"not delivered: {log.metrics()} {reporter.metrics()}"
 
-    events = [json.loads(v) for v in _consume(kafka_bootstrap, events_topic, 9)]
+    events = [wire.decode(v) for v in _consume(kafka_bootstrap, events_topic, 9)]
     for event in events:
-        schema.validate_event(event)
+        schema.validate_event(event)  # as the lake writer sees a v3 record: token lists as packed views
+    llm_call = next(e for e in events if e["type"] == "llm_call")
+    assert llm_call["schema_version"] == 3 and llm_call["prompt_token_ids"].tolist() == [1, 2, 3]
+    assert llm_call["completion_logprobs"].tolist() == [-0.5, -0.25, -1.5], "exact in float32"
     assert {e["type"] for e in events} == set(schema.EVENT_TYPES), sorted(e["type"] for e in events)
     assert len(events) == 9 and len({e["event_id"] for e in events}) == 9
     # One key per session: the whole session is in one partition, in the order it was logged.

@@ -84,6 +84,12 @@ def test_json_format_keeps_lists_and_writes_v2_at_most() -> None:
     assert json.loads(wire.encode(llm_call(1), "json"))["schema_version"] == 1
 
 
+def test_a_v3_record_with_plain_json_lists_is_still_read() -> None:
+    """v3 adds an encoding, it does not take one away: a producer that sets schema.SCHEMA_VERSION and sends lists."""
+    row, _ = decode_record("events", json.dumps(llm_call(3)).encode())
+    assert row["prompt_token_ids"] == llm_call()["prompt_token_ids"] and row["schema_version"] == 3
+
+
 def test_encoding_refuses_an_id_beyond_int32() -> None:
     with pytest.raises(OverflowError):
         wire.encode(llm_call(3, prompt_token_ids=[INT32_MAX + 1]), "packed")
@@ -131,7 +137,8 @@ def test_a_chunk_mixing_versions_and_missing_lists_converts_in_one_pass() -> Non
      "6 bytes is not a whole number of 4-byte items"),
     (v3_json(prompt_token_ids="not base64!"), "malformed_packed", "not base64"),
     (v3_json(prompt_token_ids="AQAAAA"), "malformed_packed", "not base64"),  # padding cut
-    (v3_json(prompt_token_ids=[1, 2, 3]), "malformed_packed", "base64 of little-endian int32, got list"),
+    (v3_json(prompt_token_ids={"a": 1}), "malformed_packed", "base64 of little-endian int32 (or a JSON list), got dict"),
+    (v3_json(prompt_token_ids=[1, "2"]), "invalid", "field 'prompt_token_ids' should be ints"),
     (v3_json(completion_token_ids=b64("i", [7, 8, 9])), "invalid", "completion_logprobs has 2 values for 3"),
     (v3_json(completion_logprobs=b64("f", [-0.5, math.nan])), "invalid", "float32 items holding NaN"),
     (v3_json(completion_logprobs=b64("f", [-math.inf, -0.5])), "float_out_of_range", "infinity"),
