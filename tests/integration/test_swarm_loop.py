@@ -102,4 +102,4 @@ def _table(lake_root: str, table: str) -> list[dict[str, Any]]:
     if not files:
         return []
     listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-    return duckdb.sql(f"SELECT * FROM read_parquet([{listed}], union_by_name = true)").arrow().to_pylist()
+    return duckdb.sql(f"SELECT * FROM read_parquet([{listed}], union_by_name = true)").fetch_arrow_table().to_pylist()
