@@ -284,3 +284,27 @@ def test_a_prune_never_drops_the_request_being_answered() -> None:
     parsed = tasks.parse_reply(swarm.format_prune([0]))
     out = session._edit(parsed, history + [{"role": "assistant", "content": swarm.format_prune([0])}], current=0)
     assert out[0] == history[0] and not main.log[-1][0] == "context_edit", "the request stays; the prune is refused"
+
+
+def test_the_swarm_scenario_flags_are_ones_each_sub_command_accepts() -> None:
+    from pathlib import Path
+
+    from flywheel.base.config import load_config
+    from flywheel.demo import plan
+    from flywheel.demo.agent_sim import AgentSimConfig
+    from flywheel.learner.config import LearnerConfig
+    from flywheel.rewards.builder import EpisodesConfig
+
+    cfg = plan.DemoConfig(scenario="swarm", shaping_anneal_end_step=7)
+    cfg.check()
+    assert plan.for_scenario(cfg).warm_model == plan.SWARM_WARM_MODEL
+    assert plan.for_scenario(plan.DemoConfig(scenario="swarm", warm_model=Path("x"))).warm_model == Path("x")
+    agent = load_config(AgentSimConfig, plan.scenario_flags(cfg, "agent-sim"), prog="agent-sim")
+    assert (agent.scenario, agent.max_tokens) == ("swarm", plan.SWARM_MAX_TOKENS)
+    learner = load_config(LearnerConfig, plan.scenario_flags(cfg, "learner"), prog="learner")
+    assert (learner.shaping_anneal_start_step, learner.shaping_anneal_end_step) == (0, 7)
+    episodes = load_config(EpisodesConfig, ["--rewards-toml", "other.toml", *plan.scenario_flags(cfg, "episodes")],
+                           prog="episodes")
+    assert episodes.rewards_toml == str(plan.SWARM_REWARDS), "the scenario's rules win over the command's own"
+    assert config.load(plan.SWARM_REWARDS).parl.anneal_clock == "learner_step"
+    assert plan.scenario_flags(plan.DemoConfig(), "learner") == [], "the default demo is unchanged"
