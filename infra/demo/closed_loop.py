@@ -432,12 +432,8 @@ def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, wa
 def swarm_section(cfg: DemoConfig, plan: RunPlan, summary: dict[str, Any], started_at: float) -> dict[str, Any]:
     """The swarm scenario's section of report.md and its summary.json keys (infra/demo/swarm_report.py)."""
     from flywheel.demo import swarm_report
-    from flywheel.demo.plan import SWARM_REWARDS
-    from flywheel.rewards.config import load
 
-    parl = load(SWARM_REWARDS).parl
-    return swarm_report.write(Path(cfg.report_dir), plan.handoff, str(plan.lake_root), plan.learner_dir,
-                              (parl.lambda1, parl.lambda2), started_at, summary)
+    return swarm_report.write_for_run(Path(cfg.report_dir), plan, summary, started_at)
 
 
 def record_evidence(cfg: DemoConfig, summary: dict[str, Any], warm: dict[str, Any], started_at: float) -> Path:

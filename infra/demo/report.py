@@ -793,7 +793,12 @@ def run_report(run_dir: Path, out_dir: Path, tracking_uri: str) -> dict[str, Any
     warm = json.loads(warm_path.read_text()) if cfg.warm_start and warm_path.exists() else {}
     context = {"run_id": plan.run_id, "minutes": cfg.minutes, "regenerated": True,
                "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}
-    return write_run_report(out_dir, cfg, plan, tracking_uri, context, final)
+    summary = write_run_report(out_dir, cfg, plan, tracking_uri, context, final)
+    if cfg.scenario == "swarm":
+        from flywheel.demo import swarm_report
+
+        summary = swarm_report.write_for_run(out_dir, plan, summary)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -224,10 +224,23 @@ def markdown(s: dict[str, Any], per_version: dict[int, dict[str, Any]], image: s
     return "\n".join(lines) + "\n"
 
 
+def write_for_run(out_dir: Path, plan: Any, summary: dict[str, Any], traffic_start: float | None = None) -> dict[str, Any]:
+    """write() for one demo run (its RunPlan says where the hand-off, lake and learner are); the lambdas are
+    swarm_rewards.toml's. traffic_start None (`flywheel report --run-dir`): the run's first session."""
+    from flywheel.demo.plan import SWARM_REWARDS
+    from flywheel.rewards.config import load
+
+    parl = load(SWARM_REWARDS).parl
+    return write(Path(out_dir), plan.handoff, str(plan.lake_root), plan.learner_dir, (parl.lambda1, parl.lambda2),
+                 traffic_start, summary)
+
+
 def write(out_dir: Path, handoff: Path, lake_root: str, learner_dir: Path, lambdas: tuple[float, float],
-          traffic_start: float, summary: dict[str, Any]) -> dict[str, Any]:
+          traffic_start: float | None, summary: dict[str, Any]) -> dict[str, Any]:
     """Add the swarm section to report.md and its keys to summary.json (both already written by report.py)."""
     sessions = sessions_of(handoff, lake_root)
+    if traffic_start is None:
+        traffic_start = min((s.started for s in sessions), default=0.0)
     groups: dict[int, Group] = {}
     for s in sessions:
         if s.version is not None:
