@@ -671,8 +671,11 @@ class Builder:
         new_events, new_outcomes = self._read(plan)
         res.new_event_rows, res.new_outcome_rows = new_events.num_rows, new_outcomes.num_rows
         has_pending = st.pending is not None and st.pending.num_rows > 0
+        # files of zero rows (ranges whose records were all dead-lettered) still move the cursor: a pass that read
+        # only those commits it, or every later pass would read them again (and stall behind max_files_per_pass of them)
+        moved = intent.events_until != st.events_cursor or intent.outcomes_until != st.outcomes_cursor
         if not plan.resumed and not new_events.num_rows and not new_outcomes.num_rows and not has_pending \
-                and not st.held_outcomes and not judge_pass.due_retries(st.judge_retry, clock):
+                and not st.held_outcomes and not judge_pass.due_retries(st.judge_retry, clock) and not moved:
             return self._idle(res, t0)
         if not plan.resumed:
             self.store.save_intent(intent)
@@ -693,7 +696,7 @@ class Builder:
 
         if not plan.resumed and not (res.new_event_rows or res.new_outcome_rows or labelled.rows or labelled.index_rows
                                      or any(drops.values())) and len(routing.held) == len(held) \
-                and self.judged.queue == st.judge_retry:
+                and self.judged.queue == st.judge_retry and not moved:
             # waiting sessions, nothing changed: no new generation for a pass that decided nothing
             self.store.clear_intent()
             return self._idle(res, t0)

@@ -1,0 +1,72 @@
+"""The episode builder lists the lake by cursor: a running builder's passes find new files along the claims without
+walking the lake, and files of zero rows move its cursor (more of them than a pass reads do not stall it)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+
+from bench.fixtures import sessions as synthetic
+from flywheel.ingest import lake, lake_writer
+from flywheel.rewards import builder as episodes
+from flywheel.rewards import config
+from tests.unit.test_lake_readers_remote import TOML
+
+NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+
+
+def dead_letters(feed: synthetic.LakeFeeder, table: str, n: int) -> None:
+    """n files of zero rows (ranges whose records were all dead-lettered), as the lake writer publishes them."""
+    for _ in range(n):
+        first = feed.next_offset.get((table, 0), 0)
+        lake.write_file(feed.root, table, "2026-11-30", feed.topics[table], 0, first, first,
+                        lake_writer.rows_to_table(table, []))
+        feed.next_offset[(table, 0)] = first + 1
+
+
+def test_a_running_builder_finds_new_files_without_walking_the_lake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = str(tmp_path / "lake")
+    feed = synthetic.LakeFeeder(root)
+    for i in range(4):
+        ev, oc = synthetic.generate(5, NOW - dt.timedelta(days=1, minutes=10 * i), seed=i)
+        feed.write("events", ev)
+        feed.write("outcomes", oc)
+    cfg = episodes.EpisodesConfig(lake_root=root, state_dir=str(tmp_path / "state"), var_dir=str(tmp_path / "var"),
+                                  max_files_per_pass=2)
+    with episodes.Builder(cfg, config.parse(TOML)) as builder:
+        emitted = 0
+        while not (res := builder.run_pass(NOW)).idle:  # the first pass lists the lake once
+            emitted += res.sessions_emitted
+        assert emitted == 20
+
+        def refuse(*args: object) -> None:
+            raise AssertionError("a running builder walked the whole lake")
+
+        monkeypatch.setattr(lake, "_walk_table", refuse)
+        ev, oc = synthetic.generate(5, NOW - dt.timedelta(hours=3), seed=99)
+        feed.write("events", ev)
+        feed.write("outcomes", oc)
+        assert builder.run_pass(NOW).sessions_emitted == 5
+        assert builder.run_pass(NOW).idle
+
+
+def test_more_zero_row_files_than_a_pass_reads_do_not_stall_the_builder(tmp_path: Path) -> None:
+    root = str(tmp_path / "lake")
+    feed = synthetic.LakeFeeder(root)
+    for table in ("events", "outcomes"):
+        dead_letters(feed, table, 7)
+    ev, oc = synthetic.generate(4, NOW - dt.timedelta(days=1), seed=1)
+    feed.write("events", ev)
+    feed.write("outcomes", oc)
+    cfg = episodes.EpisodesConfig(lake_root=root, state_dir=str(tmp_path / "state"), var_dir=str(tmp_path / "var"),
+                                  max_files_per_pass=3)
+    with episodes.Builder(cfg, config.parse(TOML)) as builder:
+        results = []
+        while not (res := builder.run_pass(NOW)).idle and len(results) < 10:
+            results.append(res)
+        emitted = sum(r.sessions_emitted for r in results)
+        assert emitted == 4, f"{emitted} sessions emitted in {len(results)} passes: the zero-row files held the cursor"
+        last = lake.list_files(root, "events")[-1]
+        assert builder.state.events_cursor == {last.key: last.last}
