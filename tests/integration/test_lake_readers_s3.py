@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from bench.episodes import TOML
 from bench.fixtures import sessions as synthetic
 from flywheel import stack as stack_mod
 from flywheel.ingest import lake
 from tests.integration.test_lake_s3 import kafka_bootstrap, s3  # noqa: F401 (module fixtures: the broker, a private S3Proxy)
 from tests.integration.test_lake_writer_kill import wait_for
-from tests.unit.test_lake_readers_remote import TOML
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTITIONS = 2

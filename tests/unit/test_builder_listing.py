@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.episodes import TOML
 from bench.fixtures import sessions as synthetic
 from flywheel.ingest import lake, lake_writer
 from flywheel.rewards import builder as episodes
 from flywheel.rewards import config
-from tests.unit.test_lake_readers_remote import TOML
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
 

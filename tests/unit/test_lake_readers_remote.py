@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from bench.episodes import TOML  # the rewards of the builder's benchmark: task_success within 600 s
 from bench.fixtures import sessions as synthetic
 from flywheel.demo import report
 from flywheel.ingest import lake
@@ -17,13 +18,6 @@ from flywheel.rewards import builder as episodes
 from flywheel.rewards import config
 from flywheel.serving.sessions import read_sessions
 
-TOML = """
-[outcomes.task_success]
-window_s = 600
-missing = 0.0
-[task_types.tool_use]
-wait_for = ["task_success"]
-"""
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
 VOLATILE = ("emitted_ts",)  # when a row was written: differs between two builds by design
 
