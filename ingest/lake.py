@@ -197,8 +197,9 @@ def files_since(root: str, table: str, cursor: Cursor, owns: Callable[[int], boo
     fs, base = filesystem(root)
     streams = {s for s in _claimed_streams(fs, base, table) if keep(s[1])}
     known = {k: v for k, v in cursor.items() if keep(int(k.rsplit("/", 1)[1]))}
-    if full or not known or any(cursor_key(*s) not in known for s in streams) \
-            or len(known) > len({cursor_key(*s) for s in streams} & known.keys()):
+    claimed = {cursor_key(*s) for s in streams}
+    new_stream, unclaimed = bool(claimed - known.keys()), bool(known.keys() - claimed)
+    if full or not known or new_stream or unclaimed:
         files = [f for f in list_files(root, table) if keep(f.partition) and f.last > cursor.get(f.key, -1)]
         return _first_per_stream(files, limit)
     out: list[LakeFile] = []
