@@ -1,5 +1,6 @@
-"""The episode builder lists the lake by cursor: a running builder's passes find new files along the claims without
-walking the lake, and files of zero rows move its cursor (more of them than a pass reads do not stall it)."""
+"""The episode builder and the learner's reader list the lake by cursor: a running builder's passes and a running
+reader's polls find new files along the claims without walking the lake, and files of zero rows move the builder's
+cursor (more of them than a pass reads do not stall it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from bench.episodes import TOML
 from bench.fixtures import sessions as synthetic
 from flywheel.ingest import lake, lake_writer
+from flywheel.learner.data import EpisodeStream
 from flywheel.rewards import builder as episodes
 from flywheel.rewards import config
 
@@ -26,7 +28,7 @@ def dead_letters(feed: synthetic.LakeFeeder, table: str, n: int) -> None:
         feed.next_offset[(table, 0)] = first + 1
 
 
-def test_a_running_builder_finds_new_files_without_walking_the_lake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_running_builder_and_learner_find_new_files_without_walking_the_lake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = str(tmp_path / "lake")
     feed = synthetic.LakeFeeder(root)
     for i in range(4):
@@ -40,6 +42,10 @@ def test_a_running_builder_finds_new_files_without_walking_the_lake(tmp_path: Pa
         while not (res := builder.run_pass(NOW)).idle:  # the first pass lists the lake once
             emitted += res.sessions_emitted
         assert emitted == 20
+        learner = EpisodeStream(root, vocab_size=512, max_seq_len=4096)
+        learner.poll()  # its first poll lists the episodes table once
+        before = len(learner.pending)
+        assert before > 0
 
         def refuse(*args: object) -> None:
             raise AssertionError("a running builder walked the whole lake")
@@ -48,8 +54,11 @@ def test_a_running_builder_finds_new_files_without_walking_the_lake(tmp_path: Pa
         ev, oc = synthetic.generate(5, NOW - dt.timedelta(hours=3), seed=99)
         feed.write("events", ev)
         feed.write("outcomes", oc)
-        assert builder.run_pass(NOW).sessions_emitted == 5
+        res = builder.run_pass(NOW)
+        assert res.sessions_emitted == 5
         assert builder.run_pass(NOW).idle
+        assert learner.poll() == res.rows_written > 0, "the learner's reader missed the new episode file"
+        assert len(learner.pending) == before + res.rows_written
 
 
 def test_more_zero_row_files_than_a_pass_reads_do_not_stall_the_builder(tmp_path: Path) -> None:
