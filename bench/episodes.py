@@ -137,7 +137,8 @@ def listing_test(work: Path, rewards: config.RewardConfig, files_1x: int, n_new:
                 res = builder.run_pass()
                 times[f"pass_{size}"].append(time.perf_counter() - t0)
                 want = (n_new // PER_FILE) * PER_FILE
-                assert res.sessions_emitted == want, f"listing {size} rep {rep}: the pass emitted {res.sessions_emitted}, want {want}"
+                assert res.sessions_emitted == want, \
+                    f"listing {size} rep {rep}: the pass emitted {res.sessions_emitted}, want {want}"
     finally:
         for builder in builders.values():
             builder.close()

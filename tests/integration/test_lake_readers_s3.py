@@ -42,7 +42,8 @@ def checksums() -> Iterator[None]:
         yield
 
 
-def produce(bootstrap: str, topics: dict[str, str], batch: tuple[list[dict[str, Any]], list[dict[str, Any]]]) -> dict[str, int]:
+def produce(bootstrap: str, topics: dict[str, str],
+            batch: tuple[list[dict[str, Any]], list[dict[str, Any]]]) -> dict[str, int]:
     """Send a batch of events and outcomes, each keyed and partitioned by its session (as the SDK does)."""
     from kafka import KafkaProducer
 
@@ -58,7 +59,8 @@ def produce(bootstrap: str, topics: dict[str, str], batch: tuple[list[dict[str, 
     return counts
 
 
-def start_writer(bootstrap: str, topics: dict[str, str], dlq: str, root: str, var: Path, env: dict[str, str]) -> subprocess.Popen:
+def start_writer(bootstrap: str, topics: dict[str, str], dlq: str, root: str, var: Path,
+                 env: dict[str, str]) -> subprocess.Popen:
     name = "s3" if root.startswith("s3://") else "local"
     args = [sys.executable, "-m", "flywheel.ingest.lake_writer", "--kafka-bootstrap", bootstrap,
             "--events-topic", topics["events"], "--outcomes-topic", topics["outcomes"], "--dlq-topic", dlq,

@@ -28,7 +28,8 @@ def dead_letters(feed: synthetic.LakeFeeder, table: str, n: int) -> None:
         feed.next_offset[(table, 0)] = first + 1
 
 
-def test_a_running_builder_and_learner_find_new_files_without_walking_the_lake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_running_builder_and_learner_find_new_files_without_walking_the_lake(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     root = str(tmp_path / "lake")
     feed = synthetic.LakeFeeder(root)
     for i in range(4):

@@ -67,6 +67,7 @@ def test_builder_learner_and_report_read_a_remote_root_as_a_local_one(tmp_path: 
     facts = {name: report.lake_facts(root) for name, root in (("local", local), ("remote", remote))}
     for name, f in facts.items():
         assert (f.sessions_total, len(f.session_to_lake_s), f.episodes) == (36, 36, len(rows_local)), \
-            f"{name}: {f.sessions_total} ended sessions, {len(f.session_to_lake_s)} with a publication time, {f.episodes} episodes"
+            f"{name}: {f.sessions_total} ended sessions, {len(f.session_to_lake_s)} with a publication time, " \
+            f"{f.episodes} episodes"
     assert facts["remote"].tool_calls == facts["local"].tool_calls and facts["local"].tool_calls
     assert sorted(facts["remote"].sessions, key=by_id) == sorted(facts["local"].sessions, key=by_id)
