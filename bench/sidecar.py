@@ -1,6 +1,7 @@
 """`flywheel bench sidecar`: what logging an llm_call costs the agent, next to an OpenTelemetry span.
 
     flywheel bench sidecar [--calls 20000] [--rate 2000] [--burst-calls 10000] [--prompt-tokens 1024]
+    flywheel bench sidecar --baseline d35a1ee [--candidate REF] [--rounds 20] [--only-baseline]
 
 Four variants run in one process, one after the other, with the same payload and pacing:
 
@@ -20,6 +21,10 @@ the background threads compete with every call.
 Each call is timed with perf_counter_ns around the call only. Calls are paced (--rate per
 second, far above a real agent's few calls per second) so the background threads run while
 the host calls, as they do in production. Prints a table and, last, one JSON line.
+
+With --baseline, two versions of the SDK are also compared in the same run: see "same-run comparison"
+below and docs/ingest-sdk.md ("What a call costs").
+
 Starts the shared Kafka broker only if it is not running, and stops only what it started.
 """
 
