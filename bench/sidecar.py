@@ -321,7 +321,8 @@ def _run_worker(root: Path, spec: dict[str, Any], timeout_s: float) -> dict[str,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compare_interleaved(args: argparse.Namespace, bootstrap: str, topic: str, tmp: Path, console: Any) -> dict[str, Any]:
+def compare_interleaved(args: argparse.Namespace, bootstrap: str, topic: str, tmp: Path,
+                        console: Any) -> dict[str, Any]:
     """The candidate SDK (the working tree's unless --candidate) against --baseline, in alternating rounds; per
     arm the samples of every round.
 
@@ -397,7 +398,8 @@ def summarize_interleaved(result: dict[str, Any], rounds: int) -> tuple[dict[str
         "current_burst_p99_us": round(pooled["current"]["burst"]["p99"], 2),
         "p99_ratio_vs_baseline": round(p99[0], 3), "p99_ratio_ci95": [round(p99[1], 3), round(p99[2], 3)],
         "p999_ratio_vs_baseline": round(p999[0], 3), "p999_ratio_ci95": [round(p999[1], 3), round(p999[2], 3)],
-        "burst_p99_ratio_vs_baseline": round(burst[0], 3), "burst_p99_ratio_ci95": [round(burst[1], 3), round(burst[2], 3)],
+        "burst_p99_ratio_vs_baseline": round(burst[0], 3),
+        "burst_p99_ratio_ci95": [round(burst[1], 3), round(burst[2], 3)],
         # "No worse": the interval reaches 1 or below, i.e. this run cannot tell the candidate from the baseline
         # or finds it faster.
         "p99_no_worse_than_baseline": p99[1] <= 1.0,
@@ -520,12 +522,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=None, metavar="REF",
                         help="also compare with the SDK of this git ref (or source directory), in alternating rounds")
     parser.add_argument("--candidate", default=None, metavar="REF",
-                        help="with --baseline: the SDK compared with it, a git ref or source directory [the working tree]")
+                        help="with --baseline: the SDK compared with it, a git ref or source directory "
+                             "[the working tree]")
     parser.add_argument("--rounds", type=int, default=20, help="with --baseline: rounds, each arm once per round")
-    parser.add_argument("--round-calls", type=int, default=4000, help="with --baseline: timed paced calls per arm and round")
+    parser.add_argument("--round-calls", type=int, default=4000,
+                        help="with --baseline: timed paced calls per arm and round")
     parser.add_argument("--round-burst-calls", type=int, default=2000,
                         help="with --baseline: timed back-to-back calls per arm and round")
-    parser.add_argument("--round-warmup", type=int, default=1000, help="with --baseline: untimed calls per arm and round")
+    parser.add_argument("--round-warmup", type=int, default=1000,
+                        help="with --baseline: untimed calls per arm and round")
     parser.add_argument("--only-baseline", action="store_true",
                         help="run only the --baseline comparison (the JSON line then has only its fields)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one arm of one round (JSON spec)
@@ -640,7 +645,9 @@ def _print_single_process(args: argparse.Namespace, results: dict[str, dict[str,
         "calls": args.calls, "rate_per_s": args.rate, "prompt_tokens": args.prompt_tokens,
         "completion_tokens": args.completion_tokens, "delivered": bool(extra["delivered"]),
         "sent": m["sent"], "outage_spilled": om["spilled"], "outage_dropped": om["dropped"],
-        "p99_under_50us": sdk["p99"] < TARGET_P99_US, "burst_p99_under_50us": results["sdk_burst"]["p99"] < TARGET_P99_US, "p99_not_slower_than_otel": sdk["p99"] <= otel["p99"],
+        "p99_under_50us": sdk["p99"] < TARGET_P99_US,
+        "burst_p99_under_50us": results["sdk_burst"]["p99"] < TARGET_P99_US,
+        "p99_not_slower_than_otel": sdk["p99"] <= otel["p99"],
         "outage_p99_within_2x": outage["p99"] <= 2 * sdk["p99"],
     }
     return summary

@@ -71,7 +71,8 @@ def test_a_30_percent_slower_arm_is_found_slower_with_its_ratio_in_the_interval(
 
 
 def test_the_summary_keeps_baseline_fields_and_says_when_the_packed_arm_did_not_run() -> None:
-    samples = {arm: {"paced": _rounds(seed, 1.0, rounds=4, calls=500), "burst": _rounds(seed + 10, 1.0, rounds=4, calls=200)}
+    samples = {arm: {"paced": _rounds(seed, 1.0, rounds=4, calls=500),
+                     "burst": _rounds(seed + 10, 1.0, rounds=4, calls=200)}
                for seed, arm in enumerate(["baseline", "current"])}
     result = {"ref": "d35a1ee", "resolved": "d" * 40, "arms": ["baseline", "current"], "samples": samples,
               "notes": {"packed": "__init__() got an unexpected keyword argument 'wire_format'"}}
@@ -80,13 +81,15 @@ def test_the_summary_keeps_baseline_fields_and_says_when_the_packed_arm_did_not_
                 "burst_p99_ratio_vs_baseline", "p99_no_worse_than_baseline"):
         assert key in fields, f"{key} missing from {sorted(fields)}"
     assert fields["baseline_ref"] == "d35a1ee"
-    assert fields["p99_ratio_vs_baseline"] == pytest.approx(fields["current_p99_us"] / fields["baseline_p99_us"], abs=2e-3)
+    expected = fields["current_p99_us"] / fields["baseline_p99_us"]
+    assert fields["p99_ratio_vs_baseline"] == pytest.approx(expected, abs=2e-3)
     assert fields["packed_vs_json_p99_ratio"] is None and "wire_format" in fields["packed_note"]
     assert len(rows) == 3, rows  # two SDKs and their ratio
 
     # a candidate with the wire_format switch: its default (packed here) is "current", json runs beside it
     samples["packed"] = samples["current"]
-    samples["json"] = {"paced": [[2 * x for x in r] for r in samples["current"]["paced"]], "burst": samples["current"]["burst"]}
+    samples["json"] = {"paced": [[2 * x for x in r] for r in samples["current"]["paced"]],
+                       "burst": samples["current"]["burst"]}
     result["arms"] = ["baseline", "current", "json"]
     fields, rows = sidecar.summarize_interleaved(result, 4)
     assert fields["packed_vs_json_p99_ratio"] == 0.5 and "packed_note" not in fields, fields
