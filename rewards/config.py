@@ -87,6 +87,10 @@ class JudgeSettings:
     chars_per_token: float = 4.0  # the estimate's ratio: about 4 for hosted models' tokenizers, under 2 for a tiny BPE
     output: str = "json_schema"  # "json_schema": response_format (OpenAI, vLLM, SGLang); "choice": vLLM's structured_outputs
     reason_chars: int = 0  # 0: the judge answers a score only; > 0: also a reason of about this many characters
+    # JSON grammars allow any whitespace between tokens, and a weak judge at temperature 0 can emit newlines until
+    # max_tokens (the tiny model cut every answer at '{"score"\n\n...'); an OpenAI-standard frequency penalty of 1
+    # ended every such run in tests/integration/test_judge.py. 0 leaves the judge's distribution untouched
+    frequency_penalty: float = 1.0
     concurrency: int = 2  # judge requests in flight at once
     retries: int = 2  # retries within a request of a timeout, connection error, 429 or 5xx (never other 4xx), with backoff
     backoff_s: float = 0.5  # wait before the first retry, doubled for each next one
@@ -218,6 +222,7 @@ def _check_judge(judge: JudgeSettings, task_types: dict[str, TaskType]) -> None:
     _check_number("judge", "budget_s", judge.budget_s, lo=0)
     _check_number("judge", "weight", judge.weight)
     _check_number("judge", "chars_per_token", judge.chars_per_token, lo=0.1)
+    _check_number("judge", "frequency_penalty", judge.frequency_penalty, lo=-2, hi=2)
     for name in ("max_tokens", "concurrency", "max_attempts"):
         _check_number("judge", name, getattr(judge, name), lo=1)
     for name in ("reason_chars", "retries", "backoff_s", "max_calls", "retry_queue", "retry_after_s"):

@@ -98,9 +98,10 @@ def request_body(text: str, rubric: Rubric, model: str, settings: JudgeSettings)
         answer = ANSWER_JSON.format(fields=fields)
         extra = {"response_format": {"type": "json_schema", "json_schema": {
             "name": "judge_score", "strict": True, "schema": response_schema(settings.reason_chars)}}}
-        # {"score": 5} is under 16 tokens in any tokenizer; a reason costs at most a token per character
-        max_tokens = 16 + settings.reason_chars + 8 * bool(settings.reason_chars)
-    return {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
+        # {"score": 5} is under 16 tokens in any tokenizer, plus room for whitespace the grammar allows (see
+        # JudgeSettings.frequency_penalty); a reason costs at most a token per character
+        max_tokens = 32 + settings.reason_chars + 8 * bool(settings.reason_chars)
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "frequency_penalty": settings.frequency_penalty,
             "messages": [{"role": "system", "content": SYSTEM.format(answer=answer, rubric=rubric.text)},
                          {"role": "user", "content": text}], **extra}
 

@@ -377,7 +377,7 @@ def start_processes(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, procs: Proc
     """The loop's processes up to the agent, whose start begins the traffic phase (the learner and the
     gate start later, from Traffic.tick)."""
     procs.start("lake-writer", lake_writer_command(plan, ends))
-    procs.start("episodes", episodes_command(plan) + scenario_flags(cfg, "episodes"))
+    procs.start("episodes", episodes_command(plan, ends) + scenario_flags(cfg, "episodes"))
     procs.start("proxy", proxy_command(plan, ends), env=tier_env(cfg, plan, ends))
     procs.start("outcome-sim", outcome_sim_command(plan, ends))
     _wait_for_proxy(ends.proxy_port, procs)

@@ -18,6 +18,8 @@ from flywheel.serving.decision import GateRule
 
 # The control arm serves the base (policy-v0) for the whole run.
 CONTROL_VERSION = 0
+# The demo's reward rules: the packaged ones with the LLM judge in shadow mode on a sample of sessions.
+DEMO_REWARDS = Path(__file__).with_name("rewards.toml")
 
 # The heartbeat names of the demo's processes: an earlier run's heartbeats under these names are
 # cleared, or they would show in this run's view.
@@ -254,14 +256,18 @@ def lake_writer_command(run: RunPlan, ends: Endpoints) -> list[str]:
             "--roll-max-age-s", "2", "--var-dir", str(run.var_dir)]
 
 
-def episodes_command(run: RunPlan) -> list[str]:
+def episodes_command(run: RunPlan, ends: Endpoints | None = None) -> list[str]:
+    # the shadow judge asks the first server: the publisher keeps policy-v0 (the control's) on the first holder
+    judge = ["--judge-url", ends.vllm_url] if ends is not None else []
     return ["episodes", "--lake-root", str(run.lake_root), "--state-dir", str(run.run_dir / "episodes-state"),
-            "--follow", "--poll-interval-s", "2", "--var-dir", str(run.var_dir)]
+            "--follow", "--poll-interval-s", "2", "--var-dir", str(run.var_dir), "--rewards-toml", str(DEMO_REWARDS), *judge]
 
 
 def proxy_command(run: RunPlan, ends: Endpoints) -> list[str]:
+    # the prompt text carries the user's request, which the shadow judge reads
     return ["proxy", "--port", str(ends.proxy_port), "--upstream", ends.vllm_url, "--kafka-bootstrap", ends.kafka_bootstrap,
-            "--events-topic", run.topics["events"], "--router", "serving", "--spool-name", f"{run.run_id}-proxy"]
+            "--events-topic", run.topics["events"], "--router", "serving", "--spool-name", f"{run.run_id}-proxy",
+            "--log-prompt-text"]
 
 
 def outcome_sim_command(run: RunPlan, ends: Endpoints) -> list[str]:

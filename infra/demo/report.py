@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.base.versions import version_name
+from flywheel.rewards import calibrate
 from flywheel.serving.decision import GateRule
 from flywheel.serving.registry import CHAMPION, Registry
 from flywheel.serving.router import ARMS
@@ -710,11 +711,36 @@ def whole_run_section(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def judge_section(s: dict[str, Any]) -> list[str]:
+    """The shadow judge's agreement with the verifier (rewards/calibrate.py), with its sample sizes and the caveat."""
+    if not s.get("judge_scored"):
+        return ["## LLM judge (shadow mode)", "", "No session carries a judge score in this run.", ""]
+    lines = ["## LLM judge (shadow mode)", "",
+             "The judge is the policy's own base model (policy-v0 on the control arm's server), scoring a sample of "
+             "tool-use sessions' whole trajectories in shadow mode: its scores are stored in `episodes.judge_score` and "
+             "never enter the reward or the advantage. **A 3M-parameter model is a poor judge**: the point here is "
+             "the path (the judge runs in the loop, its scores land beside the reward components, and its agreement "
+             "with the verifier is measured), not the scores. Read the AUC below before giving any judge weight "
+             "(docs/rewards.md).", "",
+             f"- sessions scored: {s['judge_scored']}; with a verified {s.get('judge_outcome_kind')}: n = {s['judge_n']}",
+             f"- AUC of the score for success: **{_num(s.get('judge_auc'))}** (0.5: no better than a coin); "
+             f"correlation with the outcome: {_num(s.get('judge_corr'))}", "",
+             "| group | n | successes | AUC | correlation |", "|---|---|---|---|---|"]
+    for title, groups in (("task type", s.get("judge_by_task_type") or {}), ("judge", s.get("judge_by_version") or {})):
+        lines += [f"| {title} {name} | {g['n']} | {g['n_success']} | {_num(g['auc'])} | {_num(g['corr'])} |"
+                  for name, g in groups.items()]
+    return lines + [""]
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def markdown(summary: dict[str, Any], images: list[str], context: dict[str, Any]) -> str:
     lines = ["# agent-flywheel demo report", "",
              f"Run: {context.get('started', '?')} to {context.get('ended', '?')} ({context.get('minutes', '?')} min of traffic). "
              "Every number below is read from the lake (production sessions of the simulated agent) and the MLflow registry.", ""]
-    lines += design_section(summary) + headline_section(summary) + whole_run_section(summary)
+    lines += design_section(summary) + headline_section(summary) + whole_run_section(summary) + judge_section(summary)
     n = summary.get("freshness_n") or {}
     lines += ["## Freshness (p95)", "",
               f"- session end -> visible in the lake: {summary['p95_session_to_lake_s']} s (target < 10 s; "
@@ -747,6 +773,7 @@ def write_report(out_dir: str | Path, lake_root: str, since: float, learner_run_
     summary = summarize(facts, error_statuses=errors)
     summary.update(measurement(facts, final_since, control_version, errors))
     summary.update(gate_simulation(facts, gate_rule, control_version, gate_interval_s, shares, errors))
+    summary.update(calibrate.calibrate(lake_root))  # the shadow judge's agreement with the verifier
     summary.update({"control_share": (shares or {}).get("control"), "challenger_share": (shares or {}).get("challenger"),
                     "gate_interval_s": gate_interval_s})
     context = dict(context or {})

@@ -59,6 +59,9 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
     judged = sum(s.sessions for s in facts.by_version.values()) + facts.mixed_sessions
     assert judged >= 0.8 * handed_off, f"only {judged} of {handed_off} sessions have a task_success outcome in the lake"
     assert summary["episodes"] > 0, f"no episode was built: {summary}"
+    # the shadow judge (infra/demo/rewards.toml) scored a sample of sessions in the loop, and none of it is in a reward
+    assert summary["judge_scored"] > 0, f"the shadow judge scored no session: {summary.get('judge_scored')}"
+    assert summary["judge_n"] <= summary["judge_scored"], summary
     trained = (run_dir / "learner" / "trained.jsonl").read_text().splitlines()
     assert trained, "the learner trained no step"
     assert summary["versions_published"] >= 1, f"no version was published: {summary}"

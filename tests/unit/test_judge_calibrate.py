@@ -84,3 +84,14 @@ def test_calibrate_over_a_lake_per_task_type_and_judge_version(tmp_path: Path, c
 def test_calibrate_of_a_lake_without_judge_scores_says_so(tmp_path: Path) -> None:
     result = calibrate.calibrate(str(tmp_path / "empty"))
     assert (result["judge_scored"], result["judge_n"], result["judge_auc"]) == (0, 0, None), result
+
+
+def test_the_reports_judge_section_says_a_tiny_model_is_a_poor_judge(tmp_path: Path) -> None:
+    from flywheel.demo import report
+
+    root = str(tmp_path / "lake")
+    _lake(root)
+    lines = "\n".join(report.judge_section(calibrate.calibrate(root)))
+    assert "poor judge" in lines and "shadow" in lines and "n = 6" in lines, lines
+    assert "| task type tool_use.add | 3 | 2 | 1.000 |" in lines, lines
+    assert "No session carries a judge score" in "\n".join(report.judge_section(calibrate.calibrate(str(tmp_path / "x"))))
