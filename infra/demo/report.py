@@ -724,7 +724,9 @@ def judge_section(s: dict[str, Any]) -> list[str]:
              "(docs/rewards.md).", "",
              f"- sessions scored: {s['judge_scored']}; with a verified {s.get('judge_outcome_kind')}: n = {s['judge_n']}",
              f"- AUC of the score for success: **{_num(s.get('judge_auc'))}** (0.5: no better than a coin); "
-             f"correlation with the outcome: {_num(s.get('judge_corr'))}", "",
+             f"correlation with the outcome: {_num(s.get('judge_corr'))}"
+             + (" (n/a: every verified session had the same outcome, or the judge gave one score)"
+                if s.get("judge_auc") is None and s["judge_n"] else ""), "",
              "| group | n | successes | AUC | correlation |", "|---|---|---|---|---|"]
     for title, groups in (("task type", s.get("judge_by_task_type") or {}), ("judge", s.get("judge_by_version") or {})):
         lines += [f"| {title} {name} | {g['n']} | {g['n_success']} | {_num(g['auc'])} | {_num(g['corr'])} |"

@@ -94,4 +94,6 @@ def test_the_reports_judge_section_says_a_tiny_model_is_a_poor_judge(tmp_path: P
     lines = "\n".join(report.judge_section(calibrate.calibrate(root)))
     assert "poor judge" in lines and "shadow" in lines and "n = 6" in lines, lines
     assert "| task type tool_use.add | 3 | 2 | 1.000 |" in lines, lines
+    one_class = calibrate.calibrate(root, threshold=2.0)  # no outcome reaches 2.0: no success, no AUC
+    assert "n/a: every verified session had the same outcome" in "\n".join(report.judge_section(one_class))
     assert "No session carries a judge score" in "\n".join(report.judge_section(calibrate.calibrate(str(tmp_path / "x"))))
