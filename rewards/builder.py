@@ -722,13 +722,16 @@ class Builder:
         clock = now or dt.datetime.now(dt.timezone.utc)
         max_files = self.cfg.max_files_per_pass
         owns = self.assignment.owns
-        # the first pass of a process lists the whole tables once (files the claim chain cannot reach), then by cursor
-        full, self.listed = not self.listed, True
+        # the first passes of a process list the whole tables (files the claim chain cannot reach: written before every
+        # file was claimed) until one leaves nothing behind; a capped full pass that handed the rest to the chain would
+        # stop at the first unclaimed file, and an empty answer from the chain reads as "nothing new"
+        full = not self.listed
         events_until, event_files, events_left = plan_until(self.cfg.lake_root, "events", st.events_cursor, max_files,
                                                             owns, full)
         outcomes_until, outcome_files, outcomes_left = plan_until(self.cfg.lake_root, "outcomes", st.outcomes_cursor,
                                                                   max_files, owns, full)
         self.backlog_files = events_left + outcomes_left
+        self.listed = self.listed or not self.backlog_files
         intent = Intent(
             base_pass=st.pass_no,
             now=clock.isoformat(),

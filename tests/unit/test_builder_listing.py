@@ -80,3 +80,35 @@ def test_more_zero_row_files_than_a_pass_reads_do_not_stall_the_builder(tmp_path
         assert emitted == 4, f"{emitted} sessions emitted in {len(results)} passes: the zero-row files held the cursor"
         last = lake.list_files(root, "events")[-1]
         assert builder.state.events_cursor == {last.key: last.last}
+
+
+def legacy_dead_letters(feed: synthetic.LakeFeeder, table: str, n: int) -> None:
+    """n zero-row files published without a claim, as a lake written before every file was claimed holds them."""
+    import pyarrow.parquet as pq
+
+    for _ in range(n):
+        first = feed.next_offset.get((table, 0), 0)
+        path = Path(feed.root) / table / "date=2026-11-30" / lake.file_name(feed.topics[table], 0, first, first)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(lake_writer.rows_to_table(table, []), path)
+        feed.next_offset[(table, 0)] = first + 1
+
+
+def test_unclaimed_files_past_one_pass_are_listed_until_the_builder_has_caught_up(tmp_path: Path) -> None:
+    # the claim chain cannot cross a file nobody claimed: a first pass that lists the whole table but takes only
+    # max_files_per_pass files must not hand the rest to the chain (it would stop at the first unclaimed file)
+    root = str(tmp_path / "lake")
+    feed = synthetic.LakeFeeder(root)
+    for table in ("events", "outcomes"):
+        legacy_dead_letters(feed, table, 5)
+    ev, oc = synthetic.generate(4, NOW - dt.timedelta(days=1), seed=2)
+    feed.write("events", ev)
+    feed.write("outcomes", oc)
+    cfg = episodes.EpisodesConfig(lake_root=root, state_dir=str(tmp_path / "state"), var_dir=str(tmp_path / "var"),
+                                  max_files_per_pass=2)
+    with episodes.Builder(cfg, config.parse(TOML)) as builder:
+        results = []
+        while not (res := builder.run_pass(NOW)).idle and len(results) < 10:
+            results.append(res)
+        emitted = sum(r.sessions_emitted for r in results)
+        assert emitted == 4, f"{emitted} sessions emitted in {len(results)} passes: the builder stopped at unclaimed files"
