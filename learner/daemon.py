@@ -66,6 +66,7 @@ class Learner:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.shaping_scale_trained = 1.0  # the PARL shaping weight of the last planned step (trained.jsonl)
+        self.shaping_clock_warned = False
         device = resolve_device(cfg.device)
         if device.type == "cpu" and cfg.cpu_threads:
             # each intra-op thread waits for the others at every op; when another process holds a core,
@@ -132,11 +133,25 @@ class Learner:
         from flywheel.learner.loss import advantages
 
         scale = self.shaping_scale_trained = self.shaping_scale()
+        self.check_shaping_clock(batch)
         adv = advantages([e.trained_reward(scale) for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
                          self.baseline, group_relative=self.cfg.group_relative,
                          normalize=self.cfg.normalize_advantages, batch_baseline=self.cfg.baseline == "batch",
                          positive_only=self.cfg.positive_only, penalties=[e.r_penalty for e in batch])
         return list(zip(batch, adv))
+
+    def check_shaping_clock(self, batch: list[Episode]) -> None:
+        """Warn once when the builder left the annealing to this learner ([parl] anneal_clock = learner_step: rows
+        carry the full lambdas) and this learner does not anneal (shaping_anneal_end_step 0): the shaping would
+        then be trained at full weight for the whole run, which no one asked for."""
+        if self.cfg.shaping_anneal_end_step or self.shaping_clock_warned:
+            return
+        shaped = sum(1 for e in batch if e.shaping_clock == "learner_step")
+        if shaped:
+            self.shaping_clock_warned = True
+            log.warning("learner: %d rows of this batch carry PARL shaping at full lambdas for the learner to anneal "
+                        "([parl] anneal_clock = learner_step) but shaping_anneal_end_step is 0: the shaping is trained "
+                        "at full weight for the whole run; set --shaping-anneal-end-step", shaped)
 
     def shaping_scale(self) -> float:
         """The weight of the rows' PARL shaping at this step (1 unless shaping_anneal_end_step is set)."""

@@ -59,9 +59,19 @@ class Episode:
     r_penalty: float = 0.0  # the penalties inside `reward` (<= 0): a penalised row is never reinforced (loss.advantages)
     sampling: dict[str, Any] | None = None  # the behaviour's sampling parameters (temperature, top_p, top_k ...)
     r_shaping: float = 0.0  # the PARL shaping inside `reward` (r_parallel + r_finish): annealed by learner step (shaping_scale)
+    r_unshaped: float | None = None  # `reward` without the shaping, summed from its parts as the builder sums them
+    shaping_clock: str | None = None  # [parl] anneal_clock the builder labelled a shaped row with (reward_detail)
 
     def trained_reward(self, scale: float) -> float:
-        """The reward a step trains: the shaping inside `reward` scaled by `scale` (shaping_scale at this step)."""
+        """The reward a step trains: the shaping inside `reward` scaled by `scale` (shaping_scale at this step).
+
+        At scale 0 the reward is rebuilt from its other parts rather than `reward - r_shaping`, whose rounding
+        (about 1e-16) would leave a row that should tie its group a tiny advantage, which positive-only
+        advantages then train: annealed to zero means exactly zero."""
+        if not self.r_shaping or scale >= 1.0:
+            return self.reward
+        if scale <= 0.0 and self.r_unshaped is not None:
+            return self.r_unshaped
         return self.reward - (1.0 - scale) * self.r_shaping
 
     @property
@@ -119,8 +129,29 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
         call_ts=iso_ts(row.get("call_ts")),
         r_penalty=float(row.get("r_penalty") or 0.0),
         r_shaping=float(row.get("r_parallel") or 0.0) + float(row.get("r_finish") or 0.0),
+        r_unshaped=unshaped_reward(row),
+        shaping_clock=_shaping_clock(row) if (row.get("r_parallel") or row.get("r_finish")) else None,
         sampling=sampling,
     )
+
+
+def _shaping_clock(row: dict[str, Any]) -> str | None:
+    """The anneal clock in a shaped row's reward_detail (parl.anneal_clock); None when absent or unreadable."""
+    try:
+        parl = json.loads(row.get("reward_detail") or "{}").get("parl") or {}
+    except (ValueError, AttributeError):
+        return None
+    return parl.get("anneal_clock") if isinstance(parl, dict) else None
+
+
+def unshaped_reward(row: dict[str, Any]) -> float | None:
+    """The row's reward without PARL shaping, in the builder's order of terms (rewards.builder.total_reward with
+    r_parallel = r_finish = 0; adding 0.0 is exact); None when a part is missing."""
+    r_outcome, r_turn = row.get("r_outcome"), row.get("r_turn")
+    if r_outcome is None and r_turn is None:
+        return None
+    base = float(r_outcome if r_turn is None else r_turn)
+    return base + float(row.get("r_judge") or 0.0) + float(row.get("r_penalty") or 0.0)
 
 
 def shaping_scale(step: int, start: int, end: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -37,6 +38,25 @@ def test_parse_row_rejects_positive_logprobs_and_nan_reward() -> None:
     assert "positive" in parse_row(row, 512, 64)
     row = episode_row(prompt=[5], completion=[7], logprobs=[-0.5], reward=float("nan"))
     assert "reward" in parse_row(row, 512, 64)
+
+
+def test_shaping_annealed_to_zero_leaves_exactly_the_unshaped_reward() -> None:
+    # reward - r_shaping rounds (0.7 + 0.1 + 0.2 - 0.3 != 0.7 - 0.3 in floats): at scale 0 the shaped row must tie
+    # its unshaped twin bit for bit, or positive-only advantages train it on a rounding error
+    lambdas = [(0.1, 0.2), (0.15, 0.05), (0.3, 0.3)]
+    for r_outcome, r_penalty in [(0.7, -0.3), (1.0, -0.5), (0.1, 0.0), (0.35, -0.25)]:
+        plain = episode_row(prompt=[5], completion=[7], logprobs=[-0.5], reward=r_outcome + r_penalty)
+        plain.update(r_outcome=r_outcome, r_penalty=r_penalty)
+        twin = parse_row(plain, 512, 64)
+        for r_parallel, r_finish in lambdas:
+            row = dict(plain, r_parallel=r_parallel, r_finish=r_finish,
+                       reward=r_outcome + 0.0 + r_parallel + r_finish + r_penalty)
+            shaped = parse_row(row, 512, 64)
+            assert shaped.trained_reward(0.0) == twin.trained_reward(0.0) == twin.reward, (
+                f"outcome {r_outcome} penalty {r_penalty} shaping {r_parallel}+{r_finish}: "
+                f"{shaped.trained_reward(0.0)!r} != {twin.reward!r}")
+            assert shaped.trained_reward(1.0) == row["reward"]
+            assert math.isclose(shaped.trained_reward(0.5), twin.reward + 0.5 * (r_parallel + r_finish))
 
 
 def test_stale_rows_are_dropped_and_counted_by_learner_steps(tmp_path: Path) -> None:
@@ -130,3 +150,23 @@ def test_rows_of_abandoned_versions_are_stale_whatever_their_lag(tmp_path: Path)
     assert s.trainable(lags, max_staleness_steps=3) == 4, "v4 lags only 1, but the weights no longer descend from it"
     batch, stats = s.take(10, lags, 3)
     assert sorted(e.policy_version for e in batch) == [2, 2, 5, 5] and stats.stale == 3
+
+
+def test_rows_left_for_the_learner_to_anneal_warn_a_learner_that_does_not(caplog) -> None:
+    from types import SimpleNamespace
+
+    from flywheel.learner.daemon import Learner
+
+    row = episode_row(prompt=[5], completion=[7], logprobs=[-0.5], reward=1.3)
+    row.update(r_outcome=1.0, r_parallel=0.3, reward_detail=json.dumps({"parl": {"anneal_clock": "learner_step"}}))
+    shaped = parse_row(row, 512, 64)
+    assert shaped.shaping_clock == "learner_step"
+    plain = parse_row(episode_row(prompt=[5], completion=[7], logprobs=[-0.5], reward=1.0), 512, 64)
+    for end_step, batch, warned in [(20, [shaped], False), (0, [plain], False), (0, [plain, shaped], True)]:
+        fake = SimpleNamespace(cfg=SimpleNamespace(shaping_anneal_end_step=end_step), shaping_clock_warned=False)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="learner"):
+            Learner.check_shaping_clock(fake, batch)
+            Learner.check_shaping_clock(fake, batch)
+        said = [r for r in caplog.records if "shaping_anneal_end_step is 0" in r.getMessage()]
+        assert len(said) == (1 if warned else 0), f"end step {end_step}: {len(said)} warnings, want {int(warned)}"
