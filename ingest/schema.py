@@ -553,3 +553,18 @@ def outcome_arrow_schema() -> Any:
 def episode_arrow_schema() -> Any:
     """Lake schema of lake/episodes."""
     return arrow_schema(EPISODE_COLUMNS)
+
+
+def session_sampled(session_id: str, rate: float, salt: str = "") -> bool:
+    """Whether a session falls in a `rate` share, by a hash of its id: every process that sees the session (the SDK,
+    the OutcomeReporter, the episode builder's judge) agrees without talking to the others.
+
+    blake2b, not crc32: crc32 is linear, so sequential ids ("s1", "s2" ...) were sampled well off the rate. `salt`
+    makes a draw independent of the others: the judge's share of the SDK's kept sessions would otherwise be all of
+    them whenever the judge's rate is the larger (both keep the ids that hash low)."""
+    if rate >= 1.0:
+        return True
+    import hashlib
+
+    digest = hashlib.blake2b((salt + session_id).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < rate

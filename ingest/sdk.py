@@ -58,7 +58,6 @@ import array
 import atexit
 import collections
 import contextvars
-import hashlib
 import inspect
 import itertools
 import json
@@ -154,14 +153,8 @@ def default_spool_dir(name: str, topic: str) -> Path:
 
 
 def _sampled(session_id: str, rate: float) -> bool:
-    """Per-session sampling by a hash of the id, so every process logging a session agrees.
-
-    blake2b, not crc32: crc32 is linear, so sequential ids ("s1", "s2" ...) were sampled well off the rate.
-    """
-    if rate >= 1.0:
-        return True
-    digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 < rate
+    """Per-session sampling (schema.session_sampled, unsalted: the OutcomeReporter drops the same sessions)."""
+    return schema.session_sampled(session_id, rate)
 
 
 _ENV_WARNED: set[tuple[str, str]] = set()  # (variable, value) pairs already warned about in this process

@@ -16,12 +16,12 @@ builder saves before its episode file, so a re-run of a killed pass writes the s
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.ingest import schema
 from flywheel.rewards import transcript as transcript_mod
 from flywheel.rewards.config import RewardConfig, Rubric, TaskType
 from flywheel.rewards.judge import Judge, JudgeResult, cache_key, judge_version
@@ -32,8 +32,9 @@ Memo = dict[str, tuple[int | None, str]]  # cache key -> (score, status) of this
 
 
 def sampled(session_id: str, rate: float) -> bool:
-    """Whether a session falls in a `judge_sample` share: the same answer on every run and every builder."""
-    return int(hashlib.sha256(session_id.encode()).hexdigest()[:8], 16) / 2**32 < rate
+    """Whether a session falls in a `judge_sample` share: the same answer on every run and every builder, and
+    independent of the SDK's own sampling (salted)."""
+    return schema.session_sampled(session_id, rate, salt="judge:")
 
 
 def judge_detail(rewards: RewardConfig, model: str, task: TaskType, result: JudgeResult | None) -> dict[str, Any] | None:
