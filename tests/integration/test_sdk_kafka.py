@@ -97,7 +97,7 @@ def test_bad_input_never_reaches_the_agent_and_the_rest_arrives(kafka_bootstrap:
     s.context_edit("prune", tokens_removed=5, reason="too long")  # unknown field: left out
     s.llm_call(model="m", policy_version=1, prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[-1.0])
     assert log.flush(30), log.metrics()
-    events = [json.loads(v) for v in _consume(kafka_bootstrap, topic, 4)]
+    events = [wire.decode(v) for v in _consume(kafka_bootstrap, topic, 4)]  # packed views, as the lake writer decodes them
     for event in events:
         schema.validate_event(event)
     assert [e["type"] for e in events] == ["tool_call", "tool_result", "context_edit", "llm_call"]
