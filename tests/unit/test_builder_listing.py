@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -62,24 +63,33 @@ def test_a_running_builder_and_learner_find_new_files_without_walking_the_lake(t
         assert len(learner.pending) == before + res.rows_written
 
 
-def test_more_zero_row_files_than_a_pass_reads_do_not_stall_the_builder(tmp_path: Path) -> None:
+def zero_row_files_then_sessions(tmp_path: Path, write_zero_rows: Callable[..., None], max_files: int,
+                                 why: str) -> episodes.Builder:
+    """5-7 zero-row files per table, then 4 sessions; a builder passes until idle (at most 10 passes) and must have
+    emitted all 4: `why` names what would have held it back."""
     root = str(tmp_path / "lake")
     feed = synthetic.LakeFeeder(root)
     for table in ("events", "outcomes"):
-        dead_letters(feed, table, 7)
+        write_zero_rows(feed, table)
     ev, oc = synthetic.generate(4, NOW - dt.timedelta(days=1), seed=1)
     feed.write("events", ev)
     feed.write("outcomes", oc)
     cfg = episodes.EpisodesConfig(lake_root=root, state_dir=str(tmp_path / "state"), var_dir=str(tmp_path / "var"),
-                                  max_files_per_pass=3)
+                                  max_files_per_pass=max_files)
     with episodes.Builder(cfg, config.parse(TOML)) as builder:
         results = []
         while not (res := builder.run_pass(NOW)).idle and len(results) < 10:
             results.append(res)
-        emitted = sum(r.sessions_emitted for r in results)
-        assert emitted == 4, f"{emitted} sessions emitted in {len(results)} passes: the zero-row files held the cursor"
-        last = lake.list_files(root, "events")[-1]
-        assert builder.state.events_cursor == {last.key: last.last}
+    emitted = sum(r.sessions_emitted for r in results)
+    assert emitted == 4, f"{emitted} sessions emitted in {len(results)} passes: {why}"
+    return builder
+
+
+def test_more_zero_row_files_than_a_pass_reads_do_not_stall_the_builder(tmp_path: Path) -> None:
+    builder = zero_row_files_then_sessions(tmp_path, lambda feed, table: dead_letters(feed, table, 7), 3,
+                                           "the zero-row files held the cursor")
+    last = lake.list_files(str(tmp_path / "lake"), "events")[-1]
+    assert builder.state.events_cursor == {last.key: last.last}
 
 
 def legacy_dead_letters(feed: synthetic.LakeFeeder, table: str, n: int) -> None:
@@ -97,18 +107,5 @@ def legacy_dead_letters(feed: synthetic.LakeFeeder, table: str, n: int) -> None:
 def test_unclaimed_files_past_one_pass_are_listed_until_the_builder_has_caught_up(tmp_path: Path) -> None:
     # the claim chain cannot cross a file nobody claimed: a first pass that lists the whole table but takes only
     # max_files_per_pass files must not hand the rest to the chain (it would stop at the first unclaimed file)
-    root = str(tmp_path / "lake")
-    feed = synthetic.LakeFeeder(root)
-    for table in ("events", "outcomes"):
-        legacy_dead_letters(feed, table, 5)
-    ev, oc = synthetic.generate(4, NOW - dt.timedelta(days=1), seed=2)
-    feed.write("events", ev)
-    feed.write("outcomes", oc)
-    cfg = episodes.EpisodesConfig(lake_root=root, state_dir=str(tmp_path / "state"), var_dir=str(tmp_path / "var"),
-                                  max_files_per_pass=2)
-    with episodes.Builder(cfg, config.parse(TOML)) as builder:
-        results = []
-        while not (res := builder.run_pass(NOW)).idle and len(results) < 10:
-            results.append(res)
-        emitted = sum(r.sessions_emitted for r in results)
-        assert emitted == 4, f"{emitted} sessions emitted in {len(results)} passes: the builder stopped at unclaimed files"
+    zero_row_files_then_sessions(tmp_path, lambda feed, table: legacy_dead_letters(feed, table, 5), 2,
+                                 "the builder stopped at unclaimed files")
