@@ -49,7 +49,7 @@ def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | N
         record = {"schema_version": 1, "event_id": eid, "session_id": f"s{i % 97}", "agent_id": "main", "seq": i,
                   "ts": ts, "type": "session_start", "task_type": "t"}
         producer.send(topic, value=json.dumps(record).encode(), partition=i % partitions)
-        if rate is not None and i % 500 == 0:
+        if rate is not None and i % 50 == 0:  # smooth: bursts every 0.5 s could leave every open file empty
             time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
     producer.flush()
     producer.close()
@@ -57,10 +57,11 @@ def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | N
 
 
 def start_writer(bootstrap: str, topic: str, dlq: str, group: str, instance: str, root: Path,
-                 var: Path) -> subprocess.Popen:
+                 var: Path, roll_max_age_s: float = 0.5) -> subprocess.Popen:
     args = [sys.executable, "-m", "flywheel.ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
             "--outcomes-topic", "", "--dlq-topic", dlq, "--group-id", group, "--instance-id", instance,
-            "--lake-root", str(root), "--var-dir", str(var), "--roll-max-age-s", "0.5", "--roll-max-records", "2000",
+            "--lake-root", str(root), "--var-dir", str(var), "--roll-max-age-s", str(roll_max_age_s),
+            "--roll-max-records", "2000",
             "--session-timeout-s", "6", "--log-level", "WARNING"]
     log = open(var / f"{instance}.log", "ab")
     return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -206,7 +207,9 @@ def test_a_frozen_writer_that_wakes_after_losing_its_partitions_duplicates_nothi
     root, var = tmp_path / "lake", tmp_path / "var"
     var.mkdir()
     group = f"test-lw-zombie-{uuid.uuid4().hex[:8]}"
-    zombie = start_writer(kafka_bootstrap, topic, dlq, group, "z", root, var)
+    # the zombie rolls by age every 5 s only, so at the instant it freezes it holds open files (rolling every
+    # 0.5 s it could freeze just after a roll, holding nothing, and the run would not test the race)
+    zombie = start_writer(kafka_bootstrap, topic, dlq, group, "z", root, var, roll_max_age_s=5.0)
     other = start_writer(kafka_bootstrap, topic, dlq, group, "o", root, var)
     produced: list[str] = []
     try:
@@ -217,10 +220,18 @@ def test_a_frozen_writer_that_wakes_after_losing_its_partitions_duplicates_nothi
         feeder.start()
         wait_for(lambda: landed(root, topic) > 1000, 30, "the first files")
         zombie.send_signal(signal.SIGSTOP)
+        frozen = lake.next_offsets(str(root), "events", topic)
         wait_for(lambda: read_statuses(var)["lake-writer-o"].get("partitions") == partitions, 60,
                  "the other writer to take every partition over")
-        before = landed(root, topic)
-        wait_for(lambda: landed(root, topic) > before + 1000, 30, "the new owner to publish past the zombie's files")
+        # every partition, the zombie's included, must move past where the freeze left it: the new owner then
+        # holds a claim where each of the zombie's open files starts (the sum of offsets could move on the
+        # other writer's own partitions alone, and the zombie would claim first)
+
+        def past_the_freeze() -> bool:
+            now = lake.next_offsets(str(root), "events", topic)
+            return len(now) == partitions and all(n > frozen.get(p, 0) for p, n in now.items())
+
+        wait_for(past_the_freeze, 30, "the new owner to publish past the zombie's open files on every partition")
         zombie.send_signal(signal.SIGCONT)  # wakes with stale open files, publishes, then learns it was fenced
         feeder.join()
         wait_for(lambda: landed(root, topic) >= 12_000, 90, "all events after the zombie woke up")
