@@ -336,8 +336,9 @@ class OutcomeSim:
         self.progress = Progress(offset, sent)
         self.queue: list[Due] = []  # scheduled, not sent (a heap by due time)
         self.unconfirmed: list[Due] = []  # sent, not yet confirmed by a flush
-        self.counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "call_correct": 0, "accepted": 0, "successes": 0,
-                       "resent": 0}
+        # a count for every kind `schedule` can produce (a swarm run crashed on the first prune_harmful without it)
+        self.counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "call_correct": 0, "accepted": 0,
+                       "prune_harmful": 0, "successes": 0, "resent": 0}
         self._dropped = self._reporter_drops()
         self._dirty = seed != self.seed  # the cursor file lacks what a restart needs: write it at the next commit
 

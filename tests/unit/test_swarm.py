@@ -161,6 +161,39 @@ def test_a_prune_of_the_current_tool_result_is_harmful_when_the_part_then_fails(
     assert swarm.harmful_prunes(record, True) == [(result.edits[0]["call_id"], False)]
 
 
+def test_the_outcome_simulator_sends_the_prune_verdict_of_a_swarm_session(tmp_path) -> None:
+    """The simulator process, not only harmful_prunes: a swarm hand-off line with a prune yields its verdict."""
+    import json
+
+    from flywheel.demo import outcome_sim
+
+    task, main = _task("long", 3), Agent()
+    result = swarm.SwarmSession(task, main, Policy("prune_needed").reply, swarm.SwarmLimits(max_edits=1)).run()
+    cfg = outcome_sim.OutcomeSimConfig(handoff=tmp_path / "sessions.jsonl", cursor=tmp_path / "cursor.json",
+                                       verifier_delay_s=1.0, user_share=0.0, seed=3)
+    cfg.handoff.write_text(json.dumps(swarm.handoff_record("s1", "main", task, result, 0.0)) + "\n")
+
+    class Reporter:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, float, str | None]] = []
+
+        def report(self, session_id: str, kind: str, value: float, **kw: object) -> str:
+            self.sent.append((kind, value, kw.get("call_id")))  # type: ignore[arg-type]
+            return str(kw.get("outcome_id"))
+
+        def flush(self, timeout: float = 10.0) -> bool:
+            return True
+
+        def metrics(self) -> dict:
+            return {"dropped": 0}
+
+    reporter = Reporter()
+    sim = outcome_sim.OutcomeSim(cfg, reporter)
+    sim.step(now=5.0)
+    assert ("prune_harmful", 1.0, result.edits[0]["call_id"]) in reporter.sent, reporter.sent
+    assert sim.status()["prune_harmful"] == 1 and sim.status()["task_success"] == 1, sim.status()
+
+
 def test_warm_start_teaches_the_actions_format_on_a_minority() -> None:
     rng = random.Random(0)
     replies = [reply for _ in range(2000) for _, reply in swarm.demonstrations(rng, tool_share=0.2)]
