@@ -56,6 +56,7 @@ import contextlib
 import datetime as dt
 import functools
 import gc
+import itertools
 import json
 import logging
 import os
@@ -77,12 +78,15 @@ from flywheel.base.kafka import client_kwargs, load_kafka_config
 from flywheel.base.metrics import Metrics, Reading, nan_if_negative
 from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
+from flywheel.ingest.decode_worker import DecodeWorker, WorkerDied
 from flywheel.ingest.decode import _b64decode, _loads  # noqa: F401 - bench/ingest.py times the decode steps by these
 from flywheel.ingest.decode import (  # noqa: F401 - the decode path's public names, also imported from here by tests
     _ID_COLUMN,
     DLQ_REASONS,
+    DecodedBatch,
     Rejected,
     convert_rows,
+    decode_batch,
     decode_record,
     rows_to_table,
 )
@@ -120,6 +124,9 @@ class LakeWriterConfig:
     poll_timeout_s: float = setting(0.2, "longest wait in one consumer poll")
     max_poll_records: int = setting(1000, "records returned by one poll")
     fetch_partition_bytes: int = setting(1024 * 1024, "bytes fetched per partition per request (a larger record still comes whole)")
+    decode_worker: bool = setting(True, "decode polled records in a child process while the next poll fetches "
+                                  "(false: in the consuming process)")
+    decode_depth: int = setting(4, "polled runs of records the decode worker may hold before the writer waits for it")
     status_interval_s: float = setting(2.0, "how often the status heartbeat and lag are refreshed")
     var_dir: str = setting(defaults.VAR_DIR, "local state directory (status heartbeat, resolved config)")
     metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9101)")
@@ -132,7 +139,7 @@ class LakeWriterConfig:
             raise ConfigError("events_topic, outcomes_topic: must differ (each topic feeds its own table)")
         if self.dlq_topic in (self.events_topic, self.outcomes_topic):
             raise ConfigError("dlq_topic: must differ from events_topic and outcomes_topic")
-        for name in ("roll_max_records", "roll_max_bytes", "max_poll_records", "fetch_partition_bytes"):
+        for name in ("roll_max_records", "roll_max_bytes", "max_poll_records", "fetch_partition_bytes", "decode_depth"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
         if self.dedup_window < 0:
@@ -191,6 +198,9 @@ class Buffer:
     rows: list[dict[str, Any]] = field(default_factory=list)  # decoded, not yet converted
     values: list[bytes] = field(default_factory=list)  # original bytes of `rows`, for the DLQ
     chunks: list["pa.Table"] = field(default_factory=list)
+    # rows decode_batch already made, not yet de-duplicated: [table, first row, end row) runs, `pending` rows in all
+    slices: list[list[Any]] = field(default_factory=list)
+    pending: int = 0
     wire_bytes: int = 0
     opened_at: float = 0.0  # monotonic time the first record arrived
     kafka_date: str | None = None  # date of the first record's Kafka timestamp: the date of an all-bad range
@@ -207,6 +217,22 @@ class Buffer:
     @property
     def count(self) -> int:
         return self.last - self.first + 1
+
+    def take(self, table: "pa.Table", row: int) -> None:
+        """Row `row` of a decoded batch's table joins this file (rows of one batch come in order)."""
+        last = self.slices[-1] if self.slices else None
+        if last is not None and last[0] is table and last[2] == row:
+            last[2] = row + 1
+        else:
+            self.slices.append([table, row, row + 1])
+        self.pending += 1
+
+    def take_slices(self) -> "pa.Table":
+        import pyarrow as pa
+
+        parts = [table.slice(start, end - start) for table, start, end in self.slices]
+        self.slices, self.pending = [], 0
+        return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
 
 CHUNK_ROWS = 1000
@@ -299,6 +325,9 @@ class LakeWriter:
         self.stats = Stats()
         self.lag_records = -1  # consumer lag the last heartbeat measured (-1: unknown)
         self.on_published: Callable[[str, int, int], None] = lambda topic, partition, last: None
+        # a number per assignment of a partition: records decoded for an earlier one are not taken (_Decoder)
+        self.generation: dict[Partition, int] = {}
+        self._generations = itertools.count()
 
     # ---- assignment ------------------------------------------------------------------------
     def assign(self, partitions: Iterable[Partition]) -> dict[Partition, int | None]:
@@ -314,6 +343,7 @@ class LakeWriter:
             starts[tp] = start
             self._forget(tp)
             self.next_offset[tp] = start
+            self.generation[tp] = next(self._generations)
             if start is not None:
                 self.published[tp] = start - 1
             if self.cfg.dedup_window > 0:
@@ -332,7 +362,7 @@ class LakeWriter:
 
     def _forget(self, tp: Partition) -> None:
         """Drop everything held for a partition (its open file included)."""
-        for held in (self.buffers, self.next_offset, self.published, self.windows, self.rewound):
+        for held in (self.buffers, self.next_offset, self.published, self.windows, self.rewound, self.generation):
             held.pop(tp, None)
         for marked in (self.started, self.unpaused, self.unchecked):
             marked.discard(tp)
@@ -423,42 +453,83 @@ class LakeWriter:
             kafka_ts_ms: int | None = None) -> None:
         """Take one consumed record into its partition's open file (rolling files as needed)."""
         tp = (topic, partition)
-        if tp not in self.next_offset:
-            raise AssertionError(f"record for unassigned partition {topic}-{partition}")
-        if tp in self.rewound or not self._in_order(tp, offset):
+        if not self._admit(tp, offset):
             return
+        try:
+            row, date = decode_record(self.tables[topic], value)
+        except Rejected as rej:
+            self._place(tp, offset, value, key, kafka_ts_ms, None, None, (rej.reason, rej.detail))
+            return
+        self._place(tp, offset, value, key, kafka_ts_ms, row, date)
+
+    def add_batch(self, topic: str, partition: int, records: list[Any], decoded: DecodedBatch) -> None:
+        """Take a run of one partition's consumed records (with .offset, .value, .key, .timestamp), decoded by
+        `decode_batch`, as `add` would take them one by one: the same files, rows and dead letters."""
+        tp = (topic, partition)
+        rows = iter(zip(decoded.good, decoded.dates))
+        j, (at, date) = -1, next(rows, (-1, None))
+        for i, m in enumerate(records):
+            row: int | None = None
+            if i == at:  # a good row: its place in decoded.table
+                j += 1
+                row, row_date, (at, date) = j, date, next(rows, (-1, None))
+            if not self._admit(tp, m.offset):
+                continue
+            if row is None:
+                self._place(tp, m.offset, m.value, m.key, m.timestamp, None, None, decoded.rejected[i])
+            else:
+                self._place(tp, m.offset, m.value, m.key, m.timestamp, (decoded.table, row), row_date)
+
+    def _admit(self, tp: Partition, offset: int) -> bool:
+        """Whether the partition takes this offset now; publishes a claimed range the offset is past."""
+        if tp not in self.next_offset:
+            raise AssertionError(f"record for unassigned partition {tp[0]}-{tp[1]}")
+        if tp in self.rewound or not self._in_order(tp, offset):
+            return False
         buf = self.buffers.get(tp)
         if buf is not None and buf.claim is not None and offset > buf.claim.last:
             # a gap in the log (compacted topic, transaction markers): the offsets up to the claimed end
             # do not exist, so the claimed range is complete
             buf.last = buf.claim.last
             self._publish(buf, reason="claim")
-            buf = self.buffers.get(tp)
-        table = self.tables[topic]
-        try:
-            row, date = decode_record(table, value)
-        except Rejected as rej:
-            row, date = None, None
-            reason, detail = rej.reason, rej.detail
+        return True
+
+    def _place(self, tp: Partition, offset: int, value: bytes | None, key: bytes | None, kafka_ts_ms: int | None,
+               row: "dict[str, Any] | tuple[pa.Table, int] | None", date: str | None,
+               rejected: tuple[str, str] | None = None) -> None:
+        """Put an admitted record in its partition's open file: a decoded row (a dict, or row j of an Arrow table
+        decode_batch made), or, with `rejected` = (reason, detail), a dead letter whose offset the file covers."""
+        topic, partition = tp
+        buf = self.buffers.get(tp)
         if buf is not None and row is not None and buf.date is not None and date != buf.date and buf.claim is None:
             self._publish(buf, reason="date")
             buf = None
         if buf is None:
             buf = self._open(tp, offset, kafka_ts_ms)
-        if row is None:
+        if rejected is not None:
+            reason, detail = rejected
             log.warning("dlq: record at %s/%d@%d rejected (%s: %s); sent to %s",
                         topic, partition, offset, reason, detail, self.cfg.dlq_topic)
             self.dlq.send(dlq_envelope(reason, detail, topic, partition, offset, value, key))
             self.stats.dlq += 1
-        else:
+        elif type(row) is dict:
+            if buf.slices:
+                self._convert(buf)  # rows stay in offset order
             row["_topic"], row["_partition"], row["_offset"] = topic, partition, offset
             row["_ingest_ts"] = dt.datetime.now(dt.timezone.utc)
             buf.rows.append(row)
             buf.values.append(value or b"")
-            if buf.date is None:
-                buf.date = date
-            if len(buf.rows) >= CHUNK_ROWS:
+        else:
+            if buf.rows:
                 self._convert(buf)
+            buf.take(*row)
+        if buf.date is None and rejected is None:
+            buf.date = date
+        if len(buf.rows) + buf.pending >= CHUNK_ROWS:
+            self._convert(buf)
+        self._count(buf, offset, value)
+
+    def _count(self, buf: Buffer, offset: int, value: bytes | None) -> None:
         buf.last = offset
         buf.wire_bytes += len(value or b"")
         self.stats.records += 1
@@ -557,6 +628,8 @@ class LakeWriter:
     def _convert(self, buf: Buffer) -> None:
         """Move decoded rows into an Arrow chunk. A row Arrow cannot hold (a token id beyond int32 ...) is
         dead-lettered alone, with its original bytes; a row whose id landed lately is dropped (`_drop_landed`)."""
+        if buf.slices:
+            buf.chunks.append(self._drop_landed(buf, buf.take_slices()))
         if not buf.rows:
             return
         chunk, bad = convert_rows(buf.table, buf.rows)
@@ -723,11 +796,15 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     def stopped() -> bool:
         return stopping.is_set() or (stop is not None and stop(writer))
 
+    decoder = _Decoder(writer, rebalance, DecodeWorker if cfg.decode_worker else None, cfg.decode_depth)
+    if decoder.worker is not None:
+        log.info("setup: decode worker pid %d started", decoder.worker.process.pid)
     try:
         with _rare_gc():
             log.info("setup: subscribed; entering the loop")
-            _loop(cfg, consumer, writer, rebalance, status_name, stopped)
+            _loop(cfg, consumer, writer, rebalance, status_name, stopped, decoder)
     finally:
+        decoder.close()
         consumer.close()
         producer.close()
         metrics.close()
@@ -830,9 +907,10 @@ def _rare_gc() -> Iterator[None]:
 
 
 def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, rebalance: _Rebalance,
-          status_name: str, stopped: Callable[[], bool]) -> None:
+          status_name: str, stopped: Callable[[], bool], decoder: _Decoder | None = None) -> None:
     """Poll -> writer (publishing, with its commit hints) -> heartbeat, until `stopped()`; then publish
     every open file."""
+    decoder = decoder or _Decoder(writer, rebalance)
     last_status = time.monotonic()
     last_stats = Stats()
     failed_checks = 0
@@ -843,7 +921,7 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
             # at every poll until it runs: a recreated topic must not reach the lake (_take holds the records back)
             found = _check_logs(consumer, writer, sorted(writer.unchecked), topic_ids=True, warn=not failed_checks)
             failed_checks = 0 if found is not None else failed_checks + 1
-        _take(consumer, writer, batches)
+        _take(consumer, writer, batches, decoder)
         _pause_rewound(consumer, writer)
         writer.roll_due()
         now = time.monotonic()
@@ -851,15 +929,17 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
             _heartbeat(cfg, status_name, consumer, writer, now - last_status, last_stats)
             last_stats = Stats(**vars(writer.stats))
             last_status = now
+    decoder.collect(wait=True)
     writer.flush_all()
     writer.dlq.flush()
 
 
-def _take(consumer: "KafkaConsumer", writer: LakeWriter, batches: dict["TopicPartition", list[Any]]) -> None:
-    """Hand polled records to the writer, except those of partitions revoked during the poll (the next owner
-    reads them) and of partitions whose log check has not run yet (after an assignment, while the broker does
-    not answer end_offsets): those are given back by seeking to their first offset, so they are read again
-    once the check passed and never written before it."""
+def _take(consumer: "KafkaConsumer", writer: LakeWriter, batches: dict["TopicPartition", list[Any]],
+          decoder: "_Decoder") -> None:
+    """Hand polled records to the decoder (and so to the writer), except those of partitions revoked during the
+    poll (the next owner reads them) and of partitions whose log check has not run yet (after an assignment, while
+    the broker does not answer end_offsets): those are given back by seeking to their first offset, so they are
+    read again once the check passed and never written before it."""
     for tp, messages in batches.items():
         part = (tp.topic, tp.partition)
         if part not in writer.next_offset or not messages:
@@ -867,8 +947,73 @@ def _take(consumer: "KafkaConsumer", writer: LakeWriter, batches: dict["TopicPar
         if part in writer.unchecked:
             consumer.seek(tp, messages[0].offset)
             continue
-        for m in messages:
-            writer.add(tp.topic, tp.partition, m.offset, m.value, m.key, m.timestamp)
+        decoder.take(part, messages)
+    decoder.collect()
+
+
+class _Decoder:
+    """Runs of polled records -> decode_batch -> LakeWriter.add_batch, in poll order.
+
+    Without a worker it decodes in this process, at once. With one (ingest/decode_worker.py) a run is sent to the
+    child and taken by the writer once decoded, while the next poll fetches; at most `depth` runs wait. A run is
+    taken only while its partition keeps the assignment it was polled under (`LakeWriter.generation`): after a
+    revocation it is the next owner's, after a new assignment the consumer was sought back to the lake's next
+    offset and reads it again. If the child dies, the runs in flight are dropped, a new child starts and every
+    assigned partition resumes from the lake, as after a restart of the writer: nothing is lost or written twice.
+    """
+
+    def __init__(self, writer: LakeWriter, rebalance: "_Rebalance | None" = None,
+                 worker: "Callable[[], DecodeWorker] | None" = None, depth: int = 4) -> None:
+        self.writer = writer
+        self.rebalance = rebalance
+        self.start_worker = worker
+        self.worker = worker() if worker is not None else None
+        self.depth = depth
+        self.sent: collections.deque[tuple[Partition, int | None, list[Any]]] = collections.deque()
+        self.restarts = 0
+
+    def take(self, tp: Partition, messages: list[Any]) -> None:
+        table, offsets, values = self.writer.tables[tp[0]], [m.offset for m in messages], [m.value for m in messages]
+        if self.worker is None:
+            self.writer.add_batch(*tp, messages, decode_batch(table, *tp, offsets, values))
+            return
+        try:
+            self.worker.send(table, *tp, offsets, values)
+        except WorkerDied as exc:
+            self._restart(exc)
+            return
+        self.sent.append((tp, self.writer.generation.get(tp), messages))
+
+    def collect(self, wait: bool = False) -> None:
+        """Hand the decoded runs to the writer: those ready, and the oldest while more than `depth` wait (every
+        one when `wait`)."""
+        while self.sent and (wait or len(self.sent) > self.depth or self.worker.ready()):  # type: ignore[union-attr]
+            try:
+                decoded = self.worker.receive()  # type: ignore[union-attr]
+            except WorkerDied as exc:
+                self._restart(exc)
+                return
+            tp, generation, messages = self.sent.popleft()
+            if generation is not None and self.writer.generation.get(tp) == generation:
+                self.writer.add_batch(*tp, messages, decoded)
+
+    def _restart(self, why: BaseException) -> None:
+        from kafka import TopicPartition
+
+        assert self.start_worker is not None and self.worker is not None
+        self.restarts += 1
+        parts = sorted(self.writer.next_offset)
+        log.error("decode: %s; its %d runs in flight are dropped, a new worker starts and the %d assigned partitions "
+                  "resume from the lake, as after a restart", why, len(self.sent), len(parts))
+        self.sent.clear()
+        self.worker.close(timeout_s=1.0)
+        self.worker = self.start_worker()
+        if self.rebalance is not None:
+            self.rebalance.on_partitions_assigned({TopicPartition(t, p) for t, p in parts})
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
 
 def _wait_for_topics(consumer: "KafkaConsumer", topics: list[str], timeout_s: float = 10.0) -> None:
