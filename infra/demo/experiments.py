@@ -44,6 +44,7 @@ class Run:
     dirty: bool | None  # None: not recorded (older files)
     summary: dict[str, Any]
     file: str
+    scenario: str = "tool_use"  # the demo's --scenario (older files: tool_use, the only one then)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,8 +102,9 @@ def read_run(path: Path) -> Run:
         raise ValueError(f"experiments: {path.name} is not named <date>-<commit>[-<name>].json")
     date, commit, name = "-".join(pieces[:3]), pieces[3], "-".join(pieces[4:])
     if "summary" in data and "format" in data:
+        scenario = str((data.get("demo_config") or {}).get("scenario") or "tool_use")
         return Run(str(data.get("date", date)), str(data.get("commit", commit)), name, data.get("dirty"),
-                   dict(data["summary"]), path.name)
+                   dict(data["summary"]), path.name, scenario)
     return Run(date, commit, name, None, dict(data), path.name)
 
 
@@ -135,7 +137,8 @@ def row(run: Run) -> str:
         malformed = (f"{_pct_n(s.get('malformed_share_champion_final'), s['n_calls_champion_final'])} / "
                      f"{_pct_n(s.get('malformed_share_control_final'), s.get('n_calls_control_final'))}")
     commit = run.commit + (" (dirty)" if run.dirty else "")
-    cells = [run.date, commit, run.name or "-", base, _pct_n(s.get("champion_final_success"), s.get("n_champion_final")),
+    name = (run.name or "-") + ("" if run.scenario == "tool_use" else f" ({run.scenario})")
+    cells = [run.date, commit, name, base, _pct_n(s.get("champion_final_success"), s.get("n_champion_final")),
              lift, p, minutes, champion, malformed]
     return "| " + " | ".join(cells) + " |"
 
