@@ -67,7 +67,18 @@ def run_record(summary: dict[str, Any], config: Any, warm_start: dict[str, Any],
     """What a run file holds: the summary, the settings that produced it and where the code stood."""
     settings = json.loads(json.dumps(dataclasses.asdict(config), default=str))  # Paths as strings
     return {"format": FORMAT, "date": date, "commit": commit, "dirty": dirty, "summary": summary,
-            "demo_config": settings, "warm_start": {k: v for k, v in warm_start.items() if k != "history"}}
+            "demo_config": settings, "warm_start": compact_warm_start(warm_start)}
+
+
+def compact_warm_start(record: dict[str, Any]) -> dict[str, Any]:
+    """The warm start's record without its per-evaluation history, but with its held-out loss curve: two runs of
+    one commit whose bases differ can then be told apart from their files (run b could not)."""
+    out = {k: v for k, v in record.items() if k != "history"}
+    curve = [[h["step"], round(float(h["heldout_loss"]), 5)] for h in record.get("history") or []
+             if "step" in h and "heldout_loss" in h]
+    if curve:
+        out["heldout_loss_curve"] = curve
+    return out
 
 
 def free_path(runs_dir: Path, date: str, commit: str) -> Path:

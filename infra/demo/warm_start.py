@@ -113,6 +113,17 @@ def dialogue_examples(tok: Any, demos: list[tuple[list[tasks.Message], str]]) ->
 Demos = Callable[[random.Random, int], list[tuple[list[tasks.Message], str]]]
 
 
+def _file_sha256(path: Path) -> str:
+    """Which base weights a warm start began from (recorded: the same seed and settings gave one run another base)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _batch(examples: list[Example], pad_id: int) -> tuple[Any, Any, Any]:
     import torch
 
@@ -275,7 +286,8 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     kept, trained, history, seconds = train(model, tok, s, demos)
     at = next(h for h in history if h["step"] == kept)
     held = tasks.heldout_keys()
-    record = {"rule": rule, "base_model": str(base_dir), "steps": kept, "steps_trained": trained,
+    record = {"rule": rule, "base_model": str(base_dir), "base_sha256": _file_sha256(Path(base_dir) / "model.safetensors"),
+              "steps": kept, "steps_trained": trained,
               "stopped_early": trained < s.max_steps, "heldout_loss": at["heldout_loss"],
               "final_success": at["success"], "first_call_correct": at["first_call_correct"],
               "eval_parts": s.eval_parts, "seconds": seconds,

@@ -30,14 +30,16 @@ def test_the_committed_table_lists_every_run_file() -> None:
                                       f"({len(runs)} files): run `flywheel experiments`")
 
 
-def test_a_run_file_holds_the_summary_the_settings_and_the_warm_start_without_its_history(tmp_path: Path) -> None:
-    warm = {"steps": 50, "final_success": 0.3, "seconds": 60.0, "history": [{"step": 25}]}
+def test_a_run_file_holds_the_summary_the_settings_and_the_warm_starts_loss_curve(tmp_path: Path) -> None:
+    warm = {"steps": 50, "final_success": 0.3, "seconds": 60.0,
+            "history": [{"step": 25, "heldout_loss": 0.512345678, "success": 0.1}, {"step": 50, "heldout_loss": 0.4}]}
     path = experiments.record_run(_summary(), DemoConfig(minutes=7.0), warm, T0, runs_dir=tmp_path / "runs",
                                   repo_root=tmp_path)  # not a git checkout: the commit is unknown
     assert path.name == "2027-01-15-unknown.json"
     data = json.loads(path.read_text())
     assert data["summary"]["lift_points"] == 15.0 and data["demo_config"]["minutes"] == 7.0, data
-    assert data["warm_start"] == {"steps": 50, "final_success": 0.3, "seconds": 60.0}, data["warm_start"]
+    assert data["warm_start"] == {"steps": 50, "final_success": 0.3, "seconds": 60.0,
+                                  "heldout_loss_curve": [[25, 0.51235], [50, 0.4]]}, data["warm_start"]
     assert (data["commit"], data["dirty"], data["date"]) == ("unknown", None, "2027-01-15")
     again = experiments.record_run(_summary(), DemoConfig(), warm, T0, runs_dir=tmp_path / "runs", repo_root=tmp_path)
     third = experiments.record_run(_summary(), DemoConfig(), warm, T0, runs_dir=tmp_path / "runs", repo_root=tmp_path)
