@@ -9,10 +9,14 @@ by column in C (orjson, pybase64, Arrow) and hands every record it cannot prove 
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import itertools
 import json
-from typing import TYPE_CHECKING, Any
+import operator
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from flywheel.ingest import schema, wire
 
@@ -215,3 +219,299 @@ def convert_rows(table: str, rows: list[dict[str, Any]]) -> tuple["pa.Table", li
         except Exception as exc:
             bad.append((i, _describe(exc)))
     return (pa.concat_tables(singles) if singles else rows_to_table(table, [])), bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: the same rows, dates and rejections for a run of records, checked and converted column by column
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DecodedBatch:
+    """What a run of records of one partition decodes to.
+
+    `table` holds the good rows in input order, in the lake schema with the meta columns; its row j is input
+    record `good[j]`, of UTC date `dates[j]`. Every other record's index maps to the (reason, detail) its dead
+    letter carries, the reasons `decode_record` and `convert_rows` give (`unstorable` included).
+    """
+
+    table: "pa.Table"
+    good: list[int]
+    dates: list[str]
+    rejected: dict[int, tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What the fast path checks per record of one event type (or of outcomes)."""
+
+    known: frozenset[str]  # the closed set of fields
+    required: Callable[[dict[str, Any]], tuple[Any, ...]]  # itemgetter of the required fields (KeyError: one missing)
+    packed: tuple[str, ...]  # ints / floats fields
+    json: tuple[str, ...]  # free-form JSON fields
+    since: tuple[tuple[str, int], ...]  # (field, first schema_version carrying it)
+    same_length: tuple[str, ...]  # fields whose item counts must match (an llm_call's completion ids and logprobs)
+    one_of: tuple[str, tuple[str, ...]] | None  # (field, allowed values): a context_edit's edit_kind
+
+
+def _spec(cols: tuple[schema.Col, ...], what: str) -> _Spec:
+    required = tuple(c.name for c in cols if c.required)
+    return _Spec(frozenset(c.name for c in cols), operator.itemgetter(*required),
+                 tuple(c.name for c in cols if c.kind in ("ints", "floats")),
+                 tuple(c.name for c in cols if c.kind == "json"),
+                 tuple(schema.ADDED_IN.get(what, {}).items()),
+                 ("completion_token_ids", "completion_logprobs") if what == "llm_call" else (),
+                 ("edit_kind", schema.CONTEXT_EDIT_KINDS) if what == "context_edit" else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _specs(table: str) -> dict[str | None, _Spec]:
+    """Event type -> its spec (events); None -> the outcomes' spec."""
+    if table == "outcomes":
+        return {None: _spec(schema.OUTCOME_COLUMNS, "outcome")}
+    return {etype: _spec(schema.EVENT_COMMON + cols, etype) for etype, cols in schema.EVENT_FIELDS.items()}
+
+
+def _fast_record(specs: dict[str | None, _Spec], by_type: bool, value: Any) -> dict[str, Any] | None:
+    """The record with its packed fields as raw bytes and its JSON fields as their text, when every check that
+    needs one record at a time passes (the rest is checked by column); None sends it to `decode_record`.
+
+    Each check is at least as strict as the reference's, so a record it passes is one the reference lands.
+    """
+    if type(value) is not bytes or len(value) > schema.MAX_RECORD_BYTES or value[:1] == b"\xff":
+        return None
+    try:
+        rec = _loads(value)  # bytes: orjson checks the UTF-8 itself
+    except Exception:
+        return None
+    if type(rec) is not dict:
+        return None
+    version = rec.get("schema_version")
+    if type(version) is not int or version not in schema.SUPPORTED_SCHEMA_VERSIONS:
+        return None
+    etype = rec.get("type") if by_type else None
+    spec = specs.get(etype) if etype is None or type(etype) is str else None
+    if spec is None or not spec.known.issuperset(rec) or rec.get("truncated") is not None:
+        return None  # an unknown type or field; a `strs` list is rare enough for the reference
+    try:
+        if None in spec.required(rec):
+            return None
+    except KeyError:
+        return None
+    if any(name in rec and version < first for name, first in spec.since):
+        return None
+    return rec if _fast_packed(rec, spec, version) and _fast_json(rec, spec) else None
+
+
+def _fast_packed(rec: dict[str, Any], spec: _Spec, version: int) -> bool:
+    for name in spec.packed:
+        text = rec.get(name)
+        if text is None:
+            continue
+        if type(text) is not str or not wire.is_packed_version(version):
+            return False  # a JSON list (v1, v2, or in a v3 record): the reference checks its items
+        try:
+            raw = _b64decode(text)
+        except Exception:
+            return False
+        if len(raw) % 4 or len(raw) > 4 * schema.MAX_TOKENS:
+            return False
+        rec[name] = raw
+    if spec.same_length and len(rec[spec.same_length[0]]) != len(rec[spec.same_length[1]]):
+        return False
+    return spec.one_of is None or rec[spec.one_of[0]] in spec.one_of[1]
+
+
+def _fast_json(rec: dict[str, Any], spec: _Spec) -> bool:
+    for name in spec.json:
+        value = rec.get(name)
+        if value is None:
+            continue
+        try:
+            text = _dumps_sorted(value)
+        except Exception:
+            return False
+        # the text is at least as long as any string in it and holds at least as many brackets as its depth
+        if len(text) > schema.MAX_STRING_CHARS or text.count("{") + text.count("[") > schema.MAX_JSON_DEPTH:
+            return False
+        rec[name] = text
+    return True
+
+
+class _Bad(Exception):
+    """Records (positions in the fast run) a column check refused: they go to the reference path."""
+
+    def __init__(self, positions: Iterable[int]) -> None:
+        super().__init__()
+        self.positions = set(positions)
+
+
+_NONE = type(None)
+_ALLOWED = {"str": {str, _NONE}, "json": {str, _NONE}, "ts": {str, _NONE}, "int": {int, _NONE},
+            "float": {float, int, _NONE}, "bool": {bool, _NONE}, "ints": {bytes, _NONE}, "floats": {bytes, _NONE},
+            "strs": {_NONE}}
+# the timestamps whose parse Arrow and the reference (datetime.fromisoformat) agree on; others go the reference way
+_TS_PATTERN = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$"
+_EXACT_FLOAT = 2**53  # an int beyond this as a float column's value: Arrow refuses it, the reference says how
+
+
+def _bad_where(col: list[Any], test: Callable[[Any], bool]) -> _Bad:
+    return _Bad(k for k, v in enumerate(col) if v is not None and test(v))
+
+
+def _kind_array(kind: str, name: str, col: list[Any], arrow_type: "pa.DataType") -> "pa.Array":
+    """A column of the fast run as Arrow, after the checks validation and limits make on its kind (raises _Bad)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    allowed = _ALLOWED[kind]
+    if not allowed.issuperset(set(map(type, col))):
+        raise _bad_where(col, lambda v: type(v) not in allowed)
+    if kind in ("str", "json"):
+        if max(map(len, filter(None, col)), default=0) > schema.MAX_STRING_CHARS:
+            raise _bad_where(col, lambda v: len(v) > schema.MAX_STRING_CHARS)
+    elif kind == "float" and int in set(map(type, col)):
+        if any(type(v) is int and not -_EXACT_FLOAT <= v <= _EXACT_FLOAT for v in col):
+            raise _bad_where(col, lambda v: type(v) is int and not -_EXACT_FLOAT <= v <= _EXACT_FLOAT)
+    elif kind == "ts":
+        return _ts_array(col)
+    elif kind in ("ints", "floats"):
+        return _packed_array(kind, col, arrow_type)
+    try:
+        array = pa.array(col, type=arrow_type)
+    except (OverflowError, pa.ArrowException):  # an int beyond int64 (`int_out_of_range`)
+        raise _bad_where(col, lambda v: type(v) is int and not schema.MIN_INT <= v <= schema.MAX_INT) from None
+    if name == "seq" and (pc.min(array).as_py() or 0) < 0:
+        raise _bad_where(col, lambda v: v < 0)
+    return array
+
+
+def _ts_array(col: list[Any]) -> "pa.Array":
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = pa.array(col, type=pa.string())
+    shaped = pc.match_substring_regex(text, _TS_PATTERN)
+    if not pc.all(shaped).as_py() or text.null_count:
+        raise _Bad(k for k, ok in enumerate(shaped.to_pylist()) if not ok)
+    try:
+        ts = pc.cast(text, pa.timestamp("us", tz="UTC"))
+    except (pa.ArrowInvalid, ValueError):  # a day the month does not have, hour 24 ...: let the reference name it
+        raise _Bad(range(len(col))) from None
+    inside = pc.and_(pc.greater_equal(ts, pa.scalar(schema.MIN_TS, ts.type)), pc.less(ts, pa.scalar(schema.MAX_TS, ts.type)))
+    if not pc.all(inside).as_py():
+        raise _Bad(k for k, ok in enumerate(inside.to_pylist()) if not ok)
+    return ts
+
+
+def _packed_array(kind: str, col: list[Any], list_type: "pa.ListType") -> "pa.Array":
+    """A list<int32> / list<float32> column from raw little-endian items (None: a null list)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    offsets = list(itertools.accumulate((0 if v is None else len(v) >> 2 for v in col), initial=0))
+    items = pa.Array.from_buffers(list_type.value_type, offsets[-1], [None, pa.py_buffer(b"".join(filter(None, col)))])
+    if kind == "floats" and offsets[-1] and not pc.all(pc.is_finite(items)).as_py():
+        # NaN is `invalid`, an infinity `float_out_of_range`: the reference names which
+        finite = pc.is_finite(items).to_pylist()
+        raise _Bad(k for k in range(len(col)) if not all(finite[offsets[k]:offsets[k + 1]]))
+    nulls = pa.array([v is None for v in col]) if None in col else None
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), items, type=list_type, mask=nulls)
+
+
+def _fast_table(table: str, recs: list[dict[str, Any]], meta: dict[str, "pa.Array"]) -> tuple["pa.Table", list[str]]:
+    """The fast run's rows as an Arrow table of the lake schema, and their UTC dates (raises _Bad)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kinds = {c.name: c.kind for c in _COLUMNS[table]}
+    present = set().union(*recs)  # a column no record of the run holds is all null, with nothing to check
+    columns = []
+    for f in _arrow_schema(table):
+        if f.name in meta:
+            columns.append(meta[f.name])
+        elif f.name not in present:
+            columns.append(pa.nulls(len(recs), f.type))
+        else:
+            column = list(map(operator.methodcaller("get", f.name), recs))
+            columns.append(_kind_array(kinds[f.name], f.name, column, f.type))
+    out = pa.Table.from_arrays(columns, schema=_arrow_schema(table))
+    dates = pc.cast(pc.cast(out.column("ts"), pa.date32()), pa.string()).to_pylist()
+    return out, dates
+
+
+def _meta(topic: str, partition: int, offsets: list[int], ingest_ts: dt.datetime) -> dict[str, "pa.Array"]:
+    import pyarrow as pa
+
+    n, ts_type = len(offsets), pa.timestamp("us", tz="UTC")
+    return {"_topic": pa.array([topic] * n, pa.string()), "_partition": pa.array([partition] * n, pa.int64()),
+            "_offset": pa.array(offsets, pa.int64()), "_ingest_ts": pa.array([ingest_ts] * n, ts_type)}
+
+
+def _decode_fast(table: str, topic: str, partition: int, offsets: list[int], values: list[Any],
+                 ingest_ts: dt.datetime) -> tuple["pa.Table | None", list[int], list[str]]:
+    """(table, input indexes, dates) of the records the fast path proves good; the others are left out."""
+    specs, by_type = _specs(table), table == "events"
+    idx, recs = [], []
+    for i, value in enumerate(values):
+        rec = _fast_record(specs, by_type, value)
+        if rec is not None:
+            idx.append(i)
+            recs.append(rec)
+    while recs:
+        try:
+            out, dates = _fast_table(table, recs, _meta(topic, partition, [offsets[i] for i in idx], ingest_ts))
+            return out, idx, dates
+        except _Bad as bad:
+            if not bad.positions:
+                break  # a check that could not say which record: all of them the reference way
+            idx = [i for k, i in enumerate(idx) if k not in bad.positions]
+            recs = [r for k, r in enumerate(recs) if k not in bad.positions]
+        except MemoryError:
+            raise
+        except Exception:  # whatever else: the reference path decides, record by record
+            break
+    return None, [], []
+
+
+def decode_batch(table: str, topic: str, partition: int, offsets: list[int], values: list[Any],
+                 ingest_ts: dt.datetime | None = None) -> DecodedBatch:
+    """Decode a run of one partition's records (values at those offsets) into lake rows and rejections.
+
+    The result is what `decode_record` and `convert_rows` make of each record (tests/unit/test_decode_batch.py
+    holds it to that), apart from `_ingest_ts`, one instant for the whole run. MemoryError propagates.
+    """
+    import pyarrow as pa
+
+    ingest_ts = ingest_ts or dt.datetime.now(dt.timezone.utc)
+    if sys.byteorder == "little":  # the fast path reads packed items in place, as little-endian
+        fast, fast_idx, fast_dates = _decode_fast(table, topic, partition, offsets, values, ingest_ts)
+    else:  # pragma: no cover
+        fast, fast_idx, fast_dates = None, [], []
+    done = set(fast_idx)
+    rejected: dict[int, tuple[str, str]] = {}
+    rows, slow_idx, slow_dates = [], [], []
+    for i, value in enumerate(values):
+        if i in done:
+            continue
+        try:
+            row, date = decode_record(table, value)
+        except Rejected as rej:
+            rejected[i] = (rej.reason, rej.detail)
+            continue
+        row.update(_topic=topic, _partition=partition, _offset=offsets[i], _ingest_ts=ingest_ts)
+        rows.append(row)
+        slow_idx.append(i)
+        slow_dates.append(date)
+    if not rows:
+        return DecodedBatch(fast if fast is not None else rows_to_table(table, []), fast_idx, fast_dates, rejected)
+    slow, bad = convert_rows(table, rows)
+    for k, detail in bad:
+        rejected[slow_idx[k]] = ("unstorable", detail)
+    unstorable = {k for k, _ in bad}
+    slow_idx = [i for k, i in enumerate(slow_idx) if k not in unstorable]
+    slow_dates = [d for k, d in enumerate(slow_dates) if k not in unstorable]
+    if fast is None:
+        return DecodedBatch(slow, slow_idx, slow_dates, rejected)
+    where, dates = fast_idx + slow_idx, fast_dates + slow_dates
+    order = sorted(range(len(where)), key=where.__getitem__)
+    merged = pa.concat_tables([fast, slow]).take(pa.array(order, pa.int64()))
+    return DecodedBatch(merged, [where[k] for k in order], [dates[k] for k in order], rejected)

@@ -13,12 +13,15 @@ closes. It ignores SIGINT and SIGTERM, which are the parent's to handle (the par
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import pickle
 import queue
 import signal
+import subprocess
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +29,6 @@ from flywheel.ingest.decode import DecodedBatch, decode_batch
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
-    from multiprocessing.process import BaseProcess
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -40,14 +42,19 @@ class DecodeWorker:
     """The parent's handle: `send` runs, `receive` their results in the same order."""
 
     def __init__(self) -> None:
-        import multiprocessing
+        from multiprocessing.connection import Connection
 
-        ctx = multiprocessing.get_context("spawn")  # never fork: the parent runs kafka-python's threads
-        self._conn, child = ctx.Pipe(duplex=True)
-        self.process: BaseProcess = ctx.Process(target=_serve, args=(child, os.getpid()), name="lake-writer-decode",
-                                                daemon=True)
-        self.process.start()
-        child.close()  # the parent keeps only its end: the child's death then reads as EOF here
+        # a fresh interpreter on this module (never fork: the parent runs kafka-python's threads; and not
+        # multiprocessing's spawn, which re-imports the parent's __main__), talking over two pipes
+        child_in, to_child = os.pipe()
+        from_child, child_out = os.pipe()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "flywheel.ingest.decode_worker", str(child_in), str(child_out), str(os.getpid())],
+            pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL)
+        os.close(child_in)  # the parent keeps only its ends: the child's death then reads as EOF here
+        os.close(child_out)
+        self._to_child = Connection(to_child, readable=False)
+        self._conn = Connection(from_child, writable=False)
         self.in_flight = 0
         # results are read by a thread as soon as they come: a send may block on a full pipe while the child
         # blocks on sending a result, which nobody would read otherwise
@@ -67,7 +74,7 @@ class DecodeWorker:
 
     def send(self, table: str, topic: str, partition: int, offsets: list[int], values: list[Any]) -> None:
         try:
-            self._conn.send_bytes(pickle.dumps((table, topic, partition, offsets, values), protocol=5))
+            self._to_child.send_bytes(pickle.dumps((table, topic, partition, offsets, values), protocol=5))
         except (OSError, ValueError) as exc:
             raise WorkerDied(f"decode worker pid {self.process.pid}: send failed ({exc})") from None
         self.in_flight += 1
@@ -84,8 +91,9 @@ class DecodeWorker:
         got = self._results.get()
         if isinstance(got, BaseException):
             self._results.put(got)  # every later receive() says so too
-            self.process.join(1.0)
-            raise WorkerDied(f"decode worker pid {self.process.pid} exited (code {self.process.exitcode}): "
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(1.0)
+            raise WorkerDied(f"decode worker pid {self.process.pid} exited (code {self.process.returncode}): "
                              f"{type(got).__name__}")
         head, body = got
         self.in_flight -= 1
@@ -96,12 +104,14 @@ class DecodeWorker:
         return DecodedBatch(table, good, dates, rejected)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the child (it exits at EOF) and reap it."""
-        self._conn.close()  # also ends the reader thread (its recv fails)
-        self.process.join(timeout_s)
-        if self.process.is_alive():
+        """Stop the child (it exits at the EOF of its input) and reap it."""
+        self._to_child.close()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.join(timeout_s)
+            self.process.wait(timeout_s)
+        self._conn.close()  # the reader thread's recv then fails, and it ends
         self._reader.join(timeout_s)
 
 
@@ -118,24 +128,40 @@ def _die_with(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _serve(conn: "Connection", parent_pid: int) -> None:
+def _serve(source: "Connection", sink: "Connection", parent_pid: int) -> None:
     """The child's loop: a run in, its DecodedBatch out (a header of good, dates, rejected; then Arrow IPC)."""
     import pyarrow as pa
 
     _die_with(parent_pid)
     while True:
         try:
-            table, topic, partition, offsets, values = pickle.loads(conn.recv_bytes())
+            table, topic, partition, offsets, values = pickle.loads(source.recv_bytes())
         except (EOFError, OSError):
             return  # the parent closed its end or died
         try:
             out = decode_batch(table, topic, partition, offsets, values)
         except MemoryError as exc:
-            conn.send_bytes(pickle.dumps((exc, None, None)))
-            conn.send_bytes(b"")
+            sink.send_bytes(pickle.dumps((exc, None, None)))
+            sink.send_bytes(b"")
             continue
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, out.table.schema) as stream:
-            stream.write_table(out.table)
-        conn.send_bytes(pickle.dumps((out.good, out.dates, out.rejected), protocol=5))
-        conn.send_bytes(sink.getvalue())
+        stream = pa.BufferOutputStream()
+        with pa.ipc.new_stream(stream, out.table.schema) as writer:
+            writer.write_table(out.table)
+        sink.send_bytes(pickle.dumps((out.good, out.dates, out.rejected), protocol=5))
+        sink.send_bytes(stream.getvalue())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flywheel.ingest.decode_worker <read fd> <write fd> <parent pid>`: started by DecodeWorker only."""
+    from multiprocessing.connection import Connection
+
+    source_fd, sink_fd, parent_pid = (int(a) for a in (argv or sys.argv[1:]))
+    try:
+        _serve(Connection(source_fd, writable=False), Connection(sink_fd, readable=False), parent_pid)
+    except BrokenPipeError:  # the parent is gone
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -124,8 +124,8 @@ class LakeWriterConfig:
     poll_timeout_s: float = setting(0.2, "longest wait in one consumer poll")
     max_poll_records: int = setting(1000, "records returned by one poll")
     fetch_partition_bytes: int = setting(1024 * 1024, "bytes fetched per partition per request (a larger record still comes whole)")
-    decode_worker: bool = setting(True, "decode polled records in a child process while the next poll fetches "
-                                  "(false: in the consuming process)")
+    decode_worker: bool = setting(False, "decode polled records in a child process while the next poll fetches "
+                                  "(on 2 cores it did not pay: docs/lake.md)")
     decode_depth: int = setting(4, "polled runs of records the decode worker may hold before the writer waits for it")
     status_interval_s: float = setting(2.0, "how often the status heartbeat and lag are refreshed")
     var_dir: str = setting(defaults.VAR_DIR, "local state directory (status heartbeat, resolved config)")
@@ -971,6 +971,7 @@ class _Decoder:
         self.depth = depth
         self.sent: collections.deque[tuple[Partition, int | None, list[Any]]] = collections.deque()
         self.restarts = 0
+        self.failing = 0  # restarts since the last decoded run
 
     def take(self, tp: Partition, messages: list[Any]) -> None:
         table, offsets, values = self.writer.tables[tp[0]], [m.offset for m in messages], [m.value for m in messages]
@@ -993,6 +994,7 @@ class _Decoder:
             except WorkerDied as exc:
                 self._restart(exc)
                 return
+            self.failing = 0
             tp, generation, messages = self.sent.popleft()
             if generation is not None and self.writer.generation.get(tp) == generation:
                 self.writer.add_batch(*tp, messages, decoded)
@@ -1002,6 +1004,10 @@ class _Decoder:
 
         assert self.start_worker is not None and self.worker is not None
         self.restarts += 1
+        self.failing += 1
+        if self.failing > 3:  # it dies before decoding anything: a restart loop would hide that
+            raise RuntimeError(f"decode: the worker died {self.failing} times in a row without decoding a run "
+                               f"(last: {why}); stopping") from why
         parts = sorted(self.writer.next_offset)
         log.error("decode: %s; its %d runs in flight are dropped, a new worker starts and the %d assigned partitions "
                   "resume from the lake, as after a restart", why, len(self.sent), len(parts))
