@@ -16,7 +16,8 @@ how long an event takes from produce to visible in the lake.
 3. Live: a lake writer subprocess follows another topic while this process produces v3 records
    at a steady rate, stamping each event's ts at send time; a watcher lists the lake every 50 ms
    and records when each event became visible. p95_visible_s is over all events.
-4. Per event, without Kafka: the writer's steps (decode, validate, Arrow, Parquet) for v1 and v3;
+4. Per event, without Kafka: the writer's steps (decode, validate, Arrow, Parquet) for v1 and v3, the
+   record-by-record reference beside what the writer runs (decode_batch: decode to Arrow by column);
    with --profile, the top of a cProfile of LakeWriter.add + publish for each format.
 
 With --lake s3 the writer and the live run publish into an s3:// lake on the stack's S3-compatible server
@@ -229,7 +230,7 @@ def _step_costs(values: list[bytes]) -> dict[str, float]:
 
     import pyarrow.parquet as pq
 
-    from flywheel.ingest.lake_writer import _b64decode, _loads, decode_record, rows_to_table
+    from flywheel.ingest.decode import _b64decode, _loads, decode_batch, decode_record, rows_to_table
 
     out: dict[str, float] = {}
 
@@ -245,6 +246,9 @@ def _step_costs(values: list[bytes]) -> dict[str, float]:
     for i, row in enumerate(rows):
         row.update(_topic="t", _partition=0, _offset=i, _ingest_ts=row["ts"])
     data = timed("arrow_us", lambda: rows_to_table("events", rows))
+    # what the writer runs: decode, validation, limits and Arrow for runs of 1,000 records, column by column
+    timed("batch_decode_us", lambda: [decode_batch("events", "t", 0, list(range(k, min(k + 1000, len(values)))),
+                                                   values[k:k + 1000]) for k in range(0, len(values), 1000)])
     timed("parquet_zstd_us", lambda: pq.write_table(data, io.BytesIO(), compression="zstd"))
     return out
 

@@ -76,7 +76,10 @@ DLQ_REASONS = ("empty", "oversized", "not_utf8", "malformed_json", "malformed_pa
 _ID_COLUMN = {"events": "event_id", "outcomes": "outcome_id"}
 
 
-def decode_record(table: str, value: bytes | None) -> tuple[dict[str, Any], str]:
+_UNPARSED: Any = object()
+
+
+def decode_record(table: str, value: bytes | None, parsed: Any = _UNPARSED) -> tuple[dict[str, Any], str]:
     """Decode and validate one Kafka value into (lake row without meta columns, UTC date).
 
     Raises Rejected with the reason the dead-letter envelope carries, and nothing else: whatever
@@ -86,7 +89,7 @@ def decode_record(table: str, value: bytes | None) -> tuple[dict[str, Any], str]
     and a restart retries the same record.
     """
     try:
-        return _decode(table, value)
+        return _decode(table, value, parsed)
     except (Rejected, MemoryError):
         raise
     except Exception as exc:
@@ -99,12 +102,13 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
-def _decode(table: str, value: bytes | None) -> tuple[dict[str, Any], str]:
+def _decode(table: str, value: bytes | None, parsed: Any = _UNPARSED) -> tuple[dict[str, Any], str]:
     if value is None:
         raise Rejected("empty", "record has no value (tombstone)")
     if len(value) > schema.MAX_RECORD_BYTES:
         raise Rejected("oversized", f"{len(value)} bytes > schema.MAX_RECORD_BYTES={schema.MAX_RECORD_BYTES}")
-    record = _parse(value)
+    # `parsed`: decode_batch's orjson.loads of these very bytes (JSON, not a binary envelope), left untouched
+    record = _parse(value) if parsed is _UNPARSED else parsed
     if isinstance(record, dict) and not schema.supported_version(record.get("schema_version")):
         raise Rejected("unsupported_schema_version", f"schema_version {schema.short_repr(record.get('schema_version'))} "
                        f"not in {sorted(schema.SUPPORTED_SCHEMA_VERSIONS)}")
@@ -270,44 +274,47 @@ def _specs(table: str) -> dict[str | None, _Spec]:
     return {etype: _spec(schema.EVENT_COMMON + cols, etype) for etype, cols in schema.EVENT_FIELDS.items()}
 
 
-def _fast_record(specs: dict[str | None, _Spec], by_type: bool, value: Any) -> dict[str, Any] | None:
+def _fast_record(specs: dict[str | None, _Spec], by_type: bool, value: Any) -> tuple[Any, bool]:
     """The record with its packed fields as raw bytes and its JSON fields as their text, when every check that
-    needs one record at a time passes (the rest is checked by column); None sends it to `decode_record`.
+    needs one record at a time passes (the rest is checked by column): (record, True). Otherwise the record goes
+    to `decode_record`, with the parsed value when it is still untouched ((value, False)), else (_UNPARSED, False).
 
     Each check is at least as strict as the reference's, so a record it passes is one the reference lands.
     """
     if type(value) is not bytes or len(value) > schema.MAX_RECORD_BYTES or value[:1] == b"\xff":
-        return None
+        return _UNPARSED, False
     try:
         rec = _loads(value)  # bytes: orjson checks the UTF-8 itself
     except Exception:
-        return None
+        return _UNPARSED, False
     if type(rec) is not dict:
-        return None
+        return rec, False
     version = rec.get("schema_version")
     if type(version) is not int or version not in schema.SUPPORTED_SCHEMA_VERSIONS:
-        return None
+        return rec, False
     etype = rec.get("type") if by_type else None
     spec = specs.get(etype) if etype is None or type(etype) is str else None
     if spec is None or not spec.known.issuperset(rec) or rec.get("truncated") is not None:
-        return None  # an unknown type or field; a `strs` list is rare enough for the reference
+        return rec, False  # an unknown type or field; a `strs` list is rare enough for the reference
     try:
         if None in spec.required(rec):
-            return None
+            return rec, False
     except KeyError:
-        return None
+        return rec, False
     if any(name in rec and version < first for name, first in spec.since):
-        return None
-    return rec if _fast_packed(rec, spec, version) and _fast_json(rec, spec) else None
+        return rec, False
+    if any(type(rec.get(name)) not in (str, _NONE) for name in spec.packed) or (
+            not wire.is_packed_version(version) and any(rec.get(name) is not None for name in spec.packed)):
+        return rec, False  # a JSON list (v1, v2, or in a v3 record): the reference checks its items
+    # from here on the record is changed in place: a record refused below is parsed again by the reference
+    return (rec, True) if _fast_packed(rec, spec) and _fast_json(rec, spec) else (_UNPARSED, False)
 
 
-def _fast_packed(rec: dict[str, Any], spec: _Spec, version: int) -> bool:
+def _fast_packed(rec: dict[str, Any], spec: _Spec) -> bool:
     for name in spec.packed:
         text = rec.get(name)
         if text is None:
             continue
-        if type(text) is not str or not wire.is_packed_version(version):
-            return False  # a JSON list (v1, v2, or in a v3 record): the reference checks its items
         try:
             raw = _b64decode(text)
         except Exception:
@@ -447,15 +454,18 @@ def _meta(topic: str, partition: int, offsets: list[int], ingest_ts: dt.datetime
 
 
 def _decode_fast(table: str, topic: str, partition: int, offsets: list[int], values: list[Any],
-                 ingest_ts: dt.datetime) -> tuple["pa.Table | None", list[int], list[str]]:
-    """(table, input indexes, dates) of the records the fast path proves good; the others are left out."""
+                 ingest_ts: dt.datetime, parsed: dict[int, Any]) -> tuple["pa.Table | None", list[int], list[str]]:
+    """(table, input indexes, dates) of the records the fast path proves good; the others are left out (those
+    parsed and untouched in `parsed`, by index, so the reference need not parse them again)."""
     specs, by_type = _specs(table), table == "events"
     idx, recs = [], []
     for i, value in enumerate(values):
-        rec = _fast_record(specs, by_type, value)
-        if rec is not None:
+        rec, fast = _fast_record(specs, by_type, value)
+        if fast:
             idx.append(i)
             recs.append(rec)
+        elif rec is not _UNPARSED:
+            parsed[i] = rec
     while recs:
         try:
             out, dates = _fast_table(table, recs, _meta(topic, partition, [offsets[i] for i in idx], ingest_ts))
@@ -482,8 +492,9 @@ def decode_batch(table: str, topic: str, partition: int, offsets: list[int], val
     import pyarrow as pa
 
     ingest_ts = ingest_ts or dt.datetime.now(dt.timezone.utc)
+    parsed: dict[int, Any] = {}
     if sys.byteorder == "little":  # the fast path reads packed items in place, as little-endian
-        fast, fast_idx, fast_dates = _decode_fast(table, topic, partition, offsets, values, ingest_ts)
+        fast, fast_idx, fast_dates = _decode_fast(table, topic, partition, offsets, values, ingest_ts, parsed)
     else:  # pragma: no cover
         fast, fast_idx, fast_dates = None, [], []
     done = set(fast_idx)
@@ -493,7 +504,7 @@ def decode_batch(table: str, topic: str, partition: int, offsets: list[int], val
         if i in done:
             continue
         try:
-            row, date = decode_record(table, value)
+            row, date = decode_record(table, value, parsed.get(i, _UNPARSED))
         except Rejected as rej:
             rejected[i] = (rej.reason, rej.detail)
             continue

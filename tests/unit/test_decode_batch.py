@@ -128,6 +128,6 @@ def test_the_fast_path_takes_the_common_records() -> None:
 
     rng = random.Random(2)
     values = [encoded("v3", realistic_event(rng, i)) for i in range(50)]
-    fast, idx, _ = decode._decode_fast("events", TOPIC, 0, list(range(50)), values, NOW)
+    fast, idx, _ = decode._decode_fast("events", TOPIC, 0, list(range(50)), values, NOW, {})
     assert fast is not None and idx == list(range(50)), f"only {len(idx)} of 50 v3 records took the fast path"
     assert json.loads(values[0])["schema_version"] == schema.SCHEMA_VERSION
