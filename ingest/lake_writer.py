@@ -38,6 +38,10 @@ Exactly-once, whatever instant the process dies:
   topic, seen as a record below the expected offset, a log end below the lake's, or a new
   Kafka topic id) pauses that partition: nothing of it is written, no file is overwritten.
 
+Decoding (ingest/decode.py) takes each polled run of a partition's records at once, column by column
+(`decode_batch`, held to the record-by-record reference `decode_record`), in this process or, with
+--decode-worker, in a child process (ingest/decode_worker.py).
+
 Files roll on record count, bytes, age (default at most 1 s after the first record of the
 file arrived, so a quiet topic is visible within seconds) and on a change of the record's
 UTC date. Lag and rates go to `flywheel status` through the heartbeat files (flywheel.base.heartbeat).
@@ -79,7 +83,6 @@ from flywheel.base.metrics import Metrics, Reading, nan_if_negative
 from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
 from flywheel.ingest.decode_worker import DecodeWorker, WorkerDied
-from flywheel.ingest.decode import _b64decode, _loads  # noqa: F401 - bench/ingest.py times the decode steps by these
 from flywheel.ingest.decode import (  # noqa: F401 - the decode path's public names, also imported from here by tests
     _ID_COLUMN,
     DLQ_REASONS,
