@@ -18,7 +18,7 @@ how long an event takes from produce to visible in the lake.
    and records when each event became visible. p95_visible_s is over all events.
 4. Per event, without Kafka: the writer's steps (decode, validate, Arrow, Parquet) for v1 and v3, the
    record-by-record reference beside what the writer runs (decode_batch: decode to Arrow by column);
-   with --profile, the top of a cProfile of LakeWriter.add + publish for each format.
+   with --profile, the top of a cProfile of decode_batch + LakeWriter.add_batch + publish for each format.
 
 With --lake s3 the writer and the live run publish into an s3:// lake on the stack's S3-compatible server
 (S3Proxy, `flywheel infra up --parts s3`), configured through the AWS_* variables as any process of an s3 lake
@@ -254,12 +254,15 @@ def _step_costs(values: list[bytes]) -> dict[str, float]:
 
 
 def profile_writer(fmts: list[str], n: int = 4000, seed: int = 5, top: int = 15) -> str:
-    """cProfile of the writer's own part (LakeWriter.add, conversion, publish into a temp lake; no Kafka) for
+    """cProfile of the writer's own part (decode_batch, LakeWriter.add_batch, publish into a temp lake; no Kafka) for
     each format: the table docs/lake.md's "where the time went" is read from."""
     import cProfile
     import io
     import pstats
 
+    from types import SimpleNamespace
+
+    from flywheel.ingest.decode import decode_batch
     from flywheel.ingest.lake_writer import DeadLetters, LakeWriter, LakeWriterConfig, _rare_gc
 
     rng = random.Random(seed)
@@ -275,8 +278,11 @@ def profile_writer(fmts: list[str], n: int = 4000, seed: int = 5, top: int = 15)
             with _rare_gc():  # as run() does
                 t = time.perf_counter()
                 profiler.enable()
-                for i, value in enumerate(values):
-                    writer.add("t", 0, i, value)
+                for k in range(0, n, 1000):  # as the loop hands over polled runs: decode_batch, then add_batch
+                    run = [SimpleNamespace(offset=i, value=values[i], key=None, timestamp=None)
+                           for i in range(k, min(k + 1000, n))]
+                    writer.add_batch("t", 0, run, decode_batch("events", "t", 0, [m.offset for m in run],
+                                                               [m.value for m in run]))
                 writer.flush_all()
                 profiler.disable()
                 elapsed = time.perf_counter() - t
