@@ -950,7 +950,10 @@ def _take(consumer: "KafkaConsumer", writer: LakeWriter, batches: dict["TopicPar
         if part in writer.unchecked:
             consumer.seek(tp, messages[0].offset)
             continue
-        decoder.take(part, messages)
+        if not decoder.take(part, messages):
+            # the worker died and every partition was sought back to the lake: the rest of this poll is stale,
+            # and seeking its partitions to their first polled offset (above) would skip what the lake lacks
+            return
     decoder.collect()
 
 
@@ -976,17 +979,20 @@ class _Decoder:
         self.restarts = 0
         self.failing = 0  # restarts since the last decoded run
 
-    def take(self, tp: Partition, messages: list[Any]) -> None:
+    def take(self, tp: Partition, messages: list[Any]) -> bool:
+        """Decode a run (or send it to the worker); False when the worker died and every partition was reassigned,
+        so the caller drops the rest of the poll it came from."""
         table, offsets, values = self.writer.tables[tp[0]], [m.offset for m in messages], [m.value for m in messages]
         if self.worker is None:
             self.writer.add_batch(*tp, messages, decode_batch(table, *tp, offsets, values))
-            return
+            return True
         try:
             self.worker.send(table, *tp, offsets, values)
         except WorkerDied as exc:
             self._restart(exc)
-            return
+            return False
         self.sent.append((tp, self.writer.generation.get(tp), messages))
+        return True
 
     def collect(self, wait: bool = False) -> None:
         """Hand the decoded runs to the writer: those ready, and the oldest while more than `depth` wait (every

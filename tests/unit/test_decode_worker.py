@@ -88,3 +88,30 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_a_worker_dying_at_the_first_send_of_a_poll_loses_no_partition_of_that_poll(tmp_path: Path) -> None:
+    """The child dies while partitions 0 and 1 hold open files, and the next poll covers both: the restart seeks
+    both back to the lake, and the rest of that poll must not seek partition 1 forward to its polled offset."""
+    from flywheel.ingest.lake_writer import _take
+
+    consumer = FakeConsumer([], ends={(TOPIC, 0): 8, (TOPIC, 1): 8})
+    w = make_writer(tmp_path, roll_max_records=100, status_interval_s=3600.0)
+    rebalance = _Rebalance(w, consumer)
+    rebalance.on_partitions_assigned({tp(0), tp(1)})
+    decoder = _Decoder(w, rebalance, DecodeWorker, depth=8)
+    try:
+        for part in (0, 1):
+            w.unchecked.discard((TOPIC, part))  # the log check passed
+        _take(consumer, w, {tp(0): messages(range(0, 4)), tp(1): messages(range(0, 4))}, decoder)
+        decoder.collect(wait=True)
+        assert not lake.list_files(str(tmp_path), "events"), "nothing published yet: both files are open"
+        os.kill(decoder.worker.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        decoder.worker.process.wait(5)  # type: ignore[union-attr]
+        consumer.seeks.clear()
+        _take(consumer, w, {tp(0): messages(range(4, 8)), tp(1): messages(range(4, 8))}, decoder)
+    finally:
+        decoder.close()
+    assert decoder.restarts == 1
+    # both partitions were sought back to the lake's start (nothing landed), none forward to offset 4
+    assert consumer.seeks == {(TOPIC, 0): None, (TOPIC, 1): None}, consumer.seeks
