@@ -542,6 +542,19 @@ def label_1_index_row(due: Due, task: reward_config.TaskType, relabel_horizon_s:
     }
 
 
+def _penalty_now(detail: dict[str, Any], r_penalty: float, harmful: set[str],
+                 harmful_prune: float) -> tuple[float, dict[str, float] | None]:
+    """A relabelled row's r_penalty and its parts: the malformed part as label 1 set it, the harmful-prune part
+    from every outcome so far (a checker's report may come after label 1). A row labelled before the parts
+    were recorded keeps its r_penalty (None: no parts to update)."""
+    parts = detail.get("penalty_parts")
+    if parts is None:
+        return r_penalty, None
+    hit = harmful_prune if harmful.intersection(detail.get("calls") or ()) else 0.0
+    parts = {"malformed": float(parts["malformed"]), "harmful_prune": hit}
+    return parts["malformed"] + hit, parts
+
+
 def total_reward(r_outcome: float, r_turn: float | None, r_judge: float | None, r_parallel: float, r_finish: float,
                  r_penalty: float) -> float:
     """A row's reward: its turn's own check where one verified it, else the (session or agent) outcome, plus the rest."""
@@ -835,11 +848,9 @@ class Builder:
             return [], index_row | {"label_version": 0, "reason": due.drop}
         stats = parl.parl_stats(s, self.rewards.parl, due.outcomes)
         made, finals = turns.turns(s), turns.final_calls(s)
-        penalties, n_malformed = parl.malformed_penalties(s, self.rewards.penalties.malformed_tool_call, made)
+        malformed, n_malformed = parl.malformed_penalties(s, self.rewards.penalties.malformed_tool_call, made)
         shaping = parl.row_shaping(s, self.rewards.parl, due.outcomes)
         harmful = parl.harmful_prune_penalties(made, due.outcomes, self.rewards.penalties)
-        for eid, p in harmful.items():
-            penalties[eid] = penalties.get(eid, 0.0) + p
         judged = self.judged.judged.get(s.session_id)
         r_judge = judged.r_judge(self.rewards.judge_weight(task)) if judged is not None else None
         detail_base = {
@@ -861,13 +872,17 @@ class Builder:
         checked = turns.call_outcomes(due.outcomes, task.turn_kinds)
         rows = []
         for e in s.llm_calls:
-            r_penalty = penalties.get(e["event_id"], 0.0)
+            # the parts kept apart, with the row's own call_ids, so that a relabel can apply a harmful-prune
+            # report that arrives after this label (_relabel)
+            parts = {"malformed": malformed.get(e["event_id"], 0.0), "harmful_prune": harmful.get(e["event_id"], 0.0)}
+            r_penalty = parts["malformed"] + parts["harmful_prune"]
             mine = scores[e["agent_id"]]
-            turn = turns.credit(self.rewards, task, made.get(e["event_id"], turns.Turn()), checked,
-                                mine.r_outcome if e["event_id"] in finals else None)
+            made_here = made.get(e["event_id"], turns.Turn())
+            turn = turns.credit(self.rewards, task, made_here, checked, mine.r_outcome if e["event_id"] in finals else None)
             decided = shaping.get(e["event_id"])
             rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
                                   detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty,
+                                                        "penalty_parts": parts, "calls": list(made_here.calls),
                                                         "turn": turn.detail or None,
                                                         "spawn_decision": None if decided is None else {
                                                             "n_spawned": decided.n_spawned, "n_verified": decided.n_verified,
@@ -931,18 +946,24 @@ class Builder:
         scores = {a: outcome_rewards.score_for_agent(self.rewards, task, outcomes, a, closed) for a in {r["agent_id"] for r in prev}}
         last_outcome = max((o["ts"] for o in outcomes), default=None)  # a judge retry's session may have none
         reason = "late_outcome" if new else "judge_retry"
+        harmful = parl.harmful_call_ids(outcomes, self.rewards.penalties)
+        details = [json.loads(r["reward_detail"]) for r in prev]
+        penalties = [_penalty_now(d, r["r_penalty"], harmful, self.rewards.penalties.harmful_prune) for r, d in zip(prev, details)]
+        n_harmful = sum(1 for _, parts in penalties if parts and parts["harmful_prune"])
         rows = []
-        for r in prev:  # file order: the same row order as the label it follows
+        for r, detail, (r_penalty, parts) in zip(prev, details, penalties):  # file order: the rows of the label it follows
             score = scores[r["agent_id"]]
-            detail = json.loads(r["reward_detail"])
             turn = turns.recredit(self.rewards, task, detail, outcomes, score.r_outcome)
             detail |= {"outcomes": score.detail, "label_reason": reason, "rewards_config": self.rewards.digest,
                        "turn": turn.detail or None}
+            if parts is not None:
+                detail |= {"penalty_parts": parts, "penalty_this_call": r_penalty, "harmful_prunes": n_harmful}
             if judged is not None:
                 r = r | {"r_judge": judged.r_judge(self.rewards.judge_weight(task)), "judge_score": judged.score}
                 detail["judge"] = judge_pass.judge_detail(self.rewards, self.judge.model, task, judged)
-            reward = total_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"], r["r_penalty"])
+            reward = total_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"], r_penalty)
             rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "r_turn": turn.r_turn, "reward": reward,
+                             "r_penalty": r_penalty,
                              "reward_detail": json.dumps(detail, sort_keys=True), "last_outcome_ts": last_outcome})
         index_row = entry | {
             "label_version": label,

@@ -230,9 +230,14 @@ def harmful_prune_penalties(made: dict[str, Turn], outcomes: Iterable[dict[str, 
     The checker can tell only where it knows what the answer needed: it reports `harmful_edit_kind` with
     the prune call's call_id (>= 0.5: the session failed and the prune had removed what the answer needed).
     Without such a report the pruning row keeps the session outcome, like any other row."""
-    harmful = {str(o["call_id"]) for o in outcomes
-               if o["kind"] == penalties.harmful_edit_kind and o.get("call_id") and float(o["value"]) >= 0.5}
+    harmful = harmful_call_ids(outcomes, penalties)
     return {eid: penalties.harmful_prune for eid, t in made.items() if harmful.intersection(t.calls)}
+
+
+def harmful_call_ids(outcomes: Iterable[dict[str, Any]], penalties: PenaltySettings) -> set[str]:
+    """The call_ids of the prunes the checker reported harmful (value >= 0.5), among `outcomes`."""
+    return {str(o["call_id"]) for o in outcomes
+            if o["kind"] == penalties.harmful_edit_kind and o.get("call_id") and float(o["value"]) >= 0.5}
 
 
 def detail(stats: ParlStats) -> dict[str, Any]:

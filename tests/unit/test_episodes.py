@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -550,3 +551,34 @@ def test_the_lock_of_a_killed_builder_is_released_by_its_death(tmp_path: Path) -
     lock = StateLock(state).acquire()  # no stale lock after a SIGKILL: the kernel dropped it
     assert lock.held and (state / "LOCK").read_text().strip() == str(os.getpid())
     lock.release()
+
+
+def test_a_harmful_prune_reported_after_label_1_costs_its_row_in_the_relabel(rig: Rig) -> None:
+    rig.rewards = config.parse(TOML.replace("malformed_tool_call = -0.5", "malformed_tool_call = -0.5\nharmful_prune = -0.3"))
+    rig.restart()
+    b = synthetic.SessionBuilder("s1", T0).begin()
+    pruning = b.llm_call()
+    prune_call = b.tool()
+    sloppy = b.llm_call()
+    b.tool(malformed=True)
+    end = b.end()
+    rig.feed.write("events", b.events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 0.0, after(end, 5))])
+    rig.run(after(end, 10))
+    label1 = {r["episode_id"]: r for r in rig.labels("s1")[1]}
+    assert label1[pruning["event_id"]]["r_penalty"] == 0.0 and label1[sloppy["event_id"]]["r_penalty"] == -0.5
+
+    # the checker tells only later that the prune removed what the answer needed
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "prune_harmful", 1.0, after(end, 900), call_id=prune_call)])
+    assert rig.run(after(end, 901)).relabels == 1
+    label2 = {r["episode_id"]: r for r in rig.labels("s1")[2]}
+    assert label2[pruning["event_id"]]["r_penalty"] == -0.3 and label2[pruning["event_id"]]["reward"] == -0.3
+    assert label2[sloppy["event_id"]]["r_penalty"] == -0.5, "the malformed call's penalty is kept, not doubled or lost"
+    detail = json.loads(label2[pruning["event_id"]]["reward_detail"])
+    assert detail["penalty_parts"] == {"malformed": 0.0, "harmful_prune": -0.3} and detail["harmful_prunes"] == 1
+
+    # a later, unrelated outcome keeps the penalty (it is recomputed from every outcome so far, not the new ones only)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "accepted", 1.0, after(end, 950))])
+    rig.run(after(end, 960))
+    label3 = {r["episode_id"]: r for r in rig.labels("s1")[3]}
+    assert label3[pruning["event_id"]]["r_penalty"] == -0.3
