@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Callable
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,7 @@ pytestmark = pytest.mark.slow
 
 def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
         stack: stack_mod.StackConfig, base_model_dir: Path, vllm_urls: list[str], tmp_path: Path,
-        vllm_weights_lock: None) -> None:
-    from flywheel.serving.publisher import reload_full
-
+        run_demo: Callable[[demo.DemoConfig], int]) -> None:
     assert len(vllm_urls) == 2, f"the test session's stack should run two vLLM servers: {vllm_urls}"
     # 3 minutes: the final window (40 s, from when the proxy's router has re-read the cleared aliases, so
     # the traffic runs past 180 s by the time stopping the learner and the gate took) starts after the learner
@@ -43,11 +42,7 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
                           drain_s=15.0, keep_stack=True, live=False,
                           run_id=f"demo-test-{uuid.uuid4().hex[:8]}")  # unique: the MLflow store outlives a test run
     cfg.check()
-    try:
-        assert demo.run(cfg) == 0
-    finally:
-        for url in vllm_urls:  # leave the shared servers on the base weights for everyone else
-            reload_full(url, base_model_dir.resolve(), 0)
+    assert run_demo(cfg) == 0
     run_dir = tmp_path / "var" / "demo" / cfg.run_id
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     facts = lake_facts(str(run_dir / "lake"))

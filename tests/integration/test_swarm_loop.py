@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -31,10 +31,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewarded(
-        stack: stack_mod.StackConfig, base_model_dir: Path, vllm_urls: list[str], tmp_path: Path,
-        vllm_weights_lock: None) -> None:
-    from flywheel.serving.publisher import reload_full
-
+        stack: stack_mod.StackConfig, base_model_dir: Path, tmp_path: Path, run_demo: Callable[[demo.DemoConfig], int]) -> None:
     warm = tmp_path / "swarm-warm"
     swarm.warm_start_model(base_model_dir, warm, WarmStartSettings(max_steps=300, eval_every=300, patience=1, loss_parts=8,
                                                                    eval_parts=8, batch_size=16), tool_share=0.5)
@@ -45,11 +42,7 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
                           shaping_anneal_end_step=4, keep_stack=True, live=False,
                           run_id=f"swarm-test-{uuid.uuid4().hex[:8]}")
     cfg.check()
-    try:
-        assert demo.run(cfg) == 0
-    finally:
-        for url in vllm_urls:  # leave the shared servers on the base weights for everyone else
-            reload_full(url, base_model_dir.resolve(), 0)
+    assert run_demo(cfg) == 0
     run_dir = tmp_path / "var" / "demo" / cfg.run_id
     events = _table(str(run_dir / "lake"), "events")
     episodes = {r["episode_id"]: r for r in _table(str(run_dir / "lake"), "episodes") if r["label_version"] == 1}
