@@ -156,8 +156,8 @@ def test_two_writers_racing_into_one_s3_lake_land_each_event_once(
     from flywheel.base.heartbeat import read_statuses
     from flywheel.serving.sessions import read_sessions
 
-    n, partitions = 12_000, 4
-    topic, dlq = new_topic("lw-s3", partitions=partitions), new_topic("lw-s3-dlq")
+    n, partitions_n = 12_000, 4
+    topic, dlq = new_topic("lw-s3", partitions=partitions_n), new_topic("lw-s3-dlq")
     root, var = f"s3://{s3.s3_bucket}/lake-{uuid.uuid4().hex[:8]}", tmp_path / "var"
     var.mkdir()
     env, suffix = stack_mod.s3_env(s3), uuid.uuid4().hex[:8]
@@ -169,11 +169,18 @@ def test_two_writers_racing_into_one_s3_lake_land_each_event_once(
     def landed() -> int:
         return sum(lake.next_offsets(root, "events", topic).values())
 
+    def partitions(w: str) -> int | None:
+        return read_statuses(var).get(f"lake-writer-{w}", {}).get("partitions")
+
     writers = {"a": start("a"), "b": start("b")}
     produced: list[str] = []
     # produced over about 8 s, so the kill below lands while both writers are publishing
-    producer = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, n, partitions, 1500)))
+    producer = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, n, partitions_n, 1500)))
     try:
+        # both must hold every partition before the feed starts, or there is no race: in one CI run writer b never
+        # got an assignment, and its heartbeat's lag (over no partitions) read 0, so the test ran one writer alone
+        wait_for(lambda: all(partitions(w) == partitions_n for w in "ab"), 90,
+                 f"both writers to hold all {partitions_n} partitions")
         producer.start()
         wait_for(lambda: landed() > 0, 90, "the first files in the s3 lake")
         writers["a"].send_signal(signal.SIGKILL)  # with open buffers and maybe a claim not yet published
@@ -182,7 +189,8 @@ def test_two_writers_racing_into_one_s3_lake_land_each_event_once(
         writers["a"] = start("a")
         producer.join()
         wait_for(lambda: landed() >= n, 180, f"{n} events in the s3 lake")
-        wait_for(lambda: all(read_statuses(var).get(f"lake-writer-{w}", {}).get("lag_records") == 0 for w in "ab"), 60, "both writers' heartbeats to show lag 0 (each has read every partition)")
+        wait_for(lambda: all(partitions(w) == partitions_n and read_statuses(var)[f"lake-writer-{w}"].get("lag_records") == 0
+                             for w in "ab"), 60, "both writers' heartbeats to show all partitions at lag 0")
         published = {w: read_statuses(var)[f"lake-writer-{w}"]["files"] for w in "ab"}
     finally:
         for proc in writers.values():
@@ -190,7 +198,7 @@ def test_two_writers_racing_into_one_s3_lake_land_each_event_once(
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
     assert all(p.returncode == 0 for p in writers.values()), {w: p.returncode for w, p in writers.items()}
-    files = _check_exact(root, produced, partitions)
+    files = _check_exact(root, produced, partitions_n)
     print(f"publishes per writer {published}, files in the s3 lake {files}, events landed at the kill {at_kill}")
     assert at_kill < n, f"the kill came after all {n} events had landed: it tested no restart mid-stream"
     # both published, and more publishes than files: they raced on the same ranges (identical names, one file each)
