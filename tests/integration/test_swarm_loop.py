@@ -80,7 +80,18 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
                 summaries.append((e, last))
     assert summaries, "no model-initiated summary"
     own = [(e, call) for e, call in summaries if list(e["summary_token_ids"] or []) == list(call["completion_token_ids"])]
-    assert len(own) == len(summaries), f"{len(summaries) - len(own)} of {len(summaries)} summaries are not their call's tokens"
+    # The one allowed exception: the summary's own call is not in the lake because the proxy did not log it (it was
+    # served across a weight reload, so its version is unknown: docs/reliability.md). Such a summary matches no
+    # llm_call of its agent, and the proxy counted at least as many unlogged calls.
+    unmatched = [e for e, call in summaries if (e, call) not in own]
+    for e in unmatched:
+        calls = [c for c in by_agent[(e["session_id"], e["agent_id"])] if c["type"] == "llm_call"]
+        assert all(list(c["completion_token_ids"]) != list(e["summary_token_ids"] or []) for c in calls), \
+            f"summary {e['event_id']} has the tokens of another call of its agent, not of the call that wrote it"
+    unlogged = (run_dir / "logs" / "proxy.log").read_text().count("after the call; llm_call not logged")
+    assert len(unmatched) <= unlogged, \
+        f"{len(unmatched)} of {len(summaries)} summaries are not their call's tokens ({unlogged} calls unlogged by the proxy)"
+    assert own, "no summary whose writing call is in the lake"
     rewarded = [episodes[call["event_id"]] for _, call in own if call["event_id"] in episodes]
     assert rewarded, "no summary-writing call reached the episodes"
     for r in rewarded:  # trained with the session's outcome (no turn check verifies a summary)
