@@ -97,15 +97,15 @@ def vllm_weights_lock(stack: stack_mod.StackConfig) -> Iterator[None]:
 
 
 @pytest.fixture
-def run_demo(vllm_urls: list[str], base_model_dir: Path, vllm_weights_lock: None) -> Callable[[object], int]:
+def run_demo(vllm_urls: list[str], base_model_dir: Path, vllm_weights_lock: None) -> Callable[..., int]:
     """Run a short demo (a closed_loop.DemoConfig) on the session's two servers, which it loads with its own
     policy weights, and put the base weights back afterwards, failed or not, for every later test."""
     from flywheel.demo import closed_loop as demo
     from flywheel.serving.publisher import reload_full
 
-    def run(cfg: object) -> int:
+    def run(cfg: demo.DemoConfig) -> int:
         try:
-            return demo.run(cfg)  # type: ignore[arg-type]
+            return demo.run(cfg)
         finally:
             for url in vllm_urls:
                 reload_full(url, base_model_dir.resolve(), 0)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import pytest
 

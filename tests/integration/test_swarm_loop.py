@@ -79,11 +79,16 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
             elif e["type"] == "context_edit" and e["edit_kind"] == "summarize" and last is not None:
                 summaries.append((e, last))
     assert summaries, "no model-initiated summary"
-    own = [(e, call) for e, call in summaries if list(e["summary_token_ids"] or []) == list(call["completion_token_ids"])]
+    own: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    unmatched: list[dict[str, Any]] = []
+    for e, call in summaries:
+        if list(e["summary_token_ids"] or []) == list(call["completion_token_ids"]):
+            own.append((e, call))
+        else:
+            unmatched.append(e)
     # The one allowed exception: the summary's own call is not in the lake because the proxy did not log it (it was
     # served across a weight reload, so its version is unknown: docs/reliability.md). Such a summary matches no
     # llm_call of its agent, and the proxy counted at least as many unlogged calls.
-    unmatched = [e for e, call in summaries if (e, call) not in own]
     for e in unmatched:
         calls = [c for c in by_agent[(e["session_id"], e["agent_id"])] if c["type"] == "llm_call"]
         assert all(list(c["completion_token_ids"]) != list(e["summary_token_ids"] or []) for c in calls), \
