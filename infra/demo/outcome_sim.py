@@ -10,7 +10,9 @@ OutcomeReporter, like any outcome source would:
   `task_success` 1.0 or 0.0; below the session it checks every well-formed tool call the agent
   made (`call_correct` with the call's call_id: the right tool with arguments that give the
   truth) and, for a split task, each sub-agent's part (`task_success` with its agent_id), so the
-  episode builder can credit the turn that earned it (rewards/turns.py);
+  episode builder can credit the turn that earned it (rewards/turns.py); for a swarm session
+  also `parts_correct`, the share of its parts answered right (and, with a sub-agent's agent_id,
+  that sub-agent's own part), the graded outcome the swarm's rows and gate use;
 * simulated user: for `user_share` of sessions, `user_delay_s_min..max` later, reports
   `accepted` (1.0 accepted / 0.0 rejected): the verifier's verdict, flipped with probability
   `user_noise` (users are not perfect graders).
@@ -145,6 +147,15 @@ def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random, 
     # the checks below the session a millisecond before its verdict: sent (and landed) first
     out = part_checks(record, ended + cfg.verifier_delay_s - 0.001, line_end)
     out.append(due(ended + cfg.verifier_delay_s, "task_success", 1.0 if ok else 0.0, "verifier"))
+    graded = swarm.parts_correct(record)  # swarm sessions: the share of parts right, and each sub-agent's own
+    if graded is not None:
+        share, mine = graded
+        at = ended + cfg.verifier_delay_s - 0.001
+        out.append(Due(at, session_id, swarm.PARTS_CORRECT, share, "verifier",
+                       outcome_id(session_id, swarm.PARTS_CORRECT, "verifier"), line_end))
+        out += [Due(at, session_id, swarm.PARTS_CORRECT, value, "verifier",
+                    outcome_id(session_id, f"{swarm.PARTS_CORRECT}/{agent}", "verifier"), line_end, agent)
+                for agent, value in sorted(mine.items())]
     for call_id, harmful in swarm.harmful_prunes(record, ok):  # swarm sessions: did a prune remove what was needed
         out.append(Due(ended + cfg.verifier_delay_s - 0.001, session_id, "prune_harmful", 1.0 if harmful else 0.0,
                        "verifier", outcome_id(session_id, f"prune_harmful/{call_id}", "verifier"), line_end, None, call_id))
@@ -338,7 +349,7 @@ class OutcomeSim:
         self.unconfirmed: list[Due] = []  # sent, not yet confirmed by a flush
         # a count for every kind `schedule` can produce (a swarm run crashed on the first prune_harmful without it)
         self.counts = {"sessions": 0, "bad_lines": 0, "task_success": 0, "call_correct": 0, "accepted": 0,
-                       "prune_harmful": 0, "successes": 0, "resent": 0}
+                       "prune_harmful": 0, swarm.PARTS_CORRECT: 0, "successes": 0, "resent": 0}
         self._dropped = self._reporter_drops()
         self._dirty = seed != self.seed  # the cursor file lacks what a restart needs: write it at the next commit
 
@@ -449,7 +460,7 @@ def run(cfg: OutcomeSimConfig) -> int:
     # the verifier's verdicts go out now, due or not; a user signal still queued is owed to the next
     # run (the cursor stays before its line), as a user who has not answered yet may still answer
     sim.read_new()
-    sim.send_due(time.time(), kinds=("task_success", "call_correct", "prune_harmful"))
+    sim.send_due(time.time(), kinds=("task_success", "call_correct", "prune_harmful", swarm.PARTS_CORRECT))
     confirmed = sim.confirm(30.0)
     sim.commit()
     reporter.close()

@@ -108,6 +108,10 @@ class DemoConfig:
                                                "~16 s, so step 20 falls near minute 9-10 of 20: the rest of training and "
                                                "the final window (more than the last third) run without shaping")
 
+    swarm_gate_margin: float = setting(0.05, "swarm: the gate's non-inferiority margin on parts_correct, in place of "
+                                              "gate_margin (the scenario's aim is fewer critical steps at a share of "
+                                              "parts right not lower than the champion's, docs/swarm.md)")
+
     def check(self) -> None:
         if self.minutes <= 0:
             raise ConfigError(f"minutes: must be > 0, got {self.minutes}")
@@ -138,15 +142,19 @@ def gate_rule(cfg: DemoConfig) -> GateRule:
 SCENARIOS = ("tool_use", "swarm")
 SWARM_REWARDS = Path(__file__).with_name("swarm_rewards.toml")
 SWARM_WARM_MODEL = Path("var/models/tiny-swarm-warm")
+SWARM_GATE_OUTCOME = "parts_correct"  # swarm.PARTS_CORRECT: task_success is ~0 for nearly every session
 SWARM_MAX_TOKENS = 96  # a spawn of 4 sub-tasks is about 60 tokens of the tiny model's BPE
 
 
 def for_scenario(cfg: DemoConfig) -> DemoConfig:
     """The config a scenario runs with: the swarm's policy-v0 is its own warm start (the tools' format), unless
-    warm_model was set to something other than the default."""
+    warm_model was set to something other than the default, and its gate's margin is swarm_gate_margin."""
     import dataclasses
 
-    if cfg.scenario == "swarm" and Path(cfg.warm_model) == Path("var/models/tiny-warm"):
+    if cfg.scenario != "swarm":
+        return cfg
+    cfg = dataclasses.replace(cfg, gate_margin=cfg.swarm_gate_margin)
+    if Path(cfg.warm_model) == Path("var/models/tiny-warm"):
         return dataclasses.replace(cfg, warm_model=SWARM_WARM_MODEL)
     return cfg
 
@@ -158,6 +166,7 @@ def scenario_flags(cfg: DemoConfig, process: str) -> list[str]:
     return {"agent-sim": ["--scenario", "swarm", "--max-tokens", str(SWARM_MAX_TOKENS)],
             "episodes": ["--rewards-toml", str(SWARM_REWARDS)],
             "learner": ["--shaping-anneal-start-step", "0", "--shaping-anneal-end-step", str(cfg.shaping_anneal_end_step)],
+            "promote": ["--outcome-kind", SWARM_GATE_OUTCOME],
             }.get(process, [])
 
 

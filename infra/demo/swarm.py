@@ -5,8 +5,8 @@ context are actions the policy takes, logged with the SDK so the loop can train 
 
 Two kinds of session, both built from the tool-use parts of infra/demo/tasks.py:
 
-* multi: one request with 3-4 independent parts ("add 3 and 4; weather in oslo; ..."). The policy may solve
-  them itself, one tool call after another and then the joined answer (critical steps n+1: 4-5), or reply with the `spawn` tool,
+* multi: one request with 2-3 independent parts ("add 3 and 4; weather in oslo; ..."). The policy may solve
+  them itself, one tool call after another and then the joined answer (critical steps n+1: 3-4), or reply with the `spawn` tool,
   `<tool_call>{"name": "spawn", "arguments": {"tasks": ["add 3 and 4", "weather in oslo"]}}</tool_call>`:
   the harness starts one sub-agent of the policy per task it wrote, in parallel, each its own agent of
   the session (SDK spawn_subagent, the proxy logs each sub-agent's calls under its agent id), and the
@@ -63,13 +63,17 @@ class SwarmTask:
         return f"tool_use.swarm_{self.kind}"
 
 
+MULTI_PARTS = (2, 3)  # run c had 3-4: this model solves a part 3-25% of the time, so almost no session passed
+
+
 def make_swarm_task(rng: random.Random, long_share: float = 0.4, long_parts: int = 4) -> SwarmTask:
-    """A multi-part request (3-4 parts: with 2, serial work costs 3 steps, as many as a spawn) or, with
-    probability long_share, a long session (long_parts-1 or long_parts requests)."""
+    """A multi-part request (2-3 parts: with 2, a spawn saves no critical step but the parts go right about three
+    times as often, measured in docs/swarm.md; with 3 it saves one) or, with probability long_share, a long session
+    (long_parts-1 or long_parts requests)."""
     if rng.random() < long_share:
         kind, n = "long", rng.choice((long_parts - 1, long_parts))
     else:
-        kind, n = "multi", rng.choice((3, 4))
+        kind, n = "multi", rng.choice(MULTI_PARTS)
     parts = tuple(tasks.make_part(rng) for _ in range(n))
     return SwarmTask(kind, tasks.TaskSpec(f"w{rng.getrandbits(48):012x}", parts))
 
@@ -424,6 +428,28 @@ def handoff_record(session_id: str, main_agent_id: str, task: SwarmTask, result:
             "parts": result.parts, "main_agent_id": main_agent_id, "scenario": "swarm", "kind": task.kind,
             "spawned": result.spawned, "spawn_tasks": result.spawn_tasks, "edits": result.edits,
             "overflow": result.overflow, "critical_steps": result.critical_steps}
+
+
+PARTS_CORRECT = "parts_correct"  # the swarm's graded outcome: the share of the session's parts answered right
+
+
+def parts_correct(record: dict[str, Any]) -> tuple[float, dict[str, float]] | None:
+    """The verifier's graded outcome of a swarm hand-off line: (share of the session's parts answered right,
+    {sub-agent id: 1.0 or 0.0 for its own part}); None for a line of another scenario. task_success says whether
+    all parts were right, which almost never happens while one part goes right a few times in ten: the share is
+    what the rows are trained on and what the swarm's gate compares (docs/swarm.md)."""
+    if record.get("scenario") != "swarm":
+        return None
+    spec = tasks.TaskSpec.from_json(record["task"])
+    answers = record.get("answers") or []
+    right = [tasks.check_part(p, answers[i] if i < len(answers) and isinstance(answers[i], str) else None)
+             for i, p in enumerate(spec.parts)]
+    mine: dict[str, float] = {}
+    for i, done in enumerate(record.get("parts") or []):
+        agent = done.get("agent_id") if isinstance(done, dict) else None
+        if isinstance(agent, str) and agent != record.get("main_agent_id") and i < len(right):
+            mine[agent] = 1.0 if right[i] else 0.0
+    return sum(right) / max(1, len(right)), mine
 
 
 def harmful_prunes(record: dict[str, Any], session_ok: bool) -> list[tuple[str, bool]]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flywheel.demo import tasks
+from flywheel.demo import swarm, tasks
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class SwarmSession:
     spurious: int
     critical_steps: int
     edits: int
+    parts: float = 0.0  # the share of its parts answered right (swarm.parts_correct: what the gate compares)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Group:
                 "long_sessions": len(lg), "edits_per_session": _mean([s.edits for s in lg]),
                 "success_after_edit": _share(sum(s.success for s in edited), len(edited)), "n_after_edit": len(edited),
                 "success": _share(sum(s.success for s in both), len(both)), "sessions": len(both),
+                "parts_correct": _mean([s.parts for s in both]),
                 "first_started": min((s.started for s in both), default=None)}
 
 
@@ -110,13 +112,14 @@ def sessions_of(handoff: Path, lake_root: str) -> list[SwarmSession]:
                 continue
             spec = tasks.TaskSpec.from_json(rec["task"])
             ok = tasks.check(spec, [a if isinstance(a, str) else None for a in rec.get("answers") or []])
+            parts = (swarm.parts_correct(rec) or (0.0, {}))[0]
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("swarm report: hand-off line skipped (%s)", exc)
             continue
         r = served.get(rec["session_id"])
         out.append(SwarmSession(rec.get("kind", "multi"), r.version if r else None, r.arm if r else None,
                                 r.started if r else float(rec.get("ended") or 0.0), ok, int(rec.get("spawned") or 0),
-                                spurious(rec), int(rec.get("critical_steps") or 0), len(rec.get("edits") or [])))
+                                spurious(rec), int(rec.get("critical_steps") or 0), len(rec.get("edits") or []), parts))
     return out
 
 
@@ -149,7 +152,8 @@ def compare(sessions: list[SwarmSession], since: float | None, champion: int | N
     keys = ("parallel_share_control", "parallel_share_champion", "p_value_parallel", "critical_steps_control",
             "critical_steps_champion", "critical_steps_ci_control", "critical_steps_ci_champion", "success_control",
             "success_champion", "success_ci_control", "success_ci_champion", "n_multi_control", "n_multi_champion",
-            "n_swarm_control", "n_swarm_champion")
+            "n_swarm_control", "n_swarm_champion", "parts_correct_control", "parts_correct_champion",
+            "parts_correct_ci_control", "parts_correct_ci_champion")
     out: dict[str, Any] = dict.fromkeys(keys)
     if since is None or champion is None:
         return out
@@ -164,6 +168,8 @@ def compare(sessions: list[SwarmSession], since: float | None, champion: int | N
         out[f"success_{name}"] = _share(sum(s.success for s in side), len(side))
         out[f"success_ci_{name}"] = [round(x, 4) for x in wilson(sum(s.success for s in side), len(side))] if side else None
         out[f"n_multi_{name}"], out[f"n_swarm_{name}"] = len(multi), len(side)
+        out[f"parts_correct_{name}"] = _mean([s.parts for s in side])
+        out[f"parts_correct_ci_{name}"] = mean_ci([s.parts for s in side])
     c_multi = [s for s in ctrl if s.kind == "multi"]
     h_multi = [s for s in champ if s.kind == "multi"]
     out["p_value_parallel"] = p_better(sum(s.spawned > 0 for s in c_multi), len(c_multi),
@@ -206,11 +212,11 @@ def plot(per_version: dict[int, dict[str, Any]], curve: list[dict[str, float]], 
 def markdown(s: dict[str, Any], per_version: dict[int, dict[str, Any]], image: str | None) -> str:
     lines = ["", "## Swarm: spawn, summarize, prune as the policy's actions", "",
              "| version | multi-part | parallelised | critical steps | spurious spawns | long | edits/session | "
-             "success after an edit | success |", "|---|---|---|---|---|---|---|---|---|"]
+             "success after an edit | success | parts right |", "|---|---|---|---|---|---|---|---|---|---|"]
     for v, r in sorted(per_version.items()):
         lines.append(f"| v{v} | {r['multi_sessions']} | {r['parallel_share']} | {r['critical_steps_mean']} | "
                      f"{r['spurious_spawns']} | {r['long_sessions']} | {r['edits_per_session']} | "
-                     f"{r['success_after_edit']} (n={r['n_after_edit']}) | {r['success']} |")
+                     f"{r['success_after_edit']} (n={r['n_after_edit']}) | {r['success']} | {r.get('parts_correct')} |")
     lines += ["", "Final window, champion against the concurrent control:", "",
               f"- parallelised multi-part sessions: control {s['parallel_share_control']} (n={s['n_multi_control']}), "
               f"champion {s['parallel_share_champion']} (n={s['n_multi_champion']}), one-sided p = {s['p_value_parallel']}",
@@ -218,6 +224,9 @@ def markdown(s: dict[str, Any], per_version: dict[int, dict[str, Any]], image: s
               f"champion {s['critical_steps_champion']} {s['critical_steps_ci_champion']} (95% intervals)",
               f"- success: control {s['success_control']} {s['success_ci_control']}, champion {s['success_champion']} "
               f"{s['success_ci_champion']} (Wilson 95%)",
+              f"- share of parts right (what the gate compares): control {s.get('parts_correct_control')} "
+              f"{s.get('parts_correct_ci_control')}, champion {s.get('parts_correct_champion')} "
+              f"{s.get('parts_correct_ci_champion')} (95% intervals)",
               f"- shaping lambdas exactly 0 from minute {s['shaping_zero_from_min']} of traffic"]
     if image:
         lines += ["", f"![swarm by version]({image})"]

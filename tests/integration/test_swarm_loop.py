@@ -103,7 +103,8 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
         assert r["r_turn"] is None and r["reward"] == pytest.approx(r["r_outcome"] + r["r_penalty"]), r
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     for key in ("parallel_share_control", "parallel_share_champion", "p_value_parallel", "critical_steps_control",
-                "critical_steps_champion", "success_control", "success_champion", "shaping_zero_from_min", "minutes"):
+                "critical_steps_champion", "success_control", "success_champion", "shaping_zero_from_min", "minutes",
+                "parts_correct_control", "parts_correct_champion"):
         assert key in summary, f"summary.json lacks {key}"
     assert summary["swarm_sessions"] > 0, summary
     assert (tmp_path / "report" / "swarm_by_version.png").stat().st_size > 0

@@ -194,6 +194,38 @@ def test_the_outcome_simulator_sends_the_prune_verdict_of_a_swarm_session(tmp_pa
     assert sim.status()["prune_harmful"] == 1 and sim.status()["task_success"] == 1, sim.status()
 
 
+def test_the_verifier_grades_the_share_of_parts_right_for_the_session_and_each_sub_agent(tmp_path) -> None:
+    """parts_correct: the session's share of parts answered right (what the swarm trains on and gates on) and, with
+    its agent_id, each sub-agent's own part; a line of the default scenario gets none."""
+    import json
+
+    from flywheel.demo import outcome_sim
+
+    task = _task("multi", 3)
+    result = swarm.SwarmSession(task, Agent(), Policy("spawn").reply, swarm.SwarmLimits()).run()
+    result.answers[1] = "Answer: wrong"
+    record = swarm.handoff_record("s1", "main", task, result, 0.0)
+    assert swarm.parts_correct(record) == (pytest.approx(2 / 3), {"sub0": 1.0, "sub1": 0.0, "sub2": 1.0})
+    serial = swarm.SwarmSession(task, Agent(), Policy("serial").reply, swarm.SwarmLimits()).run()
+    assert swarm.parts_correct(swarm.handoff_record("s2", "main", task, serial, 0.0)) == (1.0, {})
+    assert swarm.parts_correct({k: v for k, v in record.items() if k != "scenario"}) is None
+    cfg = outcome_sim.OutcomeSimConfig(handoff=tmp_path / "h.jsonl", cursor=tmp_path / "c.json", user_share=0.0)
+    due = outcome_sim.schedule(record, cfg, random.Random(0))
+    graded = {(d.agent_id, round(d.value, 4)) for d in due if d.kind == swarm.PARTS_CORRECT}
+    assert graded == {(None, 0.6667), ("sub0", 1.0), ("sub1", 0.0), ("sub2", 1.0)}, graded
+    verdict = next(d for d in due if d.kind == "task_success" and d.agent_id is None)
+    assert verdict.value == 0.0 and all(d.at < verdict.at for d in due if d.kind == swarm.PARTS_CORRECT), \
+        "graded outcomes land before the verdict label 1 waits for"
+    assert len({d.outcome_id for d in due}) == len(due)
+    json.dumps(record)
+
+
+def test_multi_part_requests_have_two_or_three_parts() -> None:
+    rng = random.Random(1)
+    made = [swarm.make_swarm_task(rng) for _ in range(400)]
+    assert {len(t.spec.parts) for t in made if t.kind == "multi"} == set(swarm.MULTI_PARTS) == {2, 3}
+
+
 def test_warm_start_teaches_the_actions_format_on_a_minority() -> None:
     rng = random.Random(0)
     replies = [reply for _ in range(2000) for _, reply in swarm.demonstrations(rng, tool_share=0.2)]
@@ -340,4 +372,12 @@ def test_the_swarm_scenario_flags_are_ones_each_sub_command_accepts() -> None:
                            prog="episodes")
     assert episodes.rewards_toml == str(plan.SWARM_REWARDS), "the scenario's rules win over the command's own"
     assert config.load(plan.SWARM_REWARDS).parl.anneal_clock == "learner_step"
+    from flywheel.serving.promote import PromoteConfig
+
+    gate = load_config(PromoteConfig, plan.scenario_flags(cfg, "promote"), prog="promote")
+    assert gate.outcome_kind == swarm.PARTS_CORRECT == plan.SWARM_GATE_OUTCOME
+    assert plan.for_scenario(cfg).gate_margin == cfg.swarm_gate_margin > 0, "the swarm gates on non-inferiority"
+    assert plan.for_scenario(plan.DemoConfig()).gate_margin == 0.0, "the default demo's gate is unchanged"
+    rules = config.load(plan.SWARM_REWARDS)
+    assert rules.outcomes["parts_correct"].weight == 1.0 and rules.outcomes["task_success"].weight == 0.0
     assert plan.scenario_flags(plan.DemoConfig(), "learner") == [], "the default demo is unchanged"
