@@ -91,13 +91,15 @@ class Moments:
     n: int = 0
     total: float = 0.0
     squares: float = 0.0
+    graded: int = 0  # values strictly between 0 and 1 (a share of parts right, not a pass/fail)
 
     def add(self, value: float) -> "Moments":
-        return Moments(self.n + 1, self.total + value, self.squares + value * value)
+        return Moments(self.n + 1, self.total + value, self.squares + value * value, self.graded + int(0.0 < value < 1.0))
 
     @staticmethod
     def of(values: list[float]) -> "Moments":
-        return Moments(len(values), float(sum(values)), float(sum(v * v for v in values)))
+        return Moments(len(values), float(sum(values)), float(sum(v * v for v in values)),
+                       sum(0.0 < v < 1.0 for v in values))
 
     @property
     def mean(self) -> float:
@@ -107,14 +109,20 @@ class Moments:
 def _pooled_var(a: Moments, b: Moments) -> float:
     """Sample variance of both arms' rewards together (equal under the null), floored.
 
-    Rewards in [0, 1] (squares never above values) are floored at m(1 - m) of the smoothed mean
+    Pass/fail rewards (every value 0 or 1) are floored at m(1 - m) of the smoothed mean
     m = (sum + 1) / (n + 2), the largest variance a [0, 1] reward of that mean can have: at the 2-4%
-    success of a hard task type a fixed floor would understate it. Other rewards: VAR_FLOOR.
+    success of a hard task type a fixed floor would understate it. A graded reward in [0, 1] (a share
+    of parts right) has less variance than a pass/fail one of its mean, and that maximum would make the
+    test needlessly slow: it is floored at the sample variance with the same two pseudo-sessions added
+    (one at 0, one at 1), which is never 0. Other rewards: VAR_FLOOR.
     """
     n = a.n + b.n
     total, squares = a.total + b.total, a.squares + b.squares
     mean = total / n
     var = max(0.0, (squares - n * mean * mean) / max(n - 1, 1))
+    if (a.graded or b.graded) and squares <= total + 1e-9 and total >= -1e-9:
+        smoothed = (total + 1.0) / (n + 2.0)
+        return max(var, (squares + 1.0 - (n + 2.0) * smoothed * smoothed) / (n + 1.0))
     if squares <= total + 1e-9 and total >= -1e-9:
         smoothed = (total + 1.0) / (n + 2.0)
         return max(var, smoothed * (1.0 - smoothed))

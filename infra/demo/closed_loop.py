@@ -248,7 +248,7 @@ class Traffic:
     def start_training(self) -> None:
         self.procs.start("learner", learner_command(self.cfg, self.plan, self.ends) + scenario_flags(self.cfg, "learner"),
                          env=tier_env(self.cfg, self.plan, self.ends))
-        self.procs.start("promote", promote_command(self.cfg, self.plan, self.ends) + scenario_flags(self.cfg, "promote"))
+        self.procs.start("promote", promote_command(self.cfg, self.plan, self.ends))
         self.training = True
 
     def success_now(self) -> dict[int, tuple[int, int]]:

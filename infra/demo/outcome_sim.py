@@ -380,7 +380,7 @@ class OutcomeSim:
         while self.queue and self.queue[0].at <= now:
             batch.append(heapq.heappop(self.queue))
         if kinds:
-            batch += [q for q in self.queue if q.kind in kinds]
+            batch += sorted((q for q in self.queue if q.kind in kinds), key=lambda q: q.at)  # checks before verdicts
             self.queue = [q for q in self.queue if q.kind not in kinds]
             heapq.heapify(self.queue)
         for item in batch:

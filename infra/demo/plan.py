@@ -108,6 +108,8 @@ class DemoConfig:
                                                "~16 s, so step 20 falls near minute 9-10 of 20: the rest of training and "
                                                "the final window (more than the last third) run without shaping")
 
+    gate_outcome_kind: str = setting("task_success", "the session outcome the gate compares (the swarm scenario: "
+                                                     "parts_correct, set by the scenario)")
     swarm_gate_margin: float = setting(0.05, "swarm: the gate's non-inferiority margin on parts_correct, in place of "
                                               "gate_margin (the scenario's aim is fewer critical steps at a share of "
                                               "parts right not lower than the champion's, docs/swarm.md)")
@@ -129,6 +131,8 @@ class DemoConfig:
         gate_rule(self).check_rule()
         if self.scenario not in SCENARIOS:
             raise ConfigError(f"scenario: {self.scenario!r} is not one of {SCENARIOS}")
+        if self.swarm_gate_margin < 0:
+            raise ConfigError(f"swarm_gate_margin: must be >= 0, got {self.swarm_gate_margin}")
         if self.shaping_anneal_end_step < 1:
             raise ConfigError(f"shaping_anneal_end_step: must be >= 1, got {self.shaping_anneal_end_step}")
 
@@ -136,7 +140,7 @@ class DemoConfig:
 def gate_rule(cfg: DemoConfig) -> GateRule:
     """The demo's promotion rule: the one place it is built (the gate's flags and the report read it)."""
     return GateRule(alpha=cfg.gate_alpha, tau=cfg.gate_tau, margin=cfg.gate_margin, min_sessions=cfg.gate_min_sessions,
-                    max_sessions=cfg.gate_max_sessions, maturity_s=cfg.gate_maturity_s)
+                    max_sessions=cfg.gate_max_sessions, maturity_s=cfg.gate_maturity_s, outcome_kind=cfg.gate_outcome_kind)
 
 
 SCENARIOS = ("tool_use", "swarm")
@@ -153,7 +157,7 @@ def for_scenario(cfg: DemoConfig) -> DemoConfig:
 
     if cfg.scenario != "swarm":
         return cfg
-    cfg = dataclasses.replace(cfg, gate_margin=cfg.swarm_gate_margin)
+    cfg = dataclasses.replace(cfg, gate_margin=cfg.swarm_gate_margin, gate_outcome_kind=SWARM_GATE_OUTCOME)
     if Path(cfg.warm_model) == Path("var/models/tiny-warm"):
         return dataclasses.replace(cfg, warm_model=SWARM_WARM_MODEL)
     return cfg
@@ -166,7 +170,6 @@ def scenario_flags(cfg: DemoConfig, process: str) -> list[str]:
     return {"agent-sim": ["--scenario", "swarm", "--max-tokens", str(SWARM_MAX_TOKENS)],
             "episodes": ["--rewards-toml", str(SWARM_REWARDS)],
             "learner": ["--shaping-anneal-start-step", "0", "--shaping-anneal-end-step", str(cfg.shaping_anneal_end_step)],
-            "promote": ["--outcome-kind", SWARM_GATE_OUTCOME],
             }.get(process, [])
 
 
@@ -313,7 +316,7 @@ def learner_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]
             "--experiment", f"{run.run_id}-learner", "--var-dir", str(run.var_dir)]
 
 
-RULE_FLAGS = ("alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s")  # the GateRule fields the demo sets
+RULE_FLAGS = ("alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s", "outcome_kind")  # the GateRule fields the demo sets
 
 
 def promote_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]:

@@ -487,6 +487,12 @@ def gate_simulation(facts: Facts, rule: GateRule | None, control_version: int, g
                            "gate_alpha": rule.alpha if rule is not None else None}
     if rule is None:
         return out
+    if rule.outcome_kind != "task_success":
+        # the simulation draws pass/fail sessions at the control's task_success rates; a gate on another outcome
+        # (the swarm's share of parts right) is not what it would simulate
+        out["gate_sim_basis"] = {"skipped": f"the gate compares {rule.outcome_kind}; the simulation draws task_success"}
+        log.warning("report: gate false-promotion rate not simulated (the gate compares %s)", rule.outcome_kind)
+        return out
     scenario, basis = gate_scenario(facts, control_version, gate_interval_s, shares, error_statuses)
     out["gate_sim_basis"] = basis
     if scenario is None or scenario["champion_ratio"] <= 0:

@@ -231,6 +231,7 @@ class SwarmResult:
     overflow: bool = False
     main_steps: int = 0
     child_steps: list[int] = field(default_factory=list)
+    extra_agents: list[str] = field(default_factory=list)  # sub-agents past the request's parts: no part to answer
 
     @property
     def critical_steps(self) -> int:
@@ -355,6 +356,8 @@ class SwarmSession:
             if i < len(spec.parts):
                 self.result.answers[i] = answer
                 self.result.parts[i] = {"agent_id": child.agent_id, "calls": calls}
+            else:
+                self.result.extra_agents.append(child.agent_id)
 
     def _edit(self, parsed: tasks.ParsedReply, messages: list[tasks.Message], current: int) -> list[tasks.Message]:
         """summarize or prune, decided by the reply just made (the last message); returns the new history."""
@@ -427,7 +430,7 @@ def handoff_record(session_id: str, main_agent_id: str, task: SwarmTask, result:
     return {"session_id": session_id, "task": task.spec.to_json(), "answers": result.answers, "ended": ended,
             "parts": result.parts, "main_agent_id": main_agent_id, "scenario": "swarm", "kind": task.kind,
             "spawned": result.spawned, "spawn_tasks": result.spawn_tasks, "edits": result.edits,
-            "overflow": result.overflow, "critical_steps": result.critical_steps}
+            "overflow": result.overflow, "critical_steps": result.critical_steps, "extra_agents": result.extra_agents}
 
 
 PARTS_CORRECT = "parts_correct"  # the swarm's graded outcome: the share of the session's parts answered right
@@ -435,7 +438,7 @@ PARTS_CORRECT = "parts_correct"  # the swarm's graded outcome: the share of the 
 
 def parts_correct(record: dict[str, Any]) -> tuple[float, dict[str, float]] | None:
     """The verifier's graded outcome of a swarm hand-off line: (share of the session's parts answered right,
-    {sub-agent id: 1.0 or 0.0 for its own part}); None for a line of another scenario. task_success says whether
+    {sub-agent id: 1.0 or 0.0 for its own part, 0.0 for one past the parts}); None for a line of another scenario. task_success says whether
     all parts were right, which almost never happens while one part goes right a few times in ten: the share is
     what the rows are trained on and what the swarm's gate compares (docs/swarm.md)."""
     if record.get("scenario") != "swarm":
@@ -449,6 +452,7 @@ def parts_correct(record: dict[str, Any]) -> tuple[float, dict[str, float]] | No
         agent = done.get("agent_id") if isinstance(done, dict) else None
         if isinstance(agent, str) and agent != record.get("main_agent_id") and i < len(right):
             mine[agent] = 1.0 if right[i] else 0.0
+    mine.update({str(a): 0.0 for a in record.get("extra_agents") or []})  # else its rows would get the session's share
     return sum(right) / max(1, len(right)), mine
 
 

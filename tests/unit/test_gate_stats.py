@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from scipy import stats as sps
 
 from flywheel.serving.stats import mean_ci, two_proportions
@@ -65,6 +66,45 @@ def test_sequential_test_keeps_its_error_rate_under_the_null_however_often_it_lo
     alpha, runs = 0.05, 600
     promoted = sum(_null_run(rng, 0.3, 40, 15, alpha) for _ in range(runs))
     assert promoted / runs <= alpha + 3 * (alpha * (1 - alpha) / runs) ** 0.5, promoted
+
+
+def _graded_null_run(rng: random.Random, rate: float, looks: int, per_look: int, alpha: float, margin: float) -> bool:
+    """Equal versions (B exactly `margin` worse), a graded outcome: the share of 2 or 3 parts right."""
+    from flywheel.serving.stats import Moments, sequential_test
+
+    a: dict[str, Moments] = {}
+    b: dict[str, Moments] = {}
+    for _ in range(looks):
+        for _ in range(per_look):
+            for side, p in ((a, rate), (b, rate - margin)):
+                k = rng.choice((2, 3))
+                side["multi"] = side.get("multi", Moments()).add(sum(rng.random() < p for _ in range(k)) / k)
+        test = sequential_test(a, b, alpha, 0.1, margin)
+        if test is not None and test.better:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("rate,margin", [(0.1, 0.0), (0.1, 0.05), (0.3, 0.05)])
+def test_a_graded_outcome_keeps_the_error_rate_under_the_null(rate: float, margin: float) -> None:
+    # the swarm gates on the share of parts right: its variance floor is lower than a pass/fail's, and must
+    # still keep false promotions under alpha (+3 standard errors) at low rates, where early looks see all zeros
+    rng = random.Random(7)
+    alpha, runs = 0.05, 400
+    promoted = sum(_graded_null_run(rng, rate, 30, 10, alpha, margin) for _ in range(runs))
+    assert promoted / runs <= alpha + 3 * (alpha * (1 - alpha) / runs) ** 0.5, promoted
+
+
+def test_a_graded_outcome_is_not_floored_at_the_pass_fail_variance() -> None:
+    from flywheel.serving.stats import Moments, _pooled_var
+
+    shares = [0.0] * 60 + [0.5] * 30 + [1.0] * 10  # mean 0.25, sample variance about 0.11
+    binary = [0.0] * 75 + [1.0] * 25  # the same mean as pass/fail: variance about 0.19
+    graded_var = _pooled_var(Moments.of(shares), Moments.of(shares))
+    assert graded_var == pytest.approx(0.115, abs=0.002), graded_var
+    assert _pooled_var(Moments.of(binary), Moments.of(binary)) == pytest.approx(0.1884, abs=0.002)
+    zeros = Moments.of([0.0] * 40)
+    assert 0 < _pooled_var(zeros, zeros.add(0.5)) < 0.05, "all but one zero: small, never 0"
 
 
 def test_a_fixed_alpha_test_repeated_at_every_look_is_fooled_more_often() -> None:

@@ -87,6 +87,8 @@ class Policy:
                 return swarm.format_spawn(texts)
             if self.plan == "spurious":
                 return swarm.format_spawn([texts[0], texts[0]])
+            if self.plan == "spawn_extra":  # every part, and the first once more: one sub-agent past the parts
+                return swarm.format_spawn(texts + [texts[0]])
             return self._next_serial(messages)
         if self.plan == "summarize" and swarm.chars(messages) > 100 and len(messages) > 2:
             return swarm.format_summarize()
@@ -197,8 +199,6 @@ def test_the_outcome_simulator_sends_the_prune_verdict_of_a_swarm_session(tmp_pa
 def test_the_verifier_grades_the_share_of_parts_right_for_the_session_and_each_sub_agent(tmp_path) -> None:
     """parts_correct: the session's share of parts answered right (what the swarm trains on and gates on) and, with
     its agent_id, each sub-agent's own part; a line of the default scenario gets none."""
-    import json
-
     from flywheel.demo import outcome_sim
 
     task = _task("multi", 3)
@@ -217,7 +217,12 @@ def test_the_verifier_grades_the_share_of_parts_right_for_the_session_and_each_s
     assert verdict.value == 0.0 and all(d.at < verdict.at for d in due if d.kind == swarm.PARTS_CORRECT), \
         "graded outcomes land before the verdict label 1 waits for"
     assert len({d.outcome_id for d in due}) == len(due)
-    json.dumps(record)
+    checked = {d.agent_id: d.value for d in due if d.kind == "task_success" and d.agent_id}
+    assert checked == {a: v for a, v in graded if a}, "a sub-agent's graded part agrees with its own part check"
+    # a spawn of more sub-agents than parts: the one past the parts has no part, so it is graded 0, not the session's share
+    over = swarm.handoff_record("s3", "main", _task("multi", 2), swarm.SwarmSession(
+        _task("multi", 2), Agent(), Policy("spawn_extra").reply, swarm.SwarmLimits()).run(), 0.0)
+    assert over["extra_agents"] and swarm.parts_correct(over)[1][over["extra_agents"][0]] == 0.0, over
 
 
 def test_multi_part_requests_have_two_or_three_parts() -> None:
@@ -374,10 +379,17 @@ def test_the_swarm_scenario_flags_are_ones_each_sub_command_accepts() -> None:
     assert config.load(plan.SWARM_REWARDS).parl.anneal_clock == "learner_step"
     from flywheel.serving.promote import PromoteConfig
 
-    gate = load_config(PromoteConfig, plan.scenario_flags(cfg, "promote"), prog="promote")
+    def gate_of(demo: plan.DemoConfig) -> PromoteConfig:
+        ends = plan.Endpoints(kafka_bootstrap="127.0.0.1:9092", vllm_url="http://v0", tracking_uri="file:///m", proxy_port=1)
+        argv = plan.promote_command(plan.for_scenario(demo), plan.plan_run(demo, 0.0), ends)
+        return load_config(PromoteConfig, argv[1:], prog="promote")
+
+    gate = gate_of(cfg)
     assert gate.outcome_kind == swarm.PARTS_CORRECT == plan.SWARM_GATE_OUTCOME
-    assert plan.for_scenario(cfg).gate_margin == cfg.swarm_gate_margin > 0, "the swarm gates on non-inferiority"
-    assert plan.for_scenario(plan.DemoConfig()).gate_margin == 0.0, "the default demo's gate is unchanged"
+    assert gate.margin == cfg.swarm_gate_margin > 0, "the swarm gates on non-inferiority"
+    assert plan.gate_rule(plan.for_scenario(cfg)).outcome_kind == swarm.PARTS_CORRECT, "the report reads the same rule"
+    default = gate_of(plan.DemoConfig())
+    assert (default.outcome_kind, default.margin) == ("task_success", 0.0), "the default demo's gate is unchanged"
     rules = config.load(plan.SWARM_REWARDS)
     assert rules.outcomes["parts_correct"].weight == 1.0 and rules.outcomes["task_success"].weight == 0.0
     assert plan.scenario_flags(plan.DemoConfig(), "learner") == [], "the default demo is unchanged"
