@@ -225,6 +225,27 @@ def test_the_verifier_grades_the_share_of_parts_right_for_the_session_and_each_s
     assert over["extra_agents"] and swarm.parts_correct(over)[1][over["extra_agents"][0]] == 0.0, over
 
 
+def test_the_swarm_judges_every_row_by_its_agents_outcome_not_by_per_turn_credit() -> None:
+    """Spawn and a serial first call decide the same turn: both are judged by the session's share of parts right
+    (a sub-agent's rows by its own part), so a right serial call in a session that got nothing right earns 0."""
+    from flywheel.demo import plan
+    from flywheel.rewards import outcome_rewards
+    from flywheel.rewards.turns import Turn, call_outcomes, credit
+
+    rules = config.load(plan.SWARM_REWARDS)
+    task = rules.task("tool_use.swarm_multi")
+    outcomes = [synthetic.outcome("s1", "call_correct", 1.0, T0, call_id="c1") | {"ts": T0},
+                synthetic.outcome("s1", "parts_correct", 0.0, T0) | {"ts": T0},
+                synthetic.outcome("s1", "parts_correct", 1.0, T0, agent_id="sub0") | {"ts": T0},
+                synthetic.outcome("s1", "task_success", 0.0, T0) | {"ts": T0}]
+    assert credit(rules, task, Turn(("c1",)), call_outcomes(outcomes, task.turn_kinds)).r_turn is None
+    main = outcome_rewards.score_for_agent(rules, task, outcomes, "main", window_closed=True)
+    sub = outcome_rewards.score_for_agent(rules, task, outcomes, "sub0", window_closed=True)
+    assert (main.r_outcome, sub.r_outcome) == (0.0, 1.0), (main, sub)
+    half = outcomes[:1] + [synthetic.outcome("s1", "parts_correct", 0.5, T0) | {"ts": T0}]
+    assert outcome_rewards.score_for_agent(rules, task, half, "main", window_closed=True).r_outcome == 0.5
+
+
 def test_multi_part_requests_have_two_or_three_parts() -> None:
     rng = random.Random(1)
     made = [swarm.make_swarm_task(rng) for _ in range(400)]
@@ -388,6 +409,8 @@ def test_the_swarm_scenario_flags_are_ones_each_sub_command_accepts() -> None:
     assert gate.outcome_kind == swarm.PARTS_CORRECT == plan.SWARM_GATE_OUTCOME
     assert gate.margin == cfg.swarm_gate_margin > 0, "the swarm gates on non-inferiority"
     assert plan.gate_rule(plan.for_scenario(cfg)).outcome_kind == swarm.PARTS_CORRECT, "the report reads the same rule"
+    assert plan.for_scenario(cfg).learner_kl == cfg.swarm_learner_kl > 0
+    assert plan.for_scenario(plan.DemoConfig()).learner_kl == plan.DemoConfig().learner_kl
     default = gate_of(plan.DemoConfig())
     assert (default.outcome_kind, default.margin) == ("task_success", 0.0), "the default demo's gate is unchanged"
     rules = config.load(plan.SWARM_REWARDS)
