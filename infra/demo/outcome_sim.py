@@ -145,19 +145,19 @@ def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random, 
         return Due(at, session_id, kind, value, source, outcome_id(session_id, kind, source), line_end)
 
     # the checks below the session a millisecond before its verdict: sent (and landed) first
-    out = part_checks(record, ended + cfg.verifier_delay_s - 0.001, line_end)
+    checks_at = ended + cfg.verifier_delay_s - 0.001
+    out = part_checks(record, checks_at, line_end)
     out.append(due(ended + cfg.verifier_delay_s, "task_success", 1.0 if ok else 0.0, "verifier"))
     graded = swarm.parts_correct(record)  # swarm sessions: the share of parts right, and each sub-agent's own
     if graded is not None:
         share, mine = graded
-        at = ended + cfg.verifier_delay_s - 0.001
-        out.append(Due(at, session_id, swarm.PARTS_CORRECT, share, "verifier",
+        out.append(Due(checks_at, session_id, swarm.PARTS_CORRECT, share, "verifier",
                        outcome_id(session_id, swarm.PARTS_CORRECT, "verifier"), line_end))
-        out += [Due(at, session_id, swarm.PARTS_CORRECT, value, "verifier",
+        out += [Due(checks_at, session_id, swarm.PARTS_CORRECT, value, "verifier",
                     outcome_id(session_id, f"{swarm.PARTS_CORRECT}/{agent}", "verifier"), line_end, agent)
                 for agent, value in sorted(mine.items())]
     for call_id, harmful in swarm.harmful_prunes(record, ok):  # swarm sessions: did a prune remove what was needed
-        out.append(Due(ended + cfg.verifier_delay_s - 0.001, session_id, "prune_harmful", 1.0 if harmful else 0.0,
+        out.append(Due(checks_at, session_id, "prune_harmful", 1.0 if harmful else 0.0,
                        "verifier", outcome_id(session_id, f"prune_harmful/{call_id}", "verifier"), line_end, None, call_id))
     if rng.random() < cfg.user_share:
         accepted = ok if rng.random() >= cfg.user_noise else not ok
@@ -196,7 +196,7 @@ def part_checks(record: dict[str, Any], at: float, line_end: int = 0) -> list[Du
                            outcome_id(session_id, f"call_correct/{cid}", "verifier"), line_end, agent, cid))
         # a swarm orchestrator that solved the parts itself is checked by the session's verdict, not part by part
         if spec.multi and agent != record.get("main_agent_id"):
-            answer = answers[i] if i < len(answers) and isinstance(answers[i], str) else None
+            answer = tasks.recorded_answer(answers, i)
             out.append(Due(at, session_id, "task_success", 1.0 if tasks.check_part(part, answer) else 0.0, "verifier",
                            outcome_id(session_id, f"task_success/{agent}", "verifier"), line_end, agent))
     return out

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, setting
+from flywheel.demo import swarm
 from flywheel.serving.decision import GateRule
 
 # The control arm serves the base (policy-v0) for the whole run.
@@ -82,6 +83,8 @@ class DemoConfig:
     gate_tau: float = setting(0.1, "the gate's mSPRT mixture scale: most sensitive to differences of about this size "
                                    "(ten points of success)")
     gate_margin: float = setting(0.0, "non-inferiority margin (0: a challenger is promoted only when better than the champion)")
+    gate_outcome_kind: str = setting("task_success", "the session outcome the gate compares (the swarm scenario: "
+                                                     "parts_correct, set by the scenario)")
     gate_min_sessions: int = setting(30, "mature concurrent sessions each side needs before the gate's first look")
     gate_max_sessions: int = setting(500, "challenger sessions after which an undecided challenger expires (not promoted)")
     gate_maturity_s: float = setting(10.0, "seconds after a session ends before the gate counts it (the demo's verifier "
@@ -108,9 +111,6 @@ class DemoConfig:
                                                "50 falls near minute 9 of 20: the rest of training and the final window "
                                                "(more than the last third) run without shaping. Run c (3-4 parts) was "
                                                "slower: step 20 at minute 9.5")
-
-    gate_outcome_kind: str = setting("task_success", "the session outcome the gate compares (the swarm scenario: "
-                                                     "parts_correct, set by the scenario)")
     swarm_gate_margin: float = setting(0.01, "swarm: the gate's non-inferiority margin on parts_correct, in place of "
                                               "gate_margin (the scenario's aim is fewer critical steps at a share of "
                                               "parts right not lower than the champion's, docs/swarm.md). Run d's 0.05 "
@@ -153,7 +153,7 @@ def gate_rule(cfg: DemoConfig) -> GateRule:
 SCENARIOS = ("tool_use", "swarm")
 SWARM_REWARDS = Path(__file__).with_name("swarm_rewards.toml")
 SWARM_WARM_MODEL = Path("var/models/tiny-swarm-warm")
-SWARM_GATE_OUTCOME = "parts_correct"  # swarm.PARTS_CORRECT: task_success is ~0 for nearly every session
+SWARM_GATE_OUTCOME = swarm.PARTS_CORRECT  # task_success is ~0 for nearly every swarm session
 SWARM_MAX_TOKENS = 96  # a spawn of 4 sub-tasks is about 60 tokens of the tiny model's BPE
 
 

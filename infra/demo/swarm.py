@@ -445,8 +445,7 @@ def parts_correct(record: dict[str, Any]) -> tuple[float, dict[str, float]] | No
         return None
     spec = tasks.TaskSpec.from_json(record["task"])
     answers = record.get("answers") or []
-    right = [tasks.check_part(p, answers[i] if i < len(answers) and isinstance(answers[i], str) else None)
-             for i, p in enumerate(spec.parts)]
+    right = [tasks.check_part(p, tasks.recorded_answer(answers, i)) for i, p in enumerate(spec.parts)]
     mine: dict[str, float] = {}
     for i, done in enumerate(record.get("parts") or []):
         agent = done.get("agent_id") if isinstance(done, dict) else None
@@ -468,8 +467,7 @@ def harmful_prunes(record: dict[str, Any], session_ok: bool) -> list[tuple[str, 
         if e.get("kind") != PRUNE or not e.get("call_id"):
             continue
         i = int(e.get("part") or 0)
-        answer = answers[i] if i < len(answers) and isinstance(answers[i], str) else None
-        wrong = i < len(spec.parts) and not tasks.check_part(spec.parts[i], answer)
+        wrong = i < len(spec.parts) and not tasks.check_part(spec.parts[i], tasks.recorded_answer(answers, i))
         out.append((str(e["call_id"]), bool(not session_ok and e.get("removed_needed") and wrong)))
     return out
 

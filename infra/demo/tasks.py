@@ -267,6 +267,11 @@ def parse_reply(text: str) -> ParsedReply:
     return ParsedReply("tool_call", tool=payload["name"], arguments=payload.get("arguments"))
 
 
+def recorded_answer(answers: list[Any], i: int) -> str | None:
+    """Part i's answer in a hand-off line's `answers` (None when it is missing or not text: a wrong answer)."""
+    return answers[i] if i < len(answers) and isinstance(answers[i], str) else None
+
+
 def check_part(part: Part, answer: str | None) -> bool:
     """The verifier's check: the final answer equals the recomputed truth (case and spacing aside)."""
     if answer is None:

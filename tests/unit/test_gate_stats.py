@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Callable
 
 import pytest
 from scipy import stats as sps
@@ -42,21 +43,30 @@ def test_msprt_log_lr_is_the_half_normal_mixture_integral() -> None:
         assert abs(msprt_log_lr(diff, var, theta0, tau) - math.log(numeric)) < 1e-6
 
 
-def _null_run(rng: random.Random, rate: float, looks: int, per_look: int, alpha: float) -> bool:
+def _promoted(draw: Callable[[random.Random, int], tuple[str, float]], rng: random.Random, looks: int, per_look: int,
+              alpha: float, margin: float = 0.0) -> bool:
+    """One simulated challenger: per_look sessions a side (draw(rng, side) -> (task type, outcome); side 0 is the
+    champion), the test run at every look; whether it ever said promote."""
     from flywheel.serving.stats import Moments, sequential_test
 
-    a: dict[str, Moments] = {}
-    b: dict[str, Moments] = {}
+    arms: tuple[dict[str, Moments], dict[str, Moments]] = ({}, {})
     for _ in range(looks):
         for _ in range(per_look):
-            for side in (a, b):
-                k = "x" if rng.random() < 0.5 else "y"
-                p = rate if k == "x" else rate / 2
-                side[k] = side.get(k, Moments()).add(float(rng.random() < p))
-        test = sequential_test(a, b, alpha, 0.1)
+            for side, stats in enumerate(arms):
+                k, value = draw(rng, side)
+                stats[k] = stats.get(k, Moments()).add(value)
+        test = sequential_test(arms[0], arms[1], alpha, 0.1, margin)
         if test is not None and test.better:
             return True
     return False
+
+
+def _null_run(rng: random.Random, rate: float, looks: int, per_look: int, alpha: float) -> bool:
+    def draw(rng: random.Random, side: int) -> tuple[str, float]:
+        k = "x" if rng.random() < 0.5 else "y"
+        return k, float(rng.random() < (rate if k == "x" else rate / 2))
+
+    return _promoted(draw, rng, looks, per_look, alpha)
 
 
 def test_sequential_test_keeps_its_error_rate_under_the_null_however_often_it_looks() -> None:
@@ -70,19 +80,11 @@ def test_sequential_test_keeps_its_error_rate_under_the_null_however_often_it_lo
 
 def _graded_null_run(rng: random.Random, rate: float, looks: int, per_look: int, alpha: float, margin: float) -> bool:
     """Equal versions (B exactly `margin` worse), a graded outcome: the share of 2 or 3 parts right."""
-    from flywheel.serving.stats import Moments, sequential_test
+    def draw(rng: random.Random, side: int) -> tuple[str, float]:
+        k, p = rng.choice((2, 3)), rate - margin * side
+        return "multi", sum(rng.random() < p for _ in range(k)) / k
 
-    a: dict[str, Moments] = {}
-    b: dict[str, Moments] = {}
-    for _ in range(looks):
-        for _ in range(per_look):
-            for side, p in ((a, rate), (b, rate - margin)):
-                k = rng.choice((2, 3))
-                side["multi"] = side.get("multi", Moments()).add(sum(rng.random() < p for _ in range(k)) / k)
-        test = sequential_test(a, b, alpha, 0.1, margin)
-        if test is not None and test.better:
-            return True
-    return False
+    return _promoted(draw, rng, looks, per_look, alpha, margin)
 
 
 @pytest.mark.parametrize("rate,margin", [(0.1, 0.0), (0.1, 0.05), (0.3, 0.05)])
