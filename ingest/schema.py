@@ -25,7 +25,7 @@ matters, in the lake: a v3 row is a v1 row. Base64 in JSON was measured against 
 envelope on `flywheel bench ingest` (docs/lake.md, "Ingest throughput") and chosen because
 it kept within a few percent of it while every record stays JSON for every tool that reads
 one. A decoded v3 record holds such a field as a memoryview of its items, which validation
-accepts beside the JSON list of v1 and v2.
+accepts beside the JSON list of v1 and v2. v4 adds a tool_call's `malformed_token`.
 
 This module imports only the standard library: it is on the SDK's hot import path.
 """
@@ -40,11 +40,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SCHEMA_VERSION = 3
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3})
-# Fields a version added (the first version carrying them); a record of an older version that holds
-# one is rejected like any unknown field. v2: an outcome may name the tool call it verifies (per-turn credit).
-ADDED_IN: dict[str, dict[str, int]] = {"outcome": {"call_id": 2}}
+SCHEMA_VERSION = 4
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4})
+# Fields a version added (the first version carrying them), by event type ("outcome" for outcomes); a record
+# of an older version that holds one is rejected like any unknown field. v2: an outcome may name the tool
+# call it verifies (per-turn credit). v4: a malformed tool call may say where it stopped parsing.
+ADDED_IN: dict[str, dict[str, int]] = {"outcome": {"call_id": 2}, "tool_call": {"malformed_token": 4}}
 
 # Kafka topics (the transport contract); every process takes them from its config, these are the defaults.
 EVENTS_TOPIC = "flywheel.events"
@@ -150,6 +151,9 @@ EVENT_FIELDS: dict[str, tuple[Col, ...]] = {
         Col("name", "str", True, "tool name"),
         Col("arguments", "json", False, "tool arguments as given by the model"),
         Col("malformed", "bool", False, "the model's tool call did not parse or did not match the tool's signature"),
+        Col("malformed_token", "int", False, "v4: of a malformed call, the index in its llm_call's completion_token_ids "
+            "of the first token past the part that still read as a call; the malformed-call penalty is charged "
+            "from there (absent: the whole completion)"),
     ),
     "tool_result": (
         Col("call_id", "str", True, "the tool_call this answers"),
@@ -384,6 +388,7 @@ def validate_event(record: Any) -> dict[str, Any]:
     if not isinstance(etype, str) or etype not in EVENT_FIELDS:
         raise SchemaError(f"unknown event type {short_repr(etype)} (known: {', '.join(EVENT_TYPES)})")
     _check(record, _EVENT_TYPE_FIELDS[etype], f"{etype} event")
+    _check_added(record, etype)
     if record["seq"] < 0:
         raise SchemaError(f"{etype} event: seq must be >= 0, got {record['seq']}")
     if etype == "llm_call" and len(record["completion_logprobs"]) != len(record["completion_token_ids"]):
@@ -404,6 +409,11 @@ def validate_outcome(record: Any) -> dict[str, Any]:
     _check(record, OUTCOME_COLUMNS, "outcome")
     _check_added(record, "outcome")
     return record
+
+
+def version_needed(record: Mapping[str, Any], what: str) -> int:
+    """The oldest schema_version that has every field `record` holds (`what`: its event type, or "outcome")."""
+    return max((since for k, since in ADDED_IN.get(what, {}).items() if record.get(k) is not None), default=1)
 
 
 def _check_added(record: Mapping[str, Any], what: str) -> None:

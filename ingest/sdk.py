@@ -1692,11 +1692,15 @@ class Session:
         }, extra)
 
     def tool_call(self, name: str | None = None, arguments: Any = None, call_id: str | None = None,
-                  malformed: bool | None = None, **extra: Any) -> str:
-        """Log a tool call; returns its call_id (pass it to tool_result)."""
+                  malformed: bool | None = None, malformed_token: int | None = None, **extra: Any) -> str:
+        """Log a tool call; returns its call_id (pass it to tool_result).
+
+        For a call the harness could not use (malformed=True), malformed_token is the index, in the completion
+        token ids of the llm_call that wrote it, of the first token past what still read as a call: the
+        malformed-call penalty is then charged from that token on instead of to the whole reply."""
         call_id = call_id or uuid.uuid4().hex[:16]
-        self._emit("tool_call", {"call_id": call_id, "name": name, "arguments": arguments, "malformed": malformed},
-                   extra)
+        self._emit("tool_call", {"call_id": call_id, "name": name, "arguments": arguments, "malformed": malformed,
+                                 "malformed_token": malformed_token}, extra)
         return call_id
 
     def tool_result(self, call_id: str | None = None, ok: bool | None = None, output: str | None = None,

@@ -70,10 +70,23 @@ def packed_view(kind: str, items: Any) -> memoryview:
     return _view(pack_items(kind, items), schema.INT32_CODE if kind == "ints" else "f")
 
 
+def packed_version(record: dict[str, Any]) -> int:
+    """The schema_version a packed record travels as: v3, or the oldest later version that has every field it
+    holds (a v4 field). Not simply the newest: a writer one version behind then dead-letters only the records
+    that use a field it does not know, not every record of an upgraded SDK (docs/deploy.md)."""
+    return max(PACKED_VERSION, _needed(record))
+
+
+def _needed(record: dict[str, Any]) -> int:
+    """The oldest schema_version with every field `record` holds (an outcome has no `type`)."""
+    return schema.version_needed(record, record["type"] if isinstance(record.get("type"), str) else "outcome")
+
+
 def packed_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `record` as schema v3: its list fields as base64 text of their packed items."""
+    """A copy of `record` as schema v3 (or the later version its fields need): its list fields as base64 text of
+    their packed items."""
     out = dict(record)
-    out["schema_version"] = max(PACKED_VERSION, int(record.get("schema_version") or 0))
+    out["schema_version"] = packed_version(record)
     for name, (_, kind) in _ITEM.items():
         value = out.get(name)
         if value is not None:
@@ -84,14 +97,17 @@ def packed_record(record: dict[str, Any]) -> dict[str, Any]:
 def encode(record: dict[str, Any], fmt: str = "packed", default: Callable[[Any], Any] | None = None) -> bytes:
     """The Kafka value of `record` in `fmt` ("json", "packed", or "binary" for benchmarks).
 
-    `json` keeps the record's schema_version, capped at JSON_VERSION; `packed` and `binary` write v3. NaN and
+    `json` keeps the record's schema_version, capped at JSON_VERSION unless a field needs a later one;
+    `packed` and `binary` write v3, or the later version a field needs (packed_version). NaN and
     infinity are refused (ValueError) in the JSON part, as the lake writer's strict parser would; `default` is
     json.dumps's hook for values JSON has no type for. Packing raises OverflowError for a token id beyond int32.
     """
     if fmt == "json":
         out = dict(record)
         if isinstance(out.get("schema_version"), int) and out["schema_version"] > JSON_VERSION:
-            out["schema_version"] = JSON_VERSION
+            # capped for a writer older than v3, unless a field needs a later version: such a record keeps
+            # that version (JSON lists are valid in every version), so no writer drops the field unannounced
+            out["schema_version"] = max(JSON_VERSION, _needed(out))
         return _dumps(out, default).encode()
     if fmt == "packed":
         return _dumps(packed_record(record), default).encode()
@@ -106,7 +122,7 @@ def _dumps(value: Any, default: Callable[[Any], Any] | None = None) -> str:
 
 def _encode_binary(record: dict[str, Any], default: Callable[[Any], Any] | None = None) -> bytes:
     header = dict(record)
-    header["schema_version"] = max(PACKED_VERSION, int(record.get("schema_version") or 0))
+    header["schema_version"] = packed_version(record)
     arrays = []
     for name, (_, kind) in _ITEM.items():
         value = header.get(name)

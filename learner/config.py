@@ -16,6 +16,7 @@ LOSSES = ("tis", "ppo")
 AGGS = ("token", "sequence")
 MODES = ("lora", "full")
 BASELINES = ("batch", "running", "none")
+KL_ROWS = ("all", "trained")
 SHARDS = ("ddp", "fsdp2")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -55,6 +56,9 @@ class LearnerConfig:
     positive_only: bool = setting(False, "advantages below 0 become 0: only rows better than their baseline are reinforced, "
                                          "and without a KL term the others cost no compute (learner/loss.py advantages)")
     kl_coef: float = setting(0.0, "coefficient of the KL penalty to the base model (k3 estimator); 0 disables it")
+    kl_rows: str = setting("all", "rows the KL term is computed on: all (every row of the batch), or trained (only the "
+                                  "rows with a nonzero advantage: under --positive-only a step then costs what it costs "
+                                  "without KL, and the anchor holds back exactly the rows being moved)")
     shaping_anneal_start_step: int = setting(0, "PARL shaping (the rows' r_parallel + r_finish) is trained at full weight up "
                                                 "to this learner step, then annealed linearly ([parl] anneal_clock = learner_step)")
     shaping_anneal_end_step: int = setting(0, "learner step from which the shaping is trained at exactly 0 (0: no annealing "
@@ -115,6 +119,8 @@ class LearnerConfig:
             raise ConfigError(f"loss_agg: {self.loss_agg!r} is not one of {AGGS}")
         if self.mode not in MODES:
             raise ConfigError(f"mode: {self.mode!r} is not one of {MODES}")
+        if self.kl_rows not in KL_ROWS:
+            raise ConfigError(f"kl_rows: {self.kl_rows!r} is not one of {KL_ROWS}")
         if self.baseline not in BASELINES:
             raise ConfigError(f"baseline: {self.baseline!r} is not one of {BASELINES}")
         if self.publish_supersede_s < 0:

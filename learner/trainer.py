@@ -94,6 +94,7 @@ def warmup_factor_at(step: int, warmup_steps: int) -> float:
 
 def rows_worth_running(plan: Plan, kl_coef: float, world_size: int) -> Plan:
     """The rows worth a forward/backward: without a KL term a row of advantage 0 adds exactly 0 to the gradient.
+    (With --kl-rows trained the trainer passes kl_coef 0 here: the KL term is then computed on these rows only.)
 
     Under `--positive-only` that is every row at or below its baseline (70-80% of the rows in the
     positive-only demo runs), so the step costs about a quarter; a penalised row has a negative
@@ -128,7 +129,7 @@ class Trainer:
         return warmup_factor_at(self.state.step, self.cfg.warmup_steps)
 
     def rows_to_run(self, plan: Plan) -> Plan:
-        return rows_worth_running(plan, self.cfg.kl_coef, self.world.size)
+        return rows_worth_running(plan, self.cfg.kl_coef if self.cfg.kl_rows == "all" else 0.0, self.world.size)
 
     def step(self, plan: Plan) -> StepResult:
         """Train on the global batch `plan` [(episode, advantage)]; this rank takes its shard."""

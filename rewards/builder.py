@@ -101,7 +101,7 @@ SEGMENT_COMPACT_AT = 64  # live index segments before a pass merges them into on
 EVENT_COLUMNS_USED = (
     "event_id", "session_id", "agent_id", "parent_agent_id", "seq", "ts", "type", "task_type", "model", "policy_version",
     "prompt_token_ids", "completion_token_ids", "completion_logprobs", "group_id", "prompt_text", "completion_text",
-    "malformed", "ok", "child_agent_id", "edit_kind", "tokens_removed", "status", "_offset",
+    "malformed", "malformed_token", "ok", "child_agent_id", "edit_kind", "tokens_removed", "status", "_offset",
     "call_id", "sampling",  # a turn check names its call; the learner scores tokens under the logged sampling
 )
 # ... except by the LLM judge, which reads the whole trajectory (rewards/transcript.py): read only when a task type judges
@@ -555,6 +555,15 @@ def _penalty_now(detail: dict[str, Any], r_penalty: float, harmful: set[str],
     return parts["malformed"] + hit, parts
 
 
+def loss_mask_from(n: int, trained_from: int | None) -> list[int]:
+    """The loss_mask of a completion of n tokens trained from token `trained_from` on (None: every token).
+
+    An index of 0 or past the last token trains the whole completion: a row always keeps a token to train."""
+    if trained_from is None or not 0 < trained_from < n:
+        return [1] * n
+    return [0] * trained_from + [1] * (n - trained_from)
+
+
 def total_reward(r_outcome: float, r_turn: float | None, r_judge: float | None, r_parallel: float, r_finish: float,
                  r_penalty: float) -> float:
     """A row's reward: its turn's own check where one verified it, else the (session or agent) outcome, plus the rest."""
@@ -880,9 +889,14 @@ class Builder:
             made_here = made.get(e["event_id"], turns.Turn())
             turn = turns.credit(self.rewards, task, made_here, checked, mine.r_outcome if e["event_id"] in finals else None)
             decided = shaping.get(e["event_id"])
+            # a row penalised only for malformed calls that said where they broke trains from there on: its
+            # well-formed prefix is neither pushed down nor reinforced (tasks.malformed_from says why)
+            trained_from = made_here.malformed_token if parts["malformed"] < 0 and not parts["harmful_prune"] else None
             rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
+                                  trained_from=trained_from,
                                   detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty,
                                                         "penalty_parts": parts, "calls": list(made_here.calls),
+                                                        "trained_from_token": trained_from,
                                                         "turn": turn.detail or None,
                                                         "spawn_decision": None if decided is None else {
                                                             "n_spawned": decided.n_spawned, "n_verified": decided.n_verified,
@@ -893,7 +907,7 @@ class Builder:
     def _row(self, s: Session, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
              r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]],
              r_turn: float | None = None, shaping: parl.RowShaping | None = None,
-             judge_score: int | None = None) -> dict[str, Any]:
+             judge_score: int | None = None, trained_from: int | None = None) -> dict[str, Any]:
         # PARL terms go to the row that decided the spawn (parl.row_shaping), none to the others
         r_parallel, r_finish = (shaping.r_parallel, shaping.r_finish) if shaping is not None else (0.0, 0.0)
         reward = total_reward(r_outcome, r_turn, r_judge, r_parallel, r_finish, r_penalty)
@@ -910,7 +924,7 @@ class Builder:
             "prompt_token_ids": e["prompt_token_ids"],
             "completion_token_ids": e["completion_token_ids"],
             "completion_logprobs": e["completion_logprobs"],
-            "loss_mask": [1] * len(e["completion_token_ids"]),
+            "loss_mask": loss_mask_from(len(e["completion_token_ids"]), trained_from),
             "reward": reward,
             "r_outcome": r_outcome,
             "r_judge": r_judge,
@@ -958,6 +972,8 @@ class Builder:
                        "turn": turn.detail or None}
             if parts is not None:
                 detail |= {"penalty_parts": parts, "penalty_this_call": r_penalty, "harmful_prunes": n_harmful}
+                if parts["harmful_prune"]:  # the prune's penalty is the whole reply's, not only a broken call's
+                    r = r | {"loss_mask": loss_mask_from(len(r["completion_token_ids"]), None)}
             if judged is not None:
                 r = r | {"r_judge": judged.r_judge(self.rewards.judge_weight(task)), "judge_score": judged.score}
                 detail["judge"] = judge_pass.judge_detail(self.rewards, self.judge.model, task, judged)

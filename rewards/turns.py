@@ -33,10 +33,15 @@ from flywheel.rewards.session import Session
 
 @dataclass(frozen=True)
 class Turn:
-    """What one llm_call did with tools: the call_ids it produced and how many of them were malformed."""
+    """What one llm_call did with tools: the call_ids it produced and how many of them were malformed.
+
+    malformed_token: the earliest completion token a malformed call of this turn was charged from (the
+    tool_call's malformed_token); None when there is no malformed call or one of them did not say.
+    """
 
     calls: tuple[str, ...] = ()
     malformed: int = 0
+    malformed_token: int | None = None
 
 
 @dataclass
@@ -68,10 +73,16 @@ def turns(s: Session) -> dict[str, Turn]:
 
 def _add(t: Turn, call: dict[str, Any]) -> Turn:
     if call.get("malformed"):
-        return Turn(t.calls, t.malformed + 1)
+        at = call.get("malformed_token")
+        at = at if isinstance(at, int) and at >= 0 else None
+        if t.malformed and (at is None or t.malformed_token is None):
+            at = None  # one call of the turn charges the whole reply: so does the turn
+        elif t.malformed:
+            at = min(at, t.malformed_token)
+        return Turn(t.calls, t.malformed + 1, at)
     if not call.get("call_id"):
         return t  # nothing can name it, so nothing can verify it
-    return Turn((*t.calls, str(call["call_id"])), t.malformed)
+    return Turn((*t.calls, str(call["call_id"])), t.malformed, t.malformed_token)
 
 
 def final_calls(s: Session) -> set[str]:

@@ -137,6 +137,12 @@ class _TokenCounter:
         ids = self.ids(text)
         return len(ids) if ids is not None else max(1, len(text) // 3)  # byte-level BPE averages ~3 chars/token
 
+    def token_at(self, token_ids: list[int], text: str, char: int) -> int | None:
+        """The index of the completion token holding character `char` of `text` (None without a tokenizer)."""
+        if self._tok is None:
+            return None
+        return tasks.token_at(self._tok.decode, token_ids, text, char)
+
 
 class EventLedger:
     """What the agent handed to the SDK, one JSON line per event: {"session_id", "agent_id", "type", "t"} (t: epoch s).

@@ -46,6 +46,7 @@ class DemoConfig:
                                       "8e-4 and 1e-3 fell back within 10 steps)")
     learner_kl: float = setting(0.0, "learner KL coefficient to policy-v0 (0.1 kept signed advantages from drifting into broken "
                                      "JSON but halved the climb; positive-only advantages and the gate keep the policy sane without it)")
+    learner_kl_rows: str = setting("all", "rows the learner's KL term is computed on: all, or trained (nonzero advantage)")
     learner_baseline: str = setting("batch", "learner reward baseline: batch (leave-one-out: the mean of the other rows of the "
                                              "task type in the batch, tool_use.add ...), running or none")
     learner_positive_only: bool = setting(True, "reinforce only rows above their task type's batch mean; pushing failed rows "
@@ -115,6 +116,9 @@ class DemoConfig:
                                               "gate_margin (the scenario's aim is fewer critical steps at a share of "
                                               "parts right not lower than the champion's, docs/swarm.md). Run d's 0.05 "
                                               "was above the base's whole share (0.03) and let a broken version through")
+    swarm_learner_kl_rows: str = setting("trained", "swarm: the rows the learner's KL term is computed on (--kl-rows). "
+                                                   "Run e computed it on every row, 25-30 s a step instead of about 8: 27 "
+                                                   "steps in 20 minutes, so the shaping (annealed by step 50) never reached 0")
     swarm_learner_kl: float = setting(0.1, "swarm: the learner's KL coefficient to policy-v0, in place of learner_kl: "
                                            "with a few percent of parts right a batch holds a handful of positive rows, "
                                            "and without it run d's policy collapsed into broken calls within 20 steps")
@@ -136,6 +140,9 @@ class DemoConfig:
         gate_rule(self).check_rule()
         if self.scenario not in SCENARIOS:
             raise ConfigError(f"scenario: {self.scenario!r} is not one of {SCENARIOS}")
+        for name in ("learner_kl_rows", "swarm_learner_kl_rows"):
+            if getattr(self, name) not in ("all", "trained"):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of ('all', 'trained')")
         if self.swarm_learner_kl < 0:
             raise ConfigError(f"swarm_learner_kl: must be >= 0, got {self.swarm_learner_kl}")
         if self.swarm_gate_margin < 0:
@@ -160,13 +167,13 @@ SWARM_MAX_TOKENS = 96  # a spawn of 4 sub-tasks is about 60 tokens of the tiny m
 def for_scenario(cfg: DemoConfig) -> DemoConfig:
     """The config a scenario runs with: the swarm's policy-v0 is its own warm start (the tools' format), unless
     warm_model was set to something other than the default; its gate's margin is swarm_gate_margin and its learner's
-    KL coefficient swarm_learner_kl."""
+    KL coefficient swarm_learner_kl, computed on the rows swarm_learner_kl_rows."""
     import dataclasses
 
     if cfg.scenario != "swarm":
         return cfg
     cfg = dataclasses.replace(cfg, gate_margin=cfg.swarm_gate_margin, gate_outcome_kind=SWARM_GATE_OUTCOME,
-                              learner_kl=cfg.swarm_learner_kl)
+                              learner_kl=cfg.swarm_learner_kl, learner_kl_rows=cfg.swarm_learner_kl_rows)
     if Path(cfg.warm_model) == Path("var/models/tiny-warm"):
         return dataclasses.replace(cfg, warm_model=SWARM_WARM_MODEL)
     return cfg
@@ -312,7 +319,7 @@ def learner_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]
             "--mode", "full", "--lr", str(cfg.learner_lr), "--batch-size", str(cfg.learner_batch),
             "--min-batch", str(cfg.learner_batch), "--micro-batch", str(min(32, cfg.learner_batch)),
             "--cpu-threads", str(cfg.learner_threads), "--newest-first", "--loss-agg", "sequence",
-            "--kl-coef", str(cfg.learner_kl), "--baseline", cfg.learner_baseline,
+            "--kl-coef", str(cfg.learner_kl), "--kl-rows", cfg.learner_kl_rows, "--baseline", cfg.learner_baseline,
             *(["--positive-only"] if cfg.learner_positive_only else ["--no-positive-only"]),
             "--max-staleness-steps", str(cfg.learner_max_staleness_steps),
             "--epochs", str(cfg.learner_epochs), "--loss", "ppo" if cfg.learner_epochs > 1 else "tis",

@@ -217,6 +217,9 @@ class SwarmLimits:
     max_edits: int = 3  # summarize/prune actions per session
     context_budget_chars: int = 260  # history size past which a model call is refused (long sessions: an edit is due by the third request)
     token_count: Callable[[str], int] = lambda text: max(1, len(text) // 3)
+    # (completion token ids, their text, a character) -> the index of the token holding it (tasks.token_at with the
+    # served tokenizer); None: unknown, and a malformed call's penalty falls on its whole reply
+    token_at: Callable[[list[int], str, int], int | None] = lambda ids, text, char: None
 
 
 @dataclass
@@ -250,15 +253,24 @@ class SwarmSession:
         self.result = SwarmResult([None] * n, [{"agent_id": agent.agent_id, "calls": []} for _ in range(n)])
 
     # -- logging an action the policy took --------------------------------------------------------
-    def _log_call(self, agent: Any, name: str, arguments: Any, ok: bool, output: str, malformed: bool = False) -> str:
-        call_id = agent.tool_call(name, arguments, malformed=malformed or None)
+    def _log_call(self, agent: Any, name: str, arguments: Any, ok: bool, output: str, malformed: bool = False,
+                  reply: Reply | None = None) -> str:
+        """Log a call and its result; a malformed one with the token of `reply` (the reply that wrote it) where it broke."""
+        at = self._broke_at(reply) if malformed else None
+        call_id = agent.tool_call(name, arguments, malformed=malformed or None, malformed_token=at)
         agent.tool_result(call_id, ok=ok, output=output, name=name)
         return call_id
 
-    def _tool(self, agent: Any, parsed: tasks.ParsedReply, part_index: int | None) -> tasks.Message:
+    def _broke_at(self, reply: Reply | None) -> int | None:
+        if reply is None or not reply.token_ids:
+            return None
+        return self.limits.token_at(reply.token_ids, reply.text, tasks.malformed_from(reply.text))
+
+    def _tool(self, agent: Any, parsed: tasks.ParsedReply, part_index: int | None,
+              reply: Reply | None = None) -> tasks.Message:
         """An ordinary tool call (or a malformed reply): run it, log it, return the tool message."""
         if parsed.kind == "malformed_call":
-            self._log_call(agent, "unparsed", None, False, "error: malformed tool call", malformed=True)
+            self._log_call(agent, "unparsed", None, False, "error: malformed tool call", malformed=True, reply=reply)
             return tasks.tool_message("error: malformed tool call", "call")
         ok, output = tasks.run_tool(parsed.tool or "", parsed.arguments)
         call_id = self._log_call(agent, parsed.tool or "", parsed.arguments, ok, output)
@@ -302,14 +314,15 @@ class SwarmSession:
                 if subtasks is not None:
                     self._spawn(subtasks)
                     return
-                self._log_call(self.agent, SPAWN, parsed.arguments, False, "error: spawn needs tasks", malformed=True)
+                self._log_call(self.agent, SPAWN, parsed.arguments, False, "error: spawn needs tasks", malformed=True,
+                               reply=reply)
                 messages.append(tasks.tool_message("error: spawn needs tasks", "call"))
                 continue
             if parsed.kind == "tool_call" and parsed.tool in (SUMMARIZE, PRUNE):
-                messages = self._edit(parsed, messages, current=0)
+                messages = self._edit(parsed, messages, current=0, reply=reply)
                 continue
             index = self._part_of(parsed) if parsed.kind == "tool_call" else None
-            messages.append(self._tool(self.agent, parsed, index))
+            messages.append(self._tool(self.agent, parsed, index, reply))
 
     def _spawn(self, subtasks: list[str]) -> None:
         """One sub-agent per task the policy wrote, in parallel; sub-agent i answers part i."""
@@ -322,18 +335,20 @@ class SwarmSession:
         def solve(i: int, child: Any, text: str) -> tuple[str | None, list[dict[str, Any]], int]:
             calls: list[dict[str, Any]] = []
             steps = 0
+            last: list[Reply] = []  # this sub-agent's latest reply, for where a malformed call broke
 
             def generate(messages: list[tasks.Message]) -> str:
                 nonlocal steps
                 steps += 1
-                return self.generate(child, messages).text
+                last[:] = [self.generate(child, messages)]
+                return last[0].text
 
             def on_turn(turn: tasks.Turn) -> None:
                 if turn.parsed.kind == "answer":
                     return
                 malformed = turn.parsed.kind == "malformed_call"
                 cid = self._log_call(child, turn.parsed.tool or "unparsed", turn.parsed.arguments, bool(turn.tool_ok),
-                                     turn.tool_output or "", malformed=malformed)
+                                     turn.tool_output or "", malformed=malformed, reply=last[0] if last else None)
                 if not malformed:
                     calls.append({"call_id": cid, "tool": turn.parsed.tool, "arguments": turn.parsed.arguments})
 
@@ -359,7 +374,8 @@ class SwarmSession:
             else:
                 self.result.extra_agents.append(child.agent_id)
 
-    def _edit(self, parsed: tasks.ParsedReply, messages: list[tasks.Message], current: int) -> list[tasks.Message]:
+    def _edit(self, parsed: tasks.ParsedReply, messages: list[tasks.Message], current: int,
+              reply: Reply | None = None) -> list[tasks.Message]:
         """summarize or prune, decided by the reply just made (the last message); returns the new history."""
         decision = messages[-1]
         history = messages[:-1]
@@ -385,7 +401,8 @@ class SwarmSession:
         if drop is not None:
             drop = [i for i in drop if i != last_user] or None
         if drop is None:
-            self._log_call(self.agent, PRUNE, parsed.arguments, False, "error: prune needs drop", malformed=True)
+            self._log_call(self.agent, PRUNE, parsed.arguments, False, "error: prune needs drop", malformed=True,
+                           reply=reply)
             return history + [decision, tasks.tool_message("error: prune needs drop", "call")]
         call_id = self._log_call(self.agent, PRUNE, {"drop": drop}, True, f"dropped {len(drop)} messages")
         removed = [history[i] for i in drop]
@@ -414,14 +431,14 @@ class SwarmSession:
                     self.result.answers[i] = parsed.answer
                     break
                 if parsed.kind == "tool_call" and parsed.tool in (SUMMARIZE, PRUNE):
-                    messages = self._edit(parsed, messages, current=i)
+                    messages = self._edit(parsed, messages, current=i, reply=reply)
                     continue
                 if parsed.kind == "tool_call" and parsed.tool == SPAWN:
                     self._log_call(self.agent, SPAWN, parsed.arguments, False, "error: nothing to split here")
                     messages.append(tasks.tool_message("error: nothing to split here", "call"))
                     replies += 1
                     continue
-                messages.append(self._tool(self.agent, parsed, i))
+                messages.append(self._tool(self.agent, parsed, i, reply))
                 replies += 1
 
 
@@ -492,7 +509,7 @@ def run_agent_session(sim: Any) -> None:
     session = sim.logger.session(task_type=task.task_type, session_id=session_id,
                                  tags={"task_id": task.spec.task_id, "parts": str(len(task.spec.parts)), "swarm": task.kind})
     limits = SwarmLimits(max_turns_per_part=sim.cfg.max_turns, context_budget_chars=sim.cfg.swarm_context_budget_chars,
-                         token_count=sim.tokens.count)
+                         token_count=sim.tokens.count, token_at=sim.tokens.token_at)
     runner = SwarmSession(task, session, sim.reply_generate(task.task_type), limits,
                           run_parallel=lambda fns: [f.result() for f in [sim.sub_pool.submit(fn) for fn in fns]])
     status = "ok"

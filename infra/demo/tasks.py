@@ -252,7 +252,7 @@ def parse_reply(text: str) -> ParsedReply:
     """
     match = TOOL_CALL_RE.search(text)
     if match is None:
-        if "<tool_call>" in text:
+        if TOOL_CALL_OPEN in text:
             return ParsedReply("malformed_call")  # started a call and never closed it
         answer = ANSWER_RE.match(text)
         return ParsedReply("answer", answer=(answer.group(1) if answer else text).strip())
@@ -265,6 +265,80 @@ def parse_reply(text: str) -> ParsedReply:
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return ParsedReply("malformed_call")
     return ParsedReply("tool_call", tool=payload["name"], arguments=payload.get("arguments"))
+
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _common_prefix(text: str, at: int, word: str) -> int:
+    """How many leading characters of `word` text repeats from `at`."""
+    k = 0
+    while k < len(word) and at + k < len(text) and text[at + k] == word[k]:
+        k += 1
+    return k
+
+
+def _skip_space(text: str, at: int) -> int:
+    return len(text) - len(text[at:].lstrip()) if text[at:].strip() else len(text)
+
+
+def malformed_from(text: str) -> int:
+    """The character of a malformed reply from which it stopped being a well-formed call.
+
+    The malformed-call penalty is charged from the token holding this character on (the harness logs
+    it as the tool_call's malformed_token). Charged to the whole reply, the penalty also pushed down a
+    well-formed prefix such as `<tool_call>{"name": "spawn", "arguments": {"tasks": [` before a
+    broken sub-task string: in swarm run e, 37% of spawn attempts were malformed, and the penalty
+    on their valid prefix taught the policy not to start a spawn at all. Reading rules, in the order
+    parse_reply applies them: text before the call (from its first character); a broken opening tag
+    (from the first character that leaves `<tool_call>`); JSON that does not parse (where the decoder
+    stopped); JSON that parses but is not a call (from the call's body); a broken or missing closing tag
+    or text after it (from there). A reply parse_reply accepts is a call whose arguments the tool
+    refused (a spawn without tasks): from its "arguments".
+    """
+    start = _skip_space(text, 0)
+    opened = text.find(TOOL_CALL_OPEN)
+    if opened < 0 or text[:opened].strip():
+        if opened < 0:
+            return start + _common_prefix(text, start, TOOL_CALL_OPEN)
+        return start
+    body = _skip_space(text, opened + len(TOOL_CALL_OPEN))
+    try:
+        payload, end = json.JSONDecoder().raw_decode(text, body)
+    except json.JSONDecodeError as e:
+        return min(max(e.pos, body), len(text))
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return body
+    close = _skip_space(text, end)
+    if _common_prefix(text, close, TOOL_CALL_CLOSE) < len(TOOL_CALL_CLOSE):
+        return close + _common_prefix(text, close, TOOL_CALL_CLOSE)
+    after = close + len(TOOL_CALL_CLOSE)
+    if text[after:].strip():
+        return _skip_space(text, after)
+    arguments = text.find('"arguments"', body, end)
+    return arguments if arguments >= 0 else body
+
+
+def token_at(decode: Callable[[list[int]], str], token_ids: list[int], text: str, char: int) -> int | None:
+    """Index of the token of `token_ids` that holds character `char` of `text`, the reply they decode to.
+
+    A character at or past the end (a call never closed) is the last token's: the stop token, or the
+    token where max_tokens cut the reply. None when the ids do not decode to the text (the penalty then
+    falls on the whole reply). Binary search on the length of decoded prefixes, which never shrinks as
+    tokens are added.
+    """
+    if not token_ids or char < 0 or decode(token_ids) != text:
+        return None
+    if char >= len(text):
+        return len(token_ids) - 1
+    lo, hi = 0, len(token_ids) - 1
+    while lo < hi:  # the first k with len(decode(ids[:k + 1])) > char
+        mid = (lo + hi) // 2
+        if len(decode(token_ids[:mid + 1])) > char:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def recorded_answer(answers: list[Any], i: int) -> str | None:

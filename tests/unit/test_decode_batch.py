@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.ingest import encoded, realistic_event
-from flywheel.ingest import schema
+from flywheel.ingest import schema, wire as wire_format
 from flywheel.ingest.decode import Rejected, convert_rows, decode_batch, decode_record
 from tests.unit.test_lake_writer_fuzz import EVENTS, OUTCOME, good_event, json_values, mutated_events, timestamps, wire
 
@@ -130,4 +130,4 @@ def test_the_fast_path_takes_the_common_records() -> None:
     values = [encoded("v3", realistic_event(rng, i)) for i in range(50)]
     fast, idx, _ = decode._decode_fast("events", TOPIC, 0, list(range(50)), values, NOW, {})
     assert fast is not None and idx == list(range(50)), f"only {len(idx)} of 50 v3 records took the fast path"
-    assert json.loads(values[0])["schema_version"] == schema.SCHEMA_VERSION
+    assert json.loads(values[0])["schema_version"] == wire_format.PACKED_VERSION

@@ -553,6 +553,35 @@ def test_the_lock_of_a_killed_builder_is_released_by_its_death(tmp_path: Path) -
     lock.release()
 
 
+def test_a_malformed_call_that_says_where_it_broke_is_charged_from_that_token(rig: Rig) -> None:
+    """The penalty's row trains from the call's malformed_token on (its well-formed prefix masked); a row with a
+    second malformed call that does not say where, or with an index at 0 or past the end, trains every token."""
+    b = synthetic.SessionBuilder("s1", T0).begin()
+    spawn = b.llm_call(n_completion=8)
+    b.tool(malformed=True, malformed_token=5)
+    twice = b.llm_call(n_completion=8)
+    b.tool(malformed=True, malformed_token=6)
+    b.tool(malformed=True, malformed_token=3)
+    unsaid = b.llm_call(n_completion=8)
+    b.tool(malformed=True, malformed_token=4)
+    b.tool(malformed=True)
+    at_zero = b.llm_call(n_completion=8)
+    b.tool(malformed=True, malformed_token=0)
+    clean = b.llm_call(n_completion=8)
+    end = b.end()
+    rig.feed.write("events", b.events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 2))
+    rows = {r["episode_id"]: r for r in rig.rows()}
+    assert rows[spawn["event_id"]]["loss_mask"] == [0] * 5 + [1] * 3
+    assert rows[twice["event_id"]]["loss_mask"] == [0] * 3 + [1] * 5, "the earliest break of the turn"
+    assert rows[unsaid["event_id"]]["loss_mask"] == [1] * 8
+    assert rows[at_zero["event_id"]]["loss_mask"] == [1] * 8
+    assert rows[clean["event_id"]]["loss_mask"] == [1] * 8 and rows[clean["event_id"]]["r_penalty"] == 0.0
+    assert rows[spawn["event_id"]]["r_penalty"] == -0.5 and rows[twice["event_id"]]["r_penalty"] == -1.0
+    assert json.loads(rows[spawn["event_id"]]["reward_detail"])["trained_from_token"] == 5
+
+
 def test_a_harmful_prune_reported_after_label_1_costs_its_row_in_the_relabel(rig: Rig) -> None:
     rig.rewards = config.parse(TOML.replace("malformed_tool_call = -0.5", "malformed_tool_call = -0.5\nharmful_prune = -0.3"))
     rig.restart()

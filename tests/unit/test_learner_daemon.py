@@ -191,6 +191,9 @@ def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_pa
         assert torch.allclose(a, b, atol=1e-6), "skipping advantage-0 rows changed the gradient"
     with_kl = Learner(_cfg(tmp_path / "kl", model_dir, lake_root=str(tmp_path / "lake"), kl_coef=0.1))
     assert with_kl.trainer.rows_to_run(plan) == plan, "with a KL term every row has a gradient"
+    trained = Learner(_cfg(tmp_path / "kl-trained", model_dir, lake_root=str(tmp_path / "lake"), kl_coef=0.1,
+                           kl_rows="trained"))
+    assert len(trained.trainer.rows_to_run(plan)) == 5, "--kl-rows trained: the KL term on the trained rows only"
 
 
 def test_the_learner_follows_the_gate_only_when_its_newest_version_was_abandoned() -> None:

@@ -108,3 +108,21 @@ def test_values_at_the_limits_pass():
                         schema.OUTCOME_COLUMNS)
     # wrong types are validation's business: the limits neither raise on them nor judge them
     schema.check_limits(_llm_call(completion_logprobs=["a", 1], seq="7", ts=5, sampling=object()))
+
+
+def test_a_tool_calls_malformed_token_needs_schema_v4():
+    """v4 adds one optional field; a v3 record that holds it is rejected like any unknown field, and the JSON wire
+    format keeps v4 for a record that uses it (an older writer dead-letters it instead of landing it without)."""
+    from flywheel.ingest import wire
+
+    call = {"schema_version": 4, "event_id": uuid.uuid4().hex, "session_id": "s1", "agent_id": "a1", "seq": 0,
+            "ts": schema.now_ts(), "type": "tool_call", "call_id": "c1", "name": "spawn", "malformed": True,
+            "malformed_token": 7}
+    assert schema.validate_event(call)["malformed_token"] == 7
+    with pytest.raises(schema.SchemaError, match=r"malformed_token.*schema_version >= 4"):
+        schema.validate_event(call | {"schema_version": 3})
+    assert schema.version_needed(call, "tool_call") == 4
+    assert schema.version_needed(call | {"malformed_token": None}, "tool_call") == 1
+    import json
+    assert json.loads(wire.encode(call, "json"))["schema_version"] == 4
+    assert json.loads(wire.encode(call | {"malformed_token": None}, "json"))["schema_version"] == wire.JSON_VERSION

@@ -32,9 +32,11 @@ class Agent:
     children: list["Agent"] = field(default_factory=list)
     finished: bool | None = None
 
-    def tool_call(self, name: str, arguments: Any, malformed: bool | None = None) -> str:
+    def tool_call(self, name: str, arguments: Any, malformed: bool | None = None, malformed_token: int | None = None) -> str:
         cid = f"{self.agent_id}-c{len(self.log)}"
         self.log.append(("tool_call", (name, cid)))
+        if malformed:
+            self.log.append(("malformed_token", malformed_token))
         return cid
 
     def tool_result(self, call_id: str, ok: bool, output: str, name: str | None = None) -> None:
@@ -244,6 +246,30 @@ def test_the_swarm_judges_every_row_by_its_agents_outcome_not_by_per_turn_credit
     assert (main.r_outcome, sub.r_outcome) == (0.0, 1.0), (main, sub)
     half = outcomes[:1] + [synthetic.outcome("s1", "parts_correct", 0.5, T0) | {"ts": T0}]
     assert outcome_rewards.score_for_agent(rules, task, half, "main", window_closed=True).r_outcome == 0.5
+
+
+def test_a_broken_spawn_is_logged_with_the_token_where_it_stopped_reading_as_a_call() -> None:
+    """The harness maps tasks.malformed_from's character to a token with the limits' token_at, so the penalty
+    falls on the broken sub-task, not on the `<tool_call>{"name": "spawn"` prefix the policy got right."""
+    pieces: list[str] = []
+
+    def reply(agent: Agent, messages: list[tasks.Message]) -> swarm.Reply:
+        text = '<tool_call>{"name": "spawn", "arguments": {"tasks": ["add 3 and 4", "weather in o' if len(messages) == 1 \
+            else "Answer: 7; sunny"
+        ids = list(range(len(pieces), len(pieces) + len(text)))  # one character per token
+        pieces.extend(text)
+        return swarm.Reply(text, ids)
+
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    task = _task("multi", 2)
+    main = Agent()
+    limits = swarm.SwarmLimits(token_at=lambda ids, text, char: tasks.token_at(decode, ids, text, char))
+    swarm.SwarmSession(task, main, reply, limits).run()
+    broken = '<tool_call>{"name": "spawn", "arguments": {"tasks": ["add 3 and 4", '
+    assert ("malformed_token", len(broken)) in main.log, main.log
+    unknown = Agent()
+    swarm.SwarmSession(task, unknown, reply, swarm.SwarmLimits()).run()
+    assert ("malformed_token", None) in unknown.log, "without a tokenizer the whole reply is charged"
 
 
 def test_multi_part_requests_have_two_or_three_parts() -> None:

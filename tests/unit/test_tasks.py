@@ -139,3 +139,29 @@ def test_call_is_correct_accepts_equivalent_arguments_only() -> None:
     assert not tasks.call_is_correct(part, tasks.format_tool_call("add", {"a": 37, "b": 59}))
     assert not tasks.call_is_correct(part, tasks.format_tool_call("mul", {"a": 37, "b": 58}))
     assert not tasks.call_is_correct(part, "Answer: 95")
+
+
+@pytest.mark.parametrize("reply, kept", [
+    ('<tool_call>{"name": "spawny 9, "b": 0}}</tool_call>', '<tool_call>{"name": "spawny 9, "'),
+    ('<tool_call>{"name": "spawn", "arguments": {"tasks": ["add 3 and 4", "weather in oslo]}}</tool_call>',
+     '<tool_call>{"name": "spawn", "arguments": {"tasks": ["add 3 and 4", '),
+    ('<tool_call>{"name": "spawn", "arguments": {"tasks": []}}</tool_call>', '<tool_call>{"name": "spawn", '),
+    ('<tool_call>{"name": "add", "arguments": {}}</tool_call> x', '<tool_call>{"name": "add", "arguments": {}}</tool_call> '),
+    ('<tool_call>{"name": "add", "arguments": {}}</tool_ca', '<tool_call>{"name": "add", "arguments": {}}</tool_ca'),
+    ('<tool_call>[1]</tool_call>', '<tool_call>'),
+    ('Sure. <tool_call>{}</tool_call>', ''),
+    ('  <tool_cal{"name": "add"}', '  <tool_cal'),
+])
+def test_malformed_from_keeps_the_prefix_that_still_reads_as_a_call(reply: str, kept: str) -> None:
+    assert reply[:tasks.malformed_from(reply)] == kept
+
+
+def test_token_at_finds_the_token_holding_a_character() -> None:
+    pieces = ["<tool_call>", '{"name":', ' "sp', 'awn"', "}", "</tool_call>", ""]  # the last: a stop token
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    ids = list(range(len(pieces)))
+    text = decode(ids)
+    assert [tasks.token_at(decode, ids, text, c) for c in (0, 10, 11, 18, 19, 23)] == [0, 0, 1, 1, 2, 3]
+    assert tasks.token_at(decode, ids, text, len(text)) == len(ids) - 1, "never closed: the last token"
+    assert tasks.token_at(decode, ids, text + "x", 3) is None, "ids that are not the text: unknown"
+    assert tasks.token_at(decode, [], "", 0) is None
