@@ -7,12 +7,17 @@ Two kinds of session, both built from the tool-use parts of infra/demo/tasks.py:
 
 * multi: one request with 2-3 independent parts ("add 3 and 4; weather in oslo; ..."). The policy may solve
   them itself, one tool call after another and then the joined answer (critical steps n+1: 3-4), or reply with the `spawn` tool,
-  `<tool_call>{"name": "spawn", "arguments": {"tasks": ["add 3 and 4", "weather in oslo"]}}</tool_call>`:
-  the harness starts one sub-agent of the policy per task it wrote, in parallel, each its own agent of
-  the session (SDK spawn_subagent, the proxy logs each sub-agent's calls under its agent id), and the
-  orchestrator's answer is its sub-agents' answers in order. Critical steps: 1 + the slowest sub-agent
-  (usually 2), so splitting pays. Sub-agent i's answer is checked against part i: a task the model
-  wrote wrong, twice or not at all fails its part (PARL's r_finish), and an extra one is spurious.
+  naming the request's pieces (its ";"-separated parts, counted from 1) each sub-agent takes,
+  `<tool_call>{"name": "spawn", "arguments": {"parts": [1, 2]}}</tool_call>`, or writing each sub-task,
+  `{"tasks": ["add 3 and 4", "weather in oslo"]}`: the harness starts one sub-agent of the policy per
+  piece or task, in parallel, each its own agent of the session (SDK spawn_subagent, the proxy logs each
+  sub-agent's calls under its agent id), and the orchestrator's answer is its sub-agents' answers. Critical
+  steps: 1 + the slowest sub-agent (usually 2), so splitting pays. A sub-agent's answer is checked against
+  its piece's part (with `tasks`, sub-agent i against part i): a part left out or given twice fails (PARL's
+  r_finish), and an extra sub-agent is spurious. Why piece numbers: this 3M-parameter model cannot copy a
+  request's text into sub-tasks (swarm run f: 47 spawns, every one with garbled sub-tasks such as "what is
+  the weather in9 and 7 by 8", not one part right), so with `tasks` only, the outcome rightly taught it
+  never to split; the decision to split, and into which pieces, stays the policy's (docs/swarm.md).
 * long: 3-4 requests arrive one after another in one conversation, under a context budget (characters
   of the history). A model call whose history is over the budget is refused and the session fails from
   there on. Before that, the policy may reply `summarize` (the harness then asks it, in a second
@@ -85,6 +90,15 @@ def format_spawn(subtasks: list[str]) -> str:
     return tasks.format_tool_call(SPAWN, {"tasks": list(subtasks)})
 
 
+def format_spawn_parts(numbers: list[int]) -> str:
+    return tasks.format_tool_call(SPAWN, {"parts": list(numbers)})
+
+
+def request_pieces(request: str) -> list[str]:
+    """A multi-part request's pieces, the texts a spawn's part numbers name (1 is the first)."""
+    return [p.strip() for p in request.split(";")]
+
+
 def format_summarize() -> str:
     return tasks.format_tool_call(SUMMARIZE, {})
 
@@ -93,12 +107,31 @@ def format_prune(drop: list[int]) -> str:
     return tasks.format_tool_call(PRUNE, {"drop": list(drop)})
 
 
-def spawn_tasks(arguments: Any) -> list[str] | None:
-    """The sub-tasks a spawn call asked for (None: not a usable spawn; the call is then malformed)."""
-    got = arguments.get("tasks") if isinstance(arguments, dict) else None
+def spawn_tasks(arguments: Any, request: str = "") -> list[tuple[str, int | None]] | None:
+    """The sub-agents a spawn call asked for, as (sub-task text, the part it answers: None for none), or None when
+    it is not a usable spawn (the call is then malformed).
+
+    `parts`: numbers of the request's pieces (request_pieces); a sub-agent answers its piece's part, and a
+    number given twice starts a second sub-agent on the same text that answers no part (spurious). `tasks`:
+    sub-task texts the policy wrote; sub-agent i answers part i."""
+    if not isinstance(arguments, dict):
+        return None
+    numbers = arguments.get("parts")
+    if numbers is not None:
+        pieces = request_pieces(request)
+        if not isinstance(numbers, list) or not numbers or not all(
+                isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= len(pieces) for k in numbers):
+            return None
+        seen: set[int] = set()
+        out: list[tuple[str, int | None]] = []
+        for k in numbers[:MAX_CHILDREN]:
+            out.append((pieces[k - 1], None if k in seen else k - 1))
+            seen.add(k)
+        return out
+    got = arguments.get("tasks")
     if not isinstance(got, list) or not got or not all(isinstance(t, str) for t in got):
         return None
-    return [t.strip() for t in got[:MAX_CHILDREN]]
+    return [(t.strip(), i) for i, t in enumerate(got[:MAX_CHILDREN])]
 
 
 def prune_indices(arguments: Any, n_messages: int) -> list[int] | None:
@@ -185,7 +218,8 @@ def demonstrations(rng: random.Random, tool_share: float = 0.2) -> list[Demo]:
     action = rng.choice(ACTIONS)
     if action == SPAWN:
         parts = tuple(tasks.make_part(rng, "train") for _ in range(rng.choice((1, 2, 3))))
-        return [([{"role": "user", "content": "; ".join(p.text for p in parts)}], format_spawn([p.text for p in parts]))]
+        return [([{"role": "user", "content": "; ".join(p.text for p in parts)}],
+                 format_spawn_parts(list(range(1, len(parts) + 1))))]
     history = _finished_history(rng, rng.randint(0, 2))
     current = tasks.make_part(rng, "train")
     messages = history + [tasks.user_message(current)]
@@ -310,7 +344,7 @@ class SwarmSession:
                 self.result.answers = split_answer(parsed.answer, n)
                 return
             if parsed.kind == "tool_call" and parsed.tool == SPAWN:
-                subtasks = spawn_tasks(parsed.arguments)
+                subtasks = spawn_tasks(parsed.arguments, spec.text)
                 if subtasks is not None:
                     self._spawn(subtasks)
                     return
@@ -324,9 +358,9 @@ class SwarmSession:
             index = self._part_of(parsed) if parsed.kind == "tool_call" else None
             messages.append(self._tool(self.agent, parsed, index, reply))
 
-    def _spawn(self, subtasks: list[str]) -> None:
-        """One sub-agent per task the policy wrote, in parallel; sub-agent i answers part i."""
-        spec = self.task.spec
+    def _spawn(self, subagents: list[tuple[str, int | None]]) -> None:
+        """One sub-agent per (sub-task, part it answers) of spawn_tasks, in parallel."""
+        subtasks = [t for t, _ in subagents]
         call_id = self._log_call(self.agent, SPAWN, {"tasks": subtasks}, True, f"started {len(subtasks)} sub-agents")
         children = [self.agent.spawn_subagent(subtask=t) for t in subtasks]
         self.result.spawned, self.result.spawn_tasks = len(children), list(subtasks)
@@ -365,12 +399,12 @@ class SwarmSession:
             for c in children:
                 c.finish(ok=False)
             raise
-        for i, (child, (answer, calls, steps)) in enumerate(zip(children, done)):
+        for (_, part), child, (answer, calls, steps) in zip(subagents, children, done):
             child.finish(ok=answer is not None)
             self.result.child_steps.append(steps)
-            if i < len(spec.parts):
-                self.result.answers[i] = answer
-                self.result.parts[i] = {"agent_id": child.agent_id, "calls": calls}
+            if part is not None and part < len(self.task.spec.parts):
+                self.result.answers[part] = answer
+                self.result.parts[part] = {"agent_id": child.agent_id, "calls": calls}
             else:
                 self.result.extra_agents.append(child.agent_id)
 

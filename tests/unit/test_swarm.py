@@ -91,6 +91,12 @@ class Policy:
                 return swarm.format_spawn([texts[0], texts[0]])
             if self.plan == "spawn_extra":  # every part, and the first once more: one sub-agent past the parts
                 return swarm.format_spawn(texts + [texts[0]])
+            if self.plan == "spawn_parts_reversed":  # piece numbers, last first
+                return swarm.format_spawn_parts(list(range(len(texts), 0, -1)))
+            if self.plan == "spawn_parts_twice":  # the first piece twice, the rest left out
+                return swarm.format_spawn_parts([1, 1])
+            if self.plan == "spawn_parts_beyond":  # a piece the request does not have
+                return swarm.format_spawn_parts([1, len(texts) + 1]) if len(messages) == 1 else "Answer: ?"
             return self._next_serial(messages)
         if self.plan == "summarize" and swarm.chars(messages) > 100 and len(messages) > 2:
             return swarm.format_summarize()
@@ -131,6 +137,22 @@ def test_a_model_spawn_runs_one_sub_agent_per_task_it_wrote_and_pays_in_critical
     assert serial.critical_steps == 3 + 1, f"serial: a call per part and the answer, got {serial.critical_steps}"
     record = swarm.handoff_record("s1", "main", task, serial, 0.0)
     assert {p["agent_id"] for p in record["parts"]} == {"main"} and record["main_agent_id"] == "main"
+
+
+def test_a_spawn_by_piece_numbers_answers_each_part_with_the_sub_agent_given_its_piece() -> None:
+    """{"parts": [3, 2, 1]}: sub-agent i takes piece 3-i and answers that piece's part, whatever the order."""
+    task, main = _task("multi", 3), Agent()
+    result = swarm.SwarmSession(task, main, Policy("spawn_parts_reversed").reply, swarm.SwarmLimits()).run()
+    assert result.spawn_tasks == [p.text for p in reversed(task.spec.parts)]
+    assert tasks.check(task.spec, result.answers), result.answers
+    assert [p["agent_id"] for p in result.parts] == ["sub2", "sub1", "sub0"] and result.critical_steps == 3
+    twice = swarm.SwarmSession(task, Agent(), Policy("spawn_parts_twice").reply, swarm.SwarmLimits()).run()
+    assert twice.spawned == 2 and twice.extra_agents == ["sub1"], "a piece given twice: the second answers nothing"
+    assert tasks.check_part(task.spec.parts[0], twice.answers[0]) and twice.answers[1:] == [None, None]
+    beyond = Agent()
+    out = swarm.SwarmSession(task, beyond, Policy("spawn_parts_beyond").reply, swarm.SwarmLimits()).run()
+    assert out.spawned == 0 and ("malformed_token", None) in beyond.log, "a piece past the request: a malformed spawn"
+    assert swarm.spawn_tasks({"parts": [True]}, "a; b") is None and swarm.spawn_tasks({"parts": []}, "a") is None
 
 
 def test_a_spurious_spawn_fails_the_part_it_left_out() -> None:
