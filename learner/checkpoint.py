@@ -54,6 +54,7 @@ class TrainerState:
     # new version at its step; a rebase keeps only the target and its ancestors (rebase_line). A version not
     # here (abandoned, or never this learner's) serves only stale rows.
     lineage: dict[int, int] = field(default_factory=dict)
+    kl_coef: float = 0.0  # the adaptive KL coefficient now (kl_target); 0: not adapted yet, the config's kl_coef
 
     def __post_init__(self) -> None:
         # JSON keys are text. A checkpoint from before the lineage map starts one with the current version at

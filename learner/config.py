@@ -36,6 +36,10 @@ class LearnerConfig:
                                            "along the learner's own line (the champion's rows are lag 0 right after a rebase onto it; "
                                            "a version off the line serves only stale rows). >= publish_every_steps; 20: two versions "
                                            "at the default publish_every_steps (the old limit was 4 versions)")
+    opening_share: float = setting(0.0, "share of each batch reserved for rows that open a session (the main agent's first "
+                                        "call, where it decides how to go about the request), taken first whichever way they "
+                                        "decided; the rest in the usual order. A learner slower than the traffic otherwise drops "
+                                        "a session's one opening as stale as often as its later turns (0: no reserve)")
     max_seq_len: int = setting(2048, "episodes with more prompt+completion tokens are skipped as corrupt")
     poll_s: float = setting(2.0, "longest sleep between lake listings while waiting for episodes")
     # -- loss -------------------------------------------------------------------------------
@@ -56,6 +60,10 @@ class LearnerConfig:
     positive_only: bool = setting(False, "advantages below 0 become 0: only rows better than their baseline are reinforced, "
                                          "and without a KL term the others cost no compute (learner/loss.py advantages)")
     kl_coef: float = setting(0.0, "coefficient of the KL penalty to the base model (k3 estimator); 0 disables it")
+    kl_target: float = setting(0.0, "adaptive KL: the per-token KL to the base (on the rows the term is computed on) the "
+                                    "coefficient steers to, PPO's adaptive penalty (Schulman et al. 2017, sec. 4): after a step "
+                                    "whose KL was above 1.5x the target the coefficient doubles, below target/1.5 it halves, "
+                                    "within [kl_coef/100, kl_coef*1000]; kl_coef is the start. 0: the coefficient stays kl_coef")
     kl_rows: str = setting("all", "rows the KL term is computed on: all (every row of the batch), or trained (only the "
                                   "rows with a nonzero advantage: under --positive-only a step then costs what it costs "
                                   "without KL, and the anchor holds back exactly the rows being moved)")
@@ -119,8 +127,9 @@ class LearnerConfig:
             raise ConfigError(f"loss_agg: {self.loss_agg!r} is not one of {AGGS}")
         if self.mode not in MODES:
             raise ConfigError(f"mode: {self.mode!r} is not one of {MODES}")
-        if self.kl_rows not in KL_ROWS:
-            raise ConfigError(f"kl_rows: {self.kl_rows!r} is not one of {KL_ROWS}")
+        self.check_kl()
+        if not 0 <= self.opening_share <= 1:
+            raise ConfigError(f"opening_share: must be in [0, 1], got {self.opening_share}")
         if self.baseline not in BASELINES:
             raise ConfigError(f"baseline: {self.baseline!r} is not one of {BASELINES}")
         if self.publish_supersede_s < 0:
@@ -169,3 +178,12 @@ class LearnerConfig:
             raise ConfigError(f"start_version: must be >= 0, got {self.start_version}")
         if self.publish_artifacts and not self.mlflow_tracking_uri:
             raise ConfigError("publish_artifacts needs mlflow_tracking_uri: the artifacts go to the learner's MLflow run")
+
+    def check_kl(self) -> None:
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef: must be >= 0, got {self.kl_coef}")
+        if self.kl_target < 0 or (self.kl_target > 0 and self.kl_coef <= 0):
+            raise ConfigError(f"kl_target ({self.kl_target}) must be >= 0, and > 0 only with kl_coef > 0 (the coefficient "
+                              f"it starts from; got kl_coef {self.kl_coef})")
+        if self.kl_rows not in KL_ROWS:
+            raise ConfigError(f"kl_rows: {self.kl_rows!r} is not one of {KL_ROWS}")

@@ -174,7 +174,8 @@ class Learner:
             ready = self.stream.trainable(lags, cfg.max_staleness_steps)
             if ready >= cfg.min_batch:
                 batch, stats = self.stream.take(cfg.batch_size, lags, cfg.max_staleness_steps,
-                                                 newest_first=cfg.newest_first)
+                                                 newest_first=cfg.newest_first,
+                                                 openings=round(cfg.opening_share * cfg.batch_size))
                 return batch, stats.lags
             if ready > seen:
                 idle_since, sleep_s, seen = time.monotonic(), 0.1, ready
@@ -236,10 +237,12 @@ class Learner:
         self.steps_this_run += 1
         self.stream.mark_trained(batch)
         self.versions.trained(batch)
-        # the shaping weight this step trained with, and when: the swarm report draws the lambdas on the run's time axis
+        # the shaping weight and KL coefficient this step trained with, and when: the swarm report draws them on the
+        # run's time axis
         checkpoint.append_trained(self.run_dir, self.state.step, self.state.policy_version,
                                   [e.episode_id for e in batch],
-                                  extra={"t": round(time.time(), 3), "shaping_scale": self.shaping_scale_trained})
+                                  extra={"t": round(time.time(), 3), "shaping_scale": self.shaping_scale_trained,
+                                         "kl": result.kl, "kl_coef": result.kl_coef})
         aliases = self.gate.read_aliases() if self.cfg.publish_wait_for_gate else None
         if aliases is not None:
             # the verdict that makes the next version due may be a rejection: follow it first, or
@@ -262,10 +265,10 @@ class Learner:
                        tokens_per_s=round(result.tokens_per_s), dropped_stale=counters["stale"],
                        dropped_corrupt=counters["corrupt"])
         gap = (f", logprob gap {result.behaviour_gap_mean:.1e}" if result.behaviour_gap_mean is not None else "")
-        log.info("step %d v%d: reward %.3f, policy lag %.2f steps (max %d), loss %+.4f, ratio %.3f clip %.1f%%, kl %.4f, "
+        log.info("step %d v%d: reward %.3f, policy lag %.2f steps (max %d), loss %+.4f, ratio %.3f clip %.1f%%, kl %.4f (coef %.3g), "
                  "%.0f tokens/s, %d episodes (stale %d, corrupt %d total)%s", self.state.step,
                  self.state.policy_version, mean_r, mean_lag, int(metrics["policy_lag_max"]), result.loss,
-                 result.ratio_mean, 100 * result.clip_frac, result.kl, result.tokens_per_s, result.episodes,
+                 result.ratio_mean, 100 * result.clip_frac, result.kl, result.kl_coef, result.tokens_per_s, result.episodes,
                  counters["stale"], counters["corrupt"], gap)
 
     def save_checkpoint(self) -> None:

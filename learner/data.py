@@ -61,6 +61,7 @@ class Episode:
     r_shaping: float = 0.0  # the PARL shaping inside `reward` (r_parallel + r_finish): annealed by learner step (shaping_scale)
     r_unshaped: float | None = None  # `reward` without the shaping, summed from its parts as the builder sums them
     shaping_clock: str | None = None  # [parl] anneal_clock the builder labelled a shaped row with (reward_detail)
+    opens_session: bool = False  # the session's opening call (reward_detail.opens_session): take() can reserve room for these
 
     def trained_reward(self, scale: float) -> float:
         """The reward a step trains: the shaping inside `reward` scaled by `scale` (shaping_scale at this step).
@@ -111,6 +112,7 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
     reward = row["reward"]
     if not math.isfinite(reward):
         return f"{ident}: reward {reward} is not finite"
+    detail = _detail(row)
     sampling = parse_sampling(row.get("sampling"))
     if row.get("sampling") is not None and sampling is None:
         # the behaviour's distribution is unknown, so no ratio can be right: refused, not trained as T=1
@@ -130,17 +132,24 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
         r_penalty=float(row.get("r_penalty") or 0.0),
         r_shaping=float(row.get("r_parallel") or 0.0) + float(row.get("r_finish") or 0.0),
         r_unshaped=unshaped_reward(row),
-        shaping_clock=_shaping_clock(row) if (row.get("r_parallel") or row.get("r_finish")) else None,
+        shaping_clock=_shaping_clock(detail) if (row.get("r_parallel") or row.get("r_finish")) else None,
+        opens_session=detail.get("opens_session") is True,
         sampling=sampling,
     )
 
 
-def _shaping_clock(row: dict[str, Any]) -> str | None:
-    """The anneal clock in a shaped row's reward_detail (parl.anneal_clock); None when absent or unreadable."""
+def _detail(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's reward_detail as a dict ({} when absent or unreadable: it only steers batching and annealing)."""
     try:
-        parl = json.loads(row.get("reward_detail") or "{}").get("parl") or {}
-    except (ValueError, AttributeError):
-        return None
+        detail = json.loads(row.get("reward_detail") or "{}")
+    except ValueError:
+        return {}
+    return detail if isinstance(detail, dict) else {}
+
+
+def _shaping_clock(detail: dict[str, Any]) -> str | None:
+    """The anneal clock in a shaped row's reward_detail (parl.anneal_clock); None when absent."""
+    parl = detail.get("parl") or {}
     return parl.get("anneal_clock") if isinstance(parl, dict) else None
 
 
@@ -359,7 +368,7 @@ class EpisodeStream:
         return dropped
 
     def take(self, n: int, lags: Mapping[int, int], max_staleness_steps: int,
-             newest_first: bool = False) -> tuple[list[Episode], TakeStats]:
+             newest_first: bool = False, openings: int = 0) -> tuple[list[Episode], TakeStats]:
         """Up to n fresh episodes; stale ones met on the way are dropped and counted.
 
         In lake order by default (every row is trained once, as long as it stays fresh enough).
@@ -367,20 +376,38 @@ class EpisodeStream:
         trains on what the current policy produced and the older backlog ages out through the
         staleness filter (counted as stale), instead of training every step on rows
         max_staleness_steps steps old. TakeStats.lags counts the kept rows by their lag in steps.
+
+        openings: up to this many of the n places go first to rows that open a session (the main agent's
+        first call, whichever way it decided), in the same order, and the rest of the batch is filled as
+        before. A session has one opening and several later turns, so a learner slower than the traffic
+        otherwise drops its openings as stale at the rate of the other rows; the reserve trains the
+        decisions at the start of sessions (to spawn or not, in the swarm) without favouring either way.
         """
         stats = TakeStats()
+        order = list(reversed(self.pending) if newest_first else self.pending)
+        chosen: set[int] = set()
+        if openings > 0:
+            for i, p in enumerate(order):
+                if len(chosen) >= min(openings, n):
+                    break
+                if p.episode.opens_session and self.fresh(p.episode.policy_version, lags, max_staleness_steps):
+                    chosen.add(i)
         batch: list[Episode] = []
         keep: list[_Pending] = []
-        for p in (reversed(self.pending) if newest_first else self.pending):
-            if len(batch) >= n:
-                keep.append(p)
-            elif not self.fresh(p.episode.policy_version, lags, max_staleness_steps):
-                stats.stale += 1
-                self._remaining[p.file.path] -= 1
-            else:
-                batch.append(p.episode)
-                stats.lags[lags[p.episode.policy_version]] += 1
-                self._remaining[p.file.path] -= 1
+        others = n - len(chosen)  # places left for the rows in order
+        for i, p in enumerate(order):
+            if i not in chosen:
+                if others <= 0:
+                    keep.append(p)
+                    continue
+                if not self.fresh(p.episode.policy_version, lags, max_staleness_steps):
+                    stats.stale += 1
+                    self._remaining[p.file.path] -= 1
+                    continue
+                others -= 1
+            batch.append(p.episode)
+            stats.lags[lags[p.episode.policy_version]] += 1
+            self._remaining[p.file.path] -= 1
         if newest_first:
             keep.reverse()  # pending stays in lake order
         self.pending = keep

@@ -76,8 +76,9 @@ def step_metrics(batch: list[Episode], lags: Counter, result: StepResult, state:
     metrics: dict[str, float] = {
         "loss": result.loss, "reward_mean": mean_r, "reward_std": std_r, "episodes": result.episodes,
         "ratio_mean": result.ratio_mean, "ratio_max": result.ratio_max, "clip_frac": result.clip_frac,
-        "kl": result.kl, "grad_norm": result.grad_norm, "tokens_per_s": result.tokens_per_s,
+        "kl": result.kl, "kl_coef": result.kl_coef, "grad_norm": result.grad_norm, "tokens_per_s": result.tokens_per_s,
         "trained_tokens": result.trained_tokens, "policy_lag_mean": mean_lag,
+        "session_openings": float(sum(1 for e in batch if e.opens_session)),
         "policy_lag_max": float(max(lags) if lags else 0), "policy_version": state.policy_version,
         "dropped_stale_total": counters["stale"], "dropped_corrupt_total": counters["corrupt"],
         "relabel_after_train_total": counters["relabel_after_train"],

@@ -48,6 +48,7 @@ class StepResult:
     seconds: float
     behaviour_gap_mean: float | None = None  # only on rows of the unchanged current version
     behaviour_gap_max: float | None = None
+    kl_coef: float = 0.0  # the KL coefficient this step trained with (kl_target adapts it)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -92,6 +93,17 @@ def warmup_factor_at(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
 
+def adapt_kl_coef(coef: float, kl: float, target: float, start: float) -> float:
+    """The KL coefficient after a step whose per-token KL was `kl`: PPO's adaptive penalty (Schulman et al. 2017,
+    sec. 4), doubled above 1.5x the target and halved below target/1.5, kept within [start/100, start*1000] so a
+    run of quiet steps cannot leave it too small to answer a jump, nor a run of loud ones freeze the policy."""
+    if kl > 1.5 * target:
+        coef *= 2.0
+    elif kl < target / 1.5:
+        coef /= 2.0
+    return min(max(coef, start / 100.0), start * 1000.0)
+
+
 def rows_worth_running(plan: Plan, kl_coef: float, world_size: int) -> Plan:
     """The rows worth a forward/backward: without a KL term a row of advantage 0 adds exactly 0 to the gradient.
     (With --kl-rows trained the trainer passes kl_coef 0 here: the KL term is then computed on these rows only.)
@@ -131,6 +143,11 @@ class Trainer:
     def rows_to_run(self, plan: Plan) -> Plan:
         return rows_worth_running(plan, self.cfg.kl_coef if self.cfg.kl_rows == "all" else 0.0, self.world.size)
 
+    @property
+    def kl_coef(self) -> float:
+        """The KL coefficient of the coming step: kl_coef, or where kl_target steered it (state.kl_coef)."""
+        return self.state.kl_coef or self.cfg.kl_coef
+
     def step(self, plan: Plan) -> StepResult:
         """Train on the global batch `plan` [(episode, advantage)]; this rank takes its shard."""
         cfg, world = self.cfg, self.world
@@ -154,6 +171,10 @@ class Trainer:
             [stats.tokens, stats.ratio_sum, stats.clipped, stats.kl_sum, loss_sum, gap.total, gap.tokens],
             [stats.ratio_max, gap.max], world)
         tokens, ratio_sum, clipped, kl_sum, loss_total, gap_sum, gap_n = sums
+        kl_coef = self.kl_coef
+        if cfg.kl_target > 0:
+            # every rank adapts from the same all-reduced KL, so the ranks' coefficients stay equal
+            self.state.kl_coef = adapt_kl_coef(kl_coef, kl_sum / max(tokens, 1.0), cfg.kl_target, cfg.kl_coef)
         if self.policy.sharded is not None:
             self.policy.sharded.gather(self.optimizer)  # what rank 0 checkpoints and publishes after this step
         if self.policy.device.type == "cuda":
@@ -167,6 +188,7 @@ class Trainer:
             ratio_max=maxes[0],
             clip_frac=clipped / max(tokens, 1.0),
             kl=kl_sum / max(tokens, 1.0),
+            kl_coef=kl_coef,
             grad_norm=grad_norm,
             seconds=time.perf_counter() - start,
             behaviour_gap_mean=gap_sum / gap_n if gap_n else None,
@@ -218,7 +240,7 @@ class Trainer:
                 # DDP averages gradients over ranks; dividing by tokens/world makes the average a global sum/tokens
                 loss, s = policy_loss(logp, mb.packed.logp_old, mb.packed.mask, mb.adv, kind=cfg.loss,
                                       tis_cap=cfg.tis_cap, ppo_eps=cfg.ppo_eps, token_normalizer=normalizer / world.size,
-                                      logp_ref=mb.logp_ref, kl_coef=cfg.kl_coef, agg=cfg.loss_agg, logp_kl=logp_raw)
+                                      logp_ref=mb.logp_ref, kl_coef=self.kl_coef, agg=cfg.loss_agg, logp_kl=logp_raw)
                 if mb.filler:
                     loss = loss * 0.0  # [] a gradient of exactly 0: the row counts once, on the rank that owns it
                 loss.backward()

@@ -79,7 +79,7 @@ from flywheel.rewards import config as reward_config
 from flywheel.rewards import judge as judge_mod
 from flywheel.rewards import judge_pass
 from flywheel.rewards import outcome_rewards, parl, turns
-from flywheel.rewards.session import Session, assemble
+from flywheel.rewards.session import Session, assemble, opening_call
 from flywheel.rewards.state import (
     ALL_PARTITIONS,
     BuilderState,
@@ -879,6 +879,7 @@ class Builder:
         scores = {a: outcome_rewards.score_for_agent(self.rewards, task, due.outcomes, a, due.window_closed)
                   for a in s.agents}
         checked = turns.call_outcomes(due.outcomes, task.turn_kinds)
+        opening = opening_call(s)
         rows = []
         for e in s.llm_calls:
             # the parts kept apart, with the row's own call_ids, so that a relabel can apply a harmful-prune
@@ -897,6 +898,7 @@ class Builder:
                                   detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty,
                                                         "penalty_parts": parts, "calls": list(made_here.calls),
                                                         "trained_from_token": trained_from,
+                                                        "opens_session": e["event_id"] == opening,
                                                         "turn": turn.detail or None,
                                                         "spawn_decision": None if decided is None else {
                                                             "n_spawned": decided.n_spawned, "n_verified": decided.n_verified,

@@ -32,6 +32,13 @@ class Session:
         return self.end_ts or self.last_ts
 
 
+def opening_call(s: Session) -> str | None:
+    """event_id of the session's opening llm_call: the main agent's first (where the agent decides how to go about
+    the request: answer, call a tool, spawn sub-agents); None when the main agent made no call."""
+    mine = [e for e in s.llm_calls if e["agent_id"] == s.main_agent]
+    return min(mine, key=order_key)["event_id"] if mine else None
+
+
 def as_datetime(ts: dt.datetime | int) -> dt.datetime:
     """Event ts as an aware datetime (the builder hands them over as integer microseconds since the epoch)."""
     if isinstance(ts, dt.datetime):

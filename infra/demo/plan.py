@@ -47,6 +47,8 @@ class DemoConfig:
     learner_kl: float = setting(0.0, "learner KL coefficient to policy-v0 (0.1 kept signed advantages from drifting into broken "
                                      "JSON but halved the climb; positive-only advantages and the gate keep the policy sane without it)")
     learner_kl_rows: str = setting("all", "rows the learner's KL term is computed on: all, or trained (nonzero advantage)")
+    learner_kl_target: float = setting(0.0, "the learner's adaptive-KL target per token (--kl-target; 0: learner_kl stays fixed)")
+    learner_opening_share: float = setting(0.0, "share of each learner batch reserved for session openings (--opening-share)")
     learner_baseline: str = setting("batch", "learner reward baseline: batch (leave-one-out: the mean of the other rows of the "
                                              "task type in the batch, tool_use.add ...), running or none")
     learner_positive_only: bool = setting(True, "reinforce only rows above their task type's batch mean; pushing failed rows "
@@ -122,6 +124,14 @@ class DemoConfig:
     swarm_learner_kl: float = setting(0.1, "swarm: the learner's KL coefficient to policy-v0, in place of learner_kl: "
                                            "with a few percent of parts right a batch holds a handful of positive rows, "
                                            "and without it run d's policy collapsed into broken calls within 20 steps")
+    swarm_learner_kl_target: float = setting(0.1, "swarm: the learner's adaptive-KL target per token, in place of "
+                                                  "learner_kl_target (swarm_learner_kl is where the coefficient starts). "
+                                                  "Run g's fixed 0.1 let the KL reach 2.0 per token by step 63, and v2 had "
+                                                  "stopped spawning")
+    swarm_opening_share: float = setting(0.5, "swarm: share of each learner batch reserved for session openings, in place "
+                                              "of learner_opening_share. The spawn-or-serial decision is a session's "
+                                              "opening; run g trained 3,584 of its 10,439 rows, so about two in three "
+                                              "openings went stale untrained")
 
     def check(self) -> None:
         if self.minutes <= 0:
@@ -143,6 +153,10 @@ class DemoConfig:
         for name in ("learner_kl_rows", "swarm_learner_kl_rows"):
             if getattr(self, name) not in ("all", "trained"):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of ('all', 'trained')")
+        if min(self.learner_kl_target, self.swarm_learner_kl_target) < 0:
+            raise ConfigError("learner_kl_target and swarm_learner_kl_target: must be >= 0")
+        if not (0 <= self.learner_opening_share <= 1 and 0 <= self.swarm_opening_share <= 1):
+            raise ConfigError("learner_opening_share and swarm_opening_share: must be in [0, 1]")
         if self.swarm_learner_kl < 0:
             raise ConfigError(f"swarm_learner_kl: must be >= 0, got {self.swarm_learner_kl}")
         if self.swarm_gate_margin < 0:
@@ -167,13 +181,16 @@ SWARM_MAX_TOKENS = 96  # a spawn of 4 sub-tasks is about 60 tokens of the tiny m
 def for_scenario(cfg: DemoConfig) -> DemoConfig:
     """The config a scenario runs with: the swarm's policy-v0 is its own warm start (the tools' format), unless
     warm_model was set to something other than the default; its gate's margin is swarm_gate_margin and its learner's
-    KL coefficient swarm_learner_kl, computed on the rows swarm_learner_kl_rows."""
+    KL coefficient starts at swarm_learner_kl and steers to swarm_learner_kl_target, computed on the rows
+    swarm_learner_kl_rows, with swarm_opening_share of each batch reserved for session openings."""
     import dataclasses
 
     if cfg.scenario != "swarm":
         return cfg
     cfg = dataclasses.replace(cfg, gate_margin=cfg.swarm_gate_margin, gate_outcome_kind=SWARM_GATE_OUTCOME,
-                              learner_kl=cfg.swarm_learner_kl, learner_kl_rows=cfg.swarm_learner_kl_rows)
+                              learner_kl=cfg.swarm_learner_kl, learner_kl_rows=cfg.swarm_learner_kl_rows,
+                              learner_kl_target=cfg.swarm_learner_kl_target,
+                              learner_opening_share=cfg.swarm_opening_share)
     if Path(cfg.warm_model) == Path("var/models/tiny-warm"):
         return dataclasses.replace(cfg, warm_model=SWARM_WARM_MODEL)
     return cfg
@@ -319,7 +336,8 @@ def learner_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]
             "--mode", "full", "--lr", str(cfg.learner_lr), "--batch-size", str(cfg.learner_batch),
             "--min-batch", str(cfg.learner_batch), "--micro-batch", str(min(32, cfg.learner_batch)),
             "--cpu-threads", str(cfg.learner_threads), "--newest-first", "--loss-agg", "sequence",
-            "--kl-coef", str(cfg.learner_kl), "--kl-rows", cfg.learner_kl_rows, "--baseline", cfg.learner_baseline,
+            "--kl-coef", str(cfg.learner_kl), "--kl-rows", cfg.learner_kl_rows, "--kl-target", str(cfg.learner_kl_target),
+            "--opening-share", str(cfg.learner_opening_share), "--baseline", cfg.learner_baseline,
             *(["--positive-only"] if cfg.learner_positive_only else ["--no-positive-only"]),
             "--max-staleness-steps", str(cfg.learner_max_staleness_steps),
             "--epochs", str(cfg.learner_epochs), "--loss", "ppo" if cfg.learner_epochs > 1 else "tis",

@@ -443,6 +443,24 @@ def test_outcome_about_one_agent_counts_for_its_rows_only(rig: Rig) -> None:
     assert by_agent == {"main": 1.0 + 0.75, "kid": 1.0 - 0.25}, by_agent
 
 
+def test_only_the_main_agents_first_call_opens_the_session_in_every_label(rig: Rig) -> None:
+    b = synthetic.SessionBuilder("s1", T0).begin()
+    first = b.llm_call()
+    b.spawn("kid")
+    kid = b.llm_call(agent="kid", parent="main")
+    b.finish("kid", ok=True)
+    second = b.llm_call()
+    end = b.end()
+    rig.feed.write("events", b.events)
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 0.0, after(end, 1))])
+    rig.run(after(end, 2))
+    opens = lambda rows: {r["episode_id"]: json.loads(r["reward_detail"])["opens_session"] for r in rows}  # noqa: E731
+    assert opens(rig.labels("s1")[1]) == {first["event_id"]: True, kid["event_id"]: False, second["event_id"]: False}
+    rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 900))])
+    rig.run(after(end, 901))
+    assert opens(rig.labels("s1")[2])[first["event_id"]] is True, "a relabel keeps the opening"
+
+
 def test_judge_budget_spent_is_recorded_not_waited_for(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.rewards = config.parse(TOML.replace("[task_types.tool_use]", "[judge]\nbudget_s = 0\n[task_types.tool_use]\njudge = true"))

@@ -102,6 +102,54 @@ def test_newest_first_trains_the_latest_rows_and_the_backlog_ages_out(tmp_path: 
     assert s2.poll() == 0 and not s2.pending  # a restart re-reads nothing
 
 
+def _opening(row: dict, opens: bool) -> dict:
+    return row | {"reward_detail": json.dumps({"opens_session": opens})}
+
+
+def test_openings_reserve_takes_session_openings_first_either_way_they_decided(tmp_path: Path) -> None:
+    # 8 rows in lake order: openings at places 1, 5 and 7 (one of them stale), the rest later turns
+    rows = random_rows(8, seed=4, policy_version=2)
+    rows = [_opening(r, i in (1, 5, 7)) for i, r in enumerate(rows)]
+    rows[7] = rows[7] | {"policy_version": 0, "model": "policy-v0"}
+    write_episodes(tmp_path, rows, seq=0)
+    s = _stream(tmp_path)
+    s.poll()
+    assert [p.episode.opens_session for p in s.pending] == [i in (1, 5, 7) for i in range(8)]
+    ids = [r["episode_id"] for r in rows]
+    batch, stats = s.take(4, {0: 9, 2: 0}, max_staleness_steps=4, openings=3)
+    # the two fresh openings first claim their places; the stale one is not taken, so the in-order rows
+    # fill the other two places (rows 0 and 2: row 1 is an opening already in)
+    assert sorted(e.episode_id for e in batch) == sorted([ids[1], ids[5], ids[0], ids[2]]), batch
+    assert stats.stale == 0 and stats.lags == {0: 4}
+    assert [p.episode.episode_id for p in s.pending] == [ids[i] for i in (3, 4, 6, 7)]
+    # without a reserve the same lake gives the rows in order: the default is unchanged
+    plain = _stream(tmp_path)
+    plain.poll()
+    batch, _ = plain.take(4, {0: 9, 2: 0}, max_staleness_steps=4)
+    assert [e.episode_id for e in batch] == ids[:4]
+
+
+def test_openings_reserve_never_exceeds_the_batch_and_counts_stale_rows_once(tmp_path: Path) -> None:
+    rows = [_opening(r, True) for r in random_rows(5, seed=5, policy_version=2)]
+    rows[0] = rows[0] | {"policy_version": 0, "model": "policy-v0"}  # stale
+    write_episodes(tmp_path, rows, seq=0)
+    s = _stream(tmp_path)
+    s.poll()
+    batch, stats = s.take(2, {0: 9, 2: 0}, max_staleness_steps=4, openings=10)
+    assert [e.episode_id for e in batch] == [rows[1]["episode_id"], rows[2]["episode_id"]]
+    assert stats.stale == 0, "a full batch leaves the rest pending, stale or not, as without a reserve"
+    batch, stats = s.take(10, {0: 9, 2: 0}, max_staleness_steps=4, openings=10)
+    assert len(batch) == 2 and stats.stale == 1 and s.counters["stale"] == 1 and not s.pending
+
+
+def test_parse_row_reads_opens_session_only_from_a_readable_detail() -> None:
+    row = random_rows(1, seed=6)[0]
+    assert parse_row(_opening(row, True), 512, 256).opens_session is True
+    assert parse_row(_opening(row, False), 512, 256).opens_session is False
+    assert parse_row(row | {"reward_detail": "{not json"}, 512, 256).opens_session is False
+    assert parse_row(row | {"reward_detail": None}, 512, 256).opens_session is False
+
+
 def test_cursor_passes_a_file_only_when_all_its_rows_are_consumed(tmp_path: Path) -> None:
     f0 = write_episodes(tmp_path, random_rows(3, seed=1), seq=0)
     write_episodes(tmp_path, random_rows(3, seed=2), seq=1)

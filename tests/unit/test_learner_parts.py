@@ -133,10 +133,10 @@ def test_an_undecided_challenger_is_superseded_after_publish_supersede_s() -> No
 
 
 def test_step_metrics_report_reward_lag_and_drops() -> None:
-    batch = [SimpleNamespace(reward=r) for r in (0.0, 1.0, 1.0, 0.0)]
+    batch = [SimpleNamespace(reward=r, opens_session=r > 0) for r in (0.0, 1.0, 1.0, 0.0)]
     result = StepResult(episodes=4, tokens=400, trained_tokens=100, loss=0.5, ratio_mean=1.0, ratio_max=1.2,
                         clip_frac=0.1, kl=0.01, grad_norm=2.0, seconds=2.0, behaviour_gap_mean=1e-4,
-                        behaviour_gap_max=3e-4)
+                        behaviour_gap_max=3e-4, kl_coef=0.4)
     state = TrainerState(step=3, policy_version=2, abandoned=[5])
     m = step_metrics(batch, Counter({0: 3, 2: 1}), result, state,  # type: ignore[arg-type]
                      Counter(stale=7, corrupt=1), max_staleness=2)
@@ -145,6 +145,7 @@ def test_step_metrics_report_reward_lag_and_drops() -> None:
     assert (m["staleness_lag_0"], m["staleness_lag_1"], m["staleness_lag_2"]) == (3.0, 0.0, 1.0)
     assert m["tokens_per_s"] == 200.0 and m["dropped_stale_total"] == 7 and m["relabel_after_train_total"] == 0
     assert m["abandoned_versions_total"] == 1.0 and m["mismatch_behaviour_max"] == 3e-4
+    assert (m["kl"], m["kl_coef"], m["session_openings"]) == (0.01, 0.4, 2.0)
 
 
 def test_advantage_helpers() -> None:

@@ -459,6 +459,17 @@ def test_the_swarm_scenario_flags_are_ones_each_sub_command_accepts() -> None:
     assert plan.gate_rule(plan.for_scenario(cfg)).outcome_kind == swarm.PARTS_CORRECT, "the report reads the same rule"
     assert plan.for_scenario(cfg).learner_kl == cfg.swarm_learner_kl > 0
     assert plan.for_scenario(plan.DemoConfig()).learner_kl == plan.DemoConfig().learner_kl
+
+    def learner_of(demo: plan.DemoConfig) -> LearnerConfig:
+        ends = plan.Endpoints(kafka_bootstrap="127.0.0.1:9092", vllm_url="http://v0", tracking_uri="file:///m", proxy_port=1)
+        run = plan.plan_run(demo, 0.0)
+        argv = plan.learner_command(plan.for_scenario(demo), run, ends) + plan.scenario_flags(demo, "learner")
+        return load_config(LearnerConfig, argv[1:], prog="learner")
+
+    swarm_learner, default_learner = learner_of(cfg), learner_of(plan.DemoConfig())
+    assert (swarm_learner.kl_coef, swarm_learner.kl_target, swarm_learner.opening_share) == \
+        (cfg.swarm_learner_kl, cfg.swarm_learner_kl_target, cfg.swarm_opening_share)
+    assert (default_learner.kl_target, default_learner.opening_share) == (0.0, 0.0), "the default demo's learner is unchanged"
     default = gate_of(plan.DemoConfig())
     assert (default.outcome_kind, default.margin) == ("task_success", 0.0), "the default demo's gate is unchanged"
     rules = config.load(plan.SWARM_REWARDS)
