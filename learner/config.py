@@ -63,7 +63,7 @@ class LearnerConfig:
     kl_target: float = setting(0.0, "adaptive KL: the per-token KL to the base (on the rows the term is computed on) the "
                                     "coefficient steers to, PPO's adaptive penalty (Schulman et al. 2017, sec. 4): after a step "
                                     "whose KL was above 1.5x the target the coefficient doubles, below target/1.5 it halves, "
-                                    "within [kl_coef/100, kl_coef*1000]; kl_coef is the start. 0: the coefficient stays kl_coef")
+                                    "within [kl_coef, kl_coef*1000]: kl_coef is the start and the floor. 0: the coefficient stays kl_coef")
     kl_rows: str = setting("all", "rows the KL term is computed on: all (every row of the batch), or trained (only the "
                                   "rows with a nonzero advantage: under --positive-only a step then costs what it costs "
                                   "without KL, and the anchor holds back exactly the rows being moved)")

@@ -95,13 +95,15 @@ def warmup_factor_at(step: int, warmup_steps: int) -> float:
 
 def adapt_kl_coef(coef: float, kl: float, target: float, start: float) -> float:
     """The KL coefficient after a step whose per-token KL was `kl`: PPO's adaptive penalty (Schulman et al. 2017,
-    sec. 4), doubled above 1.5x the target and halved below target/1.5, kept within [start/100, start*1000] so a
-    run of quiet steps cannot leave it too small to answer a jump, nor a run of loud ones freeze the policy."""
+    sec. 4), doubled above 1.5x the target and halved below target/1.5, kept within [start, start*1000]. The floor
+    is the start: a learner's first steps leave its base by construction (the first step's KL is 0), and run h's
+    floor at start/100 let those quiet steps halve the anchor to 0.001 before the policy had moved at all, so the
+    first version trained unanchored; the cap keeps a run of loud steps from freezing the policy."""
     if kl > 1.5 * target:
         coef *= 2.0
     elif kl < target / 1.5:
         coef /= 2.0
-    return min(max(coef, start / 100.0), start * 1000.0)
+    return min(max(coef, start), start * 1000.0)
 
 
 def rows_worth_running(plan: Plan, kl_coef: float, world_size: int) -> Plan:

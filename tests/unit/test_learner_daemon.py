@@ -201,10 +201,11 @@ def test_adaptive_kl_doubles_above_the_target_halves_below_and_stays_in_its_rang
     from flywheel.learner.trainer import adapt_kl_coef
 
     assert adapt_kl_coef(0.1, kl=0.2, target=0.1, start=0.1) == 0.2, "above 1.5x the target: doubled"
-    assert adapt_kl_coef(0.1, kl=0.05, target=0.1, start=0.1) == 0.05, "below target/1.5: halved"
+    assert adapt_kl_coef(0.1, kl=0.05, target=0.1, start=0.01) == 0.05, "below target/1.5: halved"
     assert adapt_kl_coef(0.1, kl=0.12, target=0.1, start=0.1) == 0.1, "within the band: unchanged"
     assert adapt_kl_coef(90.0, kl=5.0, target=0.1, start=0.1) == 100.0, "capped at 1000x the start"
-    assert adapt_kl_coef(0.0015, kl=0.0, target=0.1, start=0.1) == 0.001, "floored at the start / 100"
+    assert adapt_kl_coef(0.15, kl=0.0, target=0.1, start=0.1) == 0.1, "floored at the start"
+    assert adapt_kl_coef(0.4, kl=0.0, target=0.1, start=0.1) == 0.2, "above the start it halves"
 
 
 def test_kl_target_steers_the_coefficient_step_by_step_and_a_restart_keeps_it(tmp_path: Path, model_dir: Path) -> None:
@@ -212,16 +213,16 @@ def test_kl_target_steers_the_coefficient_step_by_step_and_a_restart_keeps_it(tm
 
     for i in range(3):
         write_episodes(tmp_path / "lake", random_rows(8, seed=20 + i, vocab_size=512), seq=i)
-    cfg = _cfg(tmp_path, model_dir, kl_coef=0.1, kl_target=1e-4)
+    cfg = _cfg(tmp_path, model_dir, kl_coef=0.1, kl_target=1e-7)
     assert run(cfg) == 0
     log = checkpoint.read_trained(tmp_path / "run")
     coefs, kls = [line["kl_coef"] for line in log], [line["kl"] for line in log]
     assert coefs[0] == 0.1, "the first step trains with kl_coef"
     for i in range(1, len(log)):
-        assert coefs[i] == adapt_kl_coef(coefs[i - 1], kls[i - 1], 1e-4, 0.1), (coefs, kls)
+        assert coefs[i] == adapt_kl_coef(coefs[i - 1], kls[i - 1], 1e-7, 0.1), (coefs, kls)
     assert len(set(coefs)) > 1, f"the coefficient never moved: {coefs}, kl {kls}"
     state, _ = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
-    assert state.kl_coef == adapt_kl_coef(coefs[-1], kls[-1], 1e-4, 0.1)
+    assert state.kl_coef == adapt_kl_coef(coefs[-1], kls[-1], 1e-7, 0.1)
     write_episodes(tmp_path / "lake", random_rows(8, seed=30, vocab_size=512), seq=3)
     assert run(cfg) == 0
     assert checkpoint.read_trained(tmp_path / "run")[-1]["kl_coef"] == state.kl_coef, "a restart resumes the coefficient"
