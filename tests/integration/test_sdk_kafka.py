@@ -363,7 +363,16 @@ def _assert_never_blocked(calls: list[float], what: str, also: str = "", p999_li
                f"(limit {p999_limit_ms:.0f} ms), {len(calls)} calls, load average {load:.1f} on {cores} cores"
                + (f"; {also}" if also else ""))
     print(message)
-    assert p999_ms < p999_limit_ms, message  # no systematic waiting
+    if load > cores:
+        # Oversubscribed: the p99.9 of a few thousand calls is their few worst, which time-slicing reaches too (CI,
+        # 2026-12-03: 6.9 ms at load 3.7, the 4th worst of 4,000 calls, with the three-broker test's JVMs on 2 cores).
+        # A wait on the broker would stall every call for as long as the broker does (the 9 s fencing stall, the
+        # 60 s outage): hundreds of calls, so the p99 still catches it at the same bound, and the p99.9 at the worst
+        # call's.
+        p99_ms = calls[int(0.99 * len(calls))] * 1e3
+        assert p99_ms < p999_limit_ms and p999_ms < WORST_CALL_MS, f"p99 {p99_ms:.3f} ms; " + message
+    else:
+        assert p999_ms < p999_limit_ms, message  # no systematic waiting
     if worst_ms >= WORST_CALL_MS and load > cores:
         # More runnable threads than cores: the kernel time-slices them, and a thread waits several ms for its
         # slice (Linux CFS), whatever it runs. A bound on the single worst call is not measurable then.
