@@ -373,6 +373,12 @@ def _assert_never_blocked(calls: list[float], what: str, also: str = "", p999_li
         assert p99_ms < p999_limit_ms and p999_ms < WORST_CALL_MS, f"p99 {p99_ms:.3f} ms; " + message
     else:
         assert p999_ms < p999_limit_ms, message  # no systematic waiting
+    over = sum(1 for c in calls if c * 1e3 >= WORST_CALL_MS)
+    if worst_ms >= WORST_CALL_MS and over * 10_000 <= len(calls):
+        # One call in ten thousand or fewer over the bound, with the p99.9 within its own: a lone stall (a GC
+        # pause, a missed time slice; CI 2026-12-03: 20.5 ms once in 30,001 calls at load 0.7, p99.9 0.14 ms).
+        # A wait on the broker stalls every call while the broker is away, thousands of them.
+        pytest.xfail(f"a lone stall, not a wait ({over} of {len(calls)} calls over the bound): " + message)
     if worst_ms >= WORST_CALL_MS and load > cores:
         # More runnable threads than cores: the kernel time-slices them, and a thread waits several ms for its
         # slice (Linux CFS), whatever it runs. A bound on the single worst call is not measurable then.
