@@ -426,6 +426,9 @@ log.retention.hours=168
         "rootLogger.level = WARN\nrootLogger.appenderRef.stdout.ref = STDOUT\n"
         "logger.kafka.name = kafka\nlogger.kafka.level = WARN\n"
         "logger.server.name = kafka.server.KafkaRaftServer\nlogger.server.level = INFO\n"
+        # "Failed authentication with /host (reason)": an operator's record of refused clients, and the broker's
+        # side of a refusal when a client sees only the closed socket
+        "logger.selector.name = org.apache.kafka.common.network.Selector\nlogger.selector.level = INFO\n"
     )
     return path
 

@@ -109,6 +109,15 @@ def test_wrong_or_no_credentials_are_refused_and_the_sdk_spools(sasl_kafka: stac
     # kafka-python 3 raises "Unable to bootstrap" (KafkaTimeoutError) and logs why each attempt failed
     text = f"{type(refused.value).__name__}: {refused.value}\n{caplog.text}"
     wanted = ("SaslAuthenticationFailed", "Authentication failed") if password else ("bootstrap", "NoBrokersAvailable")
+    if password and not any(w.lower() in text.lower() for w in wanted):
+        # once in CI (load ~4) every attempt read only "socket disconnected": the broker closes a refused
+        # connection right after its error response, and the client saw the close first. The refusal must then
+        # be the broker's, for this reason, in its own log (infra/stack.py logs failed authentications)
+        broker_log = Path(sasl_kafka.var_dir) / "log" / "kafka.log"
+        refusals = [line for line in broker_log.read_text(errors="replace").splitlines()
+                    if "Failed authentication" in line and "invalid credentials" in line]
+        assert refusals, f"the client saw no refusal and the broker logged none:\n{text}"
+        text += "\n" + refusals[-1]
     assert any(w.lower() in text.lower() for w in wanted), text
 
     log = SessionLogger(sasl_kafka.kafka_bootstrap, topic=sasl_kafka.kafka_topics[0], name=f"sasl-bad-{password}",
