@@ -131,6 +131,8 @@ class LakeWriterConfig:
                                   "(on 2 cores it did not pay: docs/lake.md)")
     decode_depth: int = setting(4, "polled runs of records the decode worker may hold before the writer waits for it")
     status_interval_s: float = setting(2.0, "how often the status heartbeat and lag are refreshed")
+    join_timeout_s: float = setting(60.0, "a writer that holds no partitions and has not become a stable group member "
+                                    "for this long starts a new consumer (doubling the wait each time, up to 16x)")
     var_dir: str = setting(defaults.VAR_DIR, "local state directory (status heartbeat, resolved config)")
     metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9101)")
     log_level: str = setting("INFO", "logging level")
@@ -149,6 +151,8 @@ class LakeWriterConfig:
             raise ConfigError("dedup_window: must be >= 0 (0 turns de-duplication off)")
         if self.roll_max_age_s <= 0 or self.poll_timeout_s <= 0:
             raise ConfigError("roll_max_age_s, poll_timeout_s: must be > 0")
+        if self.join_timeout_s <= 0:
+            raise ConfigError("join_timeout_s: must be > 0")
         if self.session_timeout_s < 6:
             raise ConfigError("session_timeout_s: the broker refuses less than 6 s (group.min.session.timeout.ms)")
 
@@ -254,6 +258,7 @@ class Stats:
     gap_offsets: int = 0  # offsets those gaps skipped
     behind: int = 0  # records below the partition's expected offset, skipped
     rewound: int = 0  # partitions found with a log that no longer matches the lake (paused, see check_logs)
+    rejoins: int = 0  # new consumers started because the group never became stable (_JoinWatch)
 
 
 class IdWindow:
@@ -802,10 +807,16 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     decoder = _Decoder(writer, rebalance, DecodeWorker if cfg.decode_worker else None, cfg.decode_depth)
     if decoder.worker is not None:
         log.info("setup: decode worker pid %d started", decoder.worker.process.pid)
+    watch = _JoinWatch(cfg.join_timeout_s)
     try:
         with _rare_gc():
             log.info("setup: subscribed; entering the loop")
-            _loop(cfg, consumer, writer, rebalance, status_name, stopped, decoder)
+            while True:
+                try:
+                    _loop(cfg, consumer, writer, rebalance, status_name, stopped, decoder, watch)
+                    break
+                except _NeverJoined as stuck:
+                    consumer = _new_consumer(cfg, consumer, writer, rebalance, str(stuck))
     finally:
         decoder.close()
         consumer.close()
@@ -830,6 +841,57 @@ def _connect(cfg: LakeWriterConfig) -> tuple["KafkaConsumer", "KafkaProducer"] |
     consumer = _consumer(cfg)
     _wait_for_topics(consumer, sorted(cfg.tables()))
     return consumer, producer
+
+
+class _NeverJoined(Exception):
+    """Raised by the loop when _JoinWatch gives up on the consumer's group join."""
+
+
+class _JoinWatch:
+    """Notices a consumer that never becomes a stable group member.
+
+    Twice in CI (2026-12-02 and -03, load ~4) one of two freshly started writers held no partition for 90 s
+    while its topic had four and its group no other member; its heartbeat read `partitions: 0`. The cause in
+    kafka-python 3's event-loop group coordinator is not found (docs/reliability.md). A member that holds
+    nothing because the group's other members hold everything is STABLE and is left alone; one that has been
+    UNJOINED or REBALANCING for `timeout_s` with nothing held gets a new consumer (it has no open files, so
+    nothing is lost), and the next wait doubles, up to 16x, so a group that is slow for another reason (a
+    large group's rebalance) is not churned."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.base_s = self.timeout_s = timeout_s
+        self.clock = clock
+        self.since = clock()
+
+    def due(self, held: int, state: str) -> str | None:
+        """A reason to start a new consumer, or None; `state` is kafka-python's MemberState value."""
+        now = self.clock()
+        if held or state == "<stable>":
+            self.since = now
+            return None
+        if now - self.since < self.timeout_s:
+            return None
+        waited = now - self.since
+        self.since = now
+        self.timeout_s = min(self.timeout_s * 2, self.base_s * 16)
+        return f"no partitions and group state {state} for {waited:.0f} s"
+
+
+def _new_consumer(cfg: LakeWriterConfig, old: "KafkaConsumer", writer: LakeWriter, rebalance: "_Rebalance",
+                  why: str) -> "KafkaConsumer":
+    """Close a consumer stuck outside its group and subscribe a new one in its place."""
+    log.error("group: %s; starting a new consumer (a stuck join; docs/reliability.md)", why)
+    writer.stats.rejoins += 1
+    try:
+        old.close(autocommit=False, timeout_ms=5000)
+    except Exception as exc:  # the old one is abandoned either way
+        log.warning("group: closing the stuck consumer failed: %s", exc)
+    consumer = _consumer(cfg)
+    _wait_for_topics(consumer, sorted(cfg.tables()))
+    rebalance.consumer = consumer
+    writer.on_published = functools.partial(_commit_hint, consumer)
+    consumer.subscribe(topics=sorted(cfg.tables()), listener=rebalance)
+    return consumer
 
 
 def _commit_hint(consumer: "KafkaConsumer", topic: str, partition: int, last: int) -> None:
@@ -910,9 +972,10 @@ def _rare_gc() -> Iterator[None]:
 
 
 def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, rebalance: _Rebalance,
-          status_name: str, stopped: Callable[[], bool], decoder: _Decoder | None = None) -> None:
+          status_name: str, stopped: Callable[[], bool], decoder: _Decoder | None = None,
+          watch: _JoinWatch | None = None) -> None:
     """Poll -> writer (publishing, with its commit hints) -> heartbeat, until `stopped()`; then publish
-    every open file."""
+    every open file. Raises _NeverJoined when `watch` gives up on the group join (no file is open then)."""
     decoder = decoder or _Decoder(writer, rebalance)
     last_status = time.monotonic()
     last_stats = Stats()
@@ -932,6 +995,9 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
             _heartbeat(cfg, status_name, consumer, writer, now - last_status, last_stats)
             last_stats = Stats(**vars(writer.stats))
             last_status = now
+            stuck = watch and watch.due(len(writer.next_offset), consumer.group_metadata().state)
+            if stuck:
+                raise _NeverJoined(stuck)
     decoder.collect(wait=True)
     writer.flush_all()
     writer.dlq.flush()
@@ -1111,6 +1177,8 @@ def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer
         "gap_offsets": s.gap_offsets,
         "behind": s.behind,
         "rewound_partitions": [f"{t}/{p}" for t, p in sorted(writer.rewound)],
+        "group_state": consumer.group_metadata().state.strip("<>"),  # unjoined, rebalancing, stable
+        "rejoins": s.rejoins,
         "open_records": sum(b.count for b in writer.buffers.values() if not b.empty),
     }
     write_status(status_name, fields, var_dir=cfg.var_dir)
@@ -1135,6 +1203,8 @@ def writer_metrics(writer: LakeWriter) -> Metrics:
             Reading("gauge", "consumer_lag", "records", "log end minus published offset over the assigned partitions "
                     "(NaN: the broker did not answer)", nan_if_negative(writer.lag_records)),
             Reading("gauge", "assigned", "partitions", "partitions this writer owns", len(writer.next_offset)),
+            Reading("counter", "group", "rejoins", "new consumers started after a group join that never completed",
+                    s.rejoins),
         ]
 
     metrics.read(readings)

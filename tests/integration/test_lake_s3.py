@@ -122,7 +122,9 @@ def _start_writer(bootstrap: str, topic: str, dlq: str, group: str, instance: st
     args = [sys.executable, "-m", "flywheel.ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
             "--outcomes-topic", "", "--dlq-topic", dlq, "--group-id", group, "--instance-id", instance,
             "--lake-root", root, "--var-dir", str(var), "--roll-max-age-s", "0.5",
-            "--roll-max-records", str(roll_records), "--session-timeout-s", "6", "--log-level", "WARNING"]
+            "--roll-max-records", str(roll_records), "--session-timeout-s", "6", "--log-level", "WARNING",
+            # twice in CI a writer's first join never completed; the watch starts a new consumer well within 90 s
+            "--join-timeout-s", "15"]
     log = open(var / f"{instance}.log", "ab")
     return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
 
@@ -179,8 +181,12 @@ def test_two_writers_racing_into_one_s3_lake_land_each_event_once(
     try:
         # both must hold every partition before the feed starts, or there is no race: in one CI run writer b never
         # got an assignment, and its heartbeat's lag (over no partitions) read 0, so the test ran one writer alone
-        wait_for(lambda: all(partitions(w) == partitions_n for w in "ab"), 90,
-                 f"both writers to hold all {partitions_n} partitions")
+        try:
+            wait_for(lambda: all(partitions(w) == partitions_n for w in "ab"), 90,
+                     f"both writers to hold all {partitions_n} partitions")
+        except AssertionError as exc:  # what each writer said, for the next diagnosis
+            logs = {w: (var / f"{w}.log").read_text(errors="replace")[-3000:] for w in "ab"}
+            raise AssertionError(f"{exc}\nstatuses {read_statuses(var)}\nlogs {logs}") from exc
         producer.start()
         wait_for(lambda: landed() > 0, 90, "the first files in the s3 lake")
         writers["a"].send_signal(signal.SIGKILL)  # with open buffers and maybe a claim not yet published

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +22,9 @@ from flywheel.ingest.lake_writer import (
     LakeWriterConfig,
     Rejected,
     _commit_hint,
+    _JoinWatch,
     _loop,
+    _NeverJoined,
     _Rebalance,
     compact,
     decode_record,
@@ -292,6 +295,11 @@ class FakeConsumer:
 
     def poll(self, timeout_ms: int, max_records: int) -> dict:
         return self.batches.pop(0) if self.batches else {}
+
+    def group_metadata(self) -> object:
+        from kafka.structs import ConsumerGroupMetadata, MemberState
+
+        return ConsumerGroupMetadata(group_id="test", generation_id=1, state=MemberState.STABLE)
 
 
 def tp(partition: int, topic: str = TOPIC) -> TopicPartition:
@@ -716,6 +724,53 @@ def test_a_checked_partition_takes_the_records_held_back_before(tmp_path: Path) 
     assert consumer.end_offset_calls == 2 and w.unchecked == set(), (consumer.end_offset_calls, w.unchecked)
     assert lake_rows(tmp_path) == [0, 1, 2, 3, 4], f"the re-read records land once, in order: {lake_rows(tmp_path)}"
     assert (w.stats.behind, w.stats.gaps) == (0, 0), w.stats
+
+
+# ---- a consumer that never joins its group gets replaced (_JoinWatch) ---------------------------------------
+def test_the_join_watch_fires_only_for_a_member_holding_nothing_outside_a_stable_group() -> None:
+    now = [0.0]
+    watch = _JoinWatch(60.0, clock=lambda: now[0])
+    now[0] = 59.0
+    assert watch.due(0, "<rebalancing>") is None, "not before the timeout"
+    now[0] = 61.0
+    assert watch.due(0, "<rebalancing>") == "no partitions and group state <rebalancing> for 61 s"
+    now[0] = 61.0 + 119.0
+    assert watch.due(0, "<unjoined>") is None, "the second wait is twice the first"
+    now[0] = 61.0 + 121.0
+    assert watch.due(0, "<unjoined>") is not None
+    for _ in range(10):  # the wait doubles up to 16x and stays there
+        now[0] += 16 * 60.0 + 1
+        assert watch.due(0, "<unjoined>") is not None
+    assert watch.timeout_s == 16 * 60.0
+    # a stable member with no partitions (the others hold them all) and a member holding partitions are healthy,
+    # and each resets the clock
+    for held, state in [(0, "<stable>"), (3, "<rebalancing>")]:
+        now[0] += 10_000.0
+        assert watch.due(held, state) is None
+        now[0] += watch.timeout_s - 1
+        assert watch.due(0, "<unjoined>") is None
+
+
+def test_the_loop_hands_a_never_joined_consumer_back_with_nothing_open(tmp_path: Path) -> None:
+    class NeverJoins(FakeConsumer):
+        def group_metadata(self) -> object:
+            from kafka.structs import ConsumerGroupMetadata
+
+            return ConsumerGroupMetadata(group_id="test")  # UNJOINED, generation -1: what the stuck writer reported
+
+    consumer = NeverJoins()
+    w = make_writer(tmp_path, status_interval_s=0.001)
+    now = [0.0]
+    watch = _JoinWatch(5.0, clock=lambda: now[0])
+
+    def stopped() -> bool:  # each pass of the loop is one second on the watch's clock and a heartbeat
+        time.sleep(0.002)
+        now[0] += 1.0
+        return now[0] > 100
+
+    with pytest.raises(_NeverJoined, match="no partitions and group state <unjoined>"):
+        _loop(w.cfg, consumer, w, _Rebalance(w, consumer), "lake-writer-test", stopped, watch=watch)
+    assert 5 <= now[0] <= 8 and not w.buffers, (now[0], w.buffers)
 
 
 # ---- the Kafka record timestamp: only the date of an all-bad range, never a reason to stop ------------------

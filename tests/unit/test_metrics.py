@@ -136,6 +136,11 @@ class _Consumer:
 
     def commit_async(self, offsets: dict) -> None: ...
 
+    def group_metadata(self) -> object:
+        from kafka.structs import ConsumerGroupMetadata, MemberState
+
+        return ConsumerGroupMetadata(group_id="test", generation_id=1, state=MemberState.STABLE)
+
 
 def test_lake_writer_counts_records_files_dead_letters_by_reason_and_lag(tmp_path: Path) -> None:
     from kafka import TopicPartition
