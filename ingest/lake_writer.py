@@ -879,15 +879,20 @@ class _JoinWatch:
 
 def _new_consumer(cfg: LakeWriterConfig, old: "KafkaConsumer", writer: LakeWriter, rebalance: "_Rebalance",
                   why: str) -> "KafkaConsumer":
-    """Close a consumer stuck outside its group and subscribe a new one in its place."""
+    """Close a consumer stuck outside its group and subscribe a new one in its place; keep the old one when no
+    new one can be made (the broker is away: the watch tries again after a longer wait)."""
     log.error("group: %s; starting a new consumer (a stuck join; docs/reliability.md)", why)
+    try:
+        consumer = _consumer(cfg)
+        _wait_for_topics(consumer, sorted(cfg.tables()))
+    except Exception as exc:
+        log.error("group: no new consumer (%s); keeping the old one", exc)
+        return old
     writer.stats.rejoins += 1
     try:
         old.close(autocommit=False, timeout_ms=5000)
     except Exception as exc:  # the old one is abandoned either way
         log.warning("group: closing the stuck consumer failed: %s", exc)
-    consumer = _consumer(cfg)
-    _wait_for_topics(consumer, sorted(cfg.tables()))
     rebalance.consumer = consumer
     writer.on_published = functools.partial(_commit_hint, consumer)
     consumer.subscribe(topics=sorted(cfg.tables()), listener=rebalance)
