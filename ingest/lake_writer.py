@@ -997,10 +997,11 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
         writer.roll_due()
         now = time.monotonic()
         if now - last_status >= cfg.status_interval_s:
-            _heartbeat(cfg, status_name, consumer, writer, now - last_status, last_stats)
+            state = consumer.group_metadata().state  # kafka-python's MemberState: <unjoined>, <rebalancing>, <stable>
+            _heartbeat(cfg, status_name, consumer, writer, now - last_status, last_stats, state)
             last_stats = Stats(**vars(writer.stats))
             last_status = now
-            stuck = watch and watch.due(len(writer.next_offset), consumer.group_metadata().state)
+            stuck = watch and watch.due(len(writer.next_offset), state)
             if stuck:
                 raise _NeverJoined(stuck)
     decoder.collect(wait=True)
@@ -1163,7 +1164,7 @@ def _pause_rewound(consumer: "KafkaConsumer", writer: LakeWriter) -> None:
 
 
 def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer", writer: LakeWriter, dt_s: float,
-               prev: Stats) -> None:
+               prev: Stats, group_state: str) -> None:
     ends = _check_logs(consumer, writer, list(writer.next_offset), topic_ids=False)
     lag = -1 if ends is None else sum(max(0, end - (writer.published.get(tp, -1) + 1)) for tp, end in ends.items())
     writer.lag_records = lag
@@ -1182,7 +1183,7 @@ def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer
         "gap_offsets": s.gap_offsets,
         "behind": s.behind,
         "rewound_partitions": [f"{t}/{p}" for t, p in sorted(writer.rewound)],
-        "group_state": consumer.group_metadata().state.strip("<>"),  # unjoined, rebalancing, stable
+        "group_state": group_state.strip("<>"),
         "rejoins": s.rejoins,
         "open_records": sum(b.count for b in writer.buffers.values() if not b.empty),
     }
