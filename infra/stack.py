@@ -491,7 +491,23 @@ def kafka_live_brokers(cfg: StackConfig, timeout_s: float = 5.0) -> int:
         admin.close()
 
 
-def ensure_topics(cfg: StackConfig) -> None:
+def ensure_topics(cfg: StackConfig, retry_s: float = 30.0) -> None:
+    from kafka.errors import KafkaConnectionError
+
+    # A node that has just come up may still refuse the request sent to it (see _cluster_up): retry a refused
+    # connection for a while rather than fail a start that is otherwise healthy.
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            return _create_topics(cfg)
+        except KafkaConnectionError as exc:
+            if time.monotonic() >= deadline:
+                raise StackError(f"kafka: creating topics at {cfg.kafka_bootstrap} failed for {retry_s:.0f}s: {exc}") from exc
+            log.info("kafka: creating topics refused (%s); retrying", exc)
+            time.sleep(1.0)
+
+
+def _create_topics(cfg: StackConfig) -> None:
     from kafka import KafkaAdminClient
     from kafka.errors import TopicAlreadyExistsError
 
@@ -540,6 +556,10 @@ def _cluster_up(cfg: StackConfig, records: list[dict[str, Any]]) -> bool:
         if not _alive_and_ours(record) and (time.sleep(0.2) or not _alive_and_ours(record)):
             log_path = _log_path(cfg, kafka_node_name(cfg, node_id))
             raise StackError(f"kafka node {node_id} exited during start-up; last lines of {log_path}:\n{_tail(log_path)}")
+    # A KRaft broker is unfenced (listed as live) before its listeners accept connections: a create-topics request
+    # sent to it in that window was refused (ECONNREFUSED, CI of b692c01). Every listener open, then the metadata.
+    if not all(_port_open(cfg.kafka_host, port) for _, port, _ in cfg.kafka_nodes):
+        return False
     return kafka_healthy(cfg)
 
 

@@ -101,3 +101,36 @@ def test_the_kafka_part_names_every_node_and_any_an_earlier_up_left(tmp_path: Pa
     (run_dir / "kafka-2.pid.json").write_text(json.dumps({"pid": 1, "marker": "x"}))
     assert stack._processes(_cfg(tmp_path), "kafka") == ["kafka", "kafka-2"], "down after `up --kafka-brokers 3` stops the nodes"
     assert stack._processes(_cfg(tmp_path, kafka_brokers=3), "kafka") == ["kafka-1", "kafka-2", "kafka-3"]
+
+
+def test_a_cluster_is_up_only_when_every_listener_accepts_even_if_the_metadata_lists_every_broker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # KRaft lists a broker as live (unfenced) before its listener accepts; topics created then were refused (CI)
+    cfg = _cfg(tmp_path, kafka_brokers=3, kafka_port=29100, kafka_controller_port=29101)
+    closed = {cfg.kafka_nodes[2][1]}
+    monkeypatch.setattr(stack, "_alive_and_ours", lambda record: True)
+    monkeypatch.setattr(stack, "kafka_live_brokers", lambda c, timeout_s=5.0: 3)
+    monkeypatch.setattr(stack, "_port_open", lambda host, port: port not in closed)
+    assert not stack._cluster_up(cfg, [{}, {}, {}])
+    closed.clear()
+    assert stack._cluster_up(cfg, [{}, {}, {}])
+
+
+def test_creating_topics_retries_a_refused_connection_then_names_the_bootstrap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kafka.errors import KafkaConnectionError
+
+    calls: list[int] = []
+
+    def refused_twice(cfg: stack.StackConfig) -> None:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise KafkaConnectionError("111 ECONNREFUSED")
+
+    monkeypatch.setattr(stack, "_create_topics", refused_twice)
+    monkeypatch.setattr(stack.time, "sleep", lambda s: None)
+    stack.ensure_topics(_cfg(tmp_path))
+    assert len(calls) == 3
+    monkeypatch.setattr(stack, "_create_topics", lambda cfg: (_ for _ in ()).throw(KafkaConnectionError("refused")))
+    with pytest.raises(stack.StackError, match="creating topics at 127.0.0.1:9092 failed"):
+        stack.ensure_topics(_cfg(tmp_path), retry_s=0.0)
