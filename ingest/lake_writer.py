@@ -78,7 +78,7 @@ from flywheel.base.config import (
     write_resolved,
 )
 from flywheel.base.heartbeat import write_status
-from flywheel.base.kafka import client_kwargs, load_kafka_config
+from flywheel.base.kafka import client_kwargs, load_kafka_config, recover_lost_join
 from flywheel.base.metrics import Metrics, Reading, nan_if_negative
 from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
@@ -259,6 +259,7 @@ class Stats:
     behind: int = 0  # records below the partition's expected offset, skipped
     rewound: int = 0  # partitions found with a log that no longer matches the lake (paused, see check_logs)
     rejoins: int = 0  # new consumers started because the group never became stable (_JoinWatch)
+    lost_joins: int = 0  # group joins whose completion kafka-python dropped, restarted (recover_lost_join)
 
 
 class IdWindow:
@@ -851,8 +852,9 @@ class _JoinWatch:
     """Notices a consumer that never becomes a stable group member.
 
     Twice in CI (2026-12-02 and -03, load ~4) one of two freshly started writers held no partition for 90 s
-    while its topic had four and its group no other member; its heartbeat read `partitions: 0`. The cause in
-    kafka-python 3's event-loop group coordinator is not found (docs/reliability.md). A member that holds
+    while its topic had four and its group no other member; its heartbeat read `partitions: 0`. One cause was
+    found later (a join whose completion kafka-python drops; `recover_lost_join`, run after every poll, repairs
+    it within a poll); this watch stays as the fallback for any other (docs/reliability.md). A member that holds
     nothing because the group's other members hold everything is STABLE and is left alone; one that has been
     UNJOINED or REBALANCING for `timeout_s` with nothing held gets a new consumer (it has no open files, so
     nothing is lost), and the next wait doubles, up to 16x, so a group that is slow for another reason (a
@@ -988,6 +990,9 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
     while not stopped():
         batches = consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
         rebalance.raise_failure()
+        if recover_lost_join(consumer):
+            writer.stats.lost_joins += 1
+            log.warning("group: kafka-python dropped a finished join (no partitions, still rebalancing); rejoining")
         if writer.unchecked:
             # at every poll until it runs: a recreated topic must not reach the lake (_take holds the records back)
             found = _check_logs(consumer, writer, sorted(writer.unchecked), topic_ids=True, warn=not failed_checks)
@@ -1185,6 +1190,7 @@ def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer
         "rewound_partitions": [f"{t}/{p}" for t, p in sorted(writer.rewound)],
         "group_state": group_state.strip("<>"),
         "rejoins": s.rejoins,
+        "lost_joins": s.lost_joins,
         "open_records": sum(b.count for b in writer.buffers.values() if not b.empty),
     }
     write_status(status_name, fields, var_dir=cfg.var_dir)
@@ -1211,6 +1217,8 @@ def writer_metrics(writer: LakeWriter) -> Metrics:
             Reading("gauge", "assigned", "partitions", "partitions this writer owns", len(writer.next_offset)),
             Reading("counter", "group", "rejoins", "new consumers started after a group join that never completed",
                     s.rejoins),
+            Reading("counter", "group", "lost_joins", "group joins whose completion kafka-python dropped, restarted",
+                    s.lost_joins),
         ]
 
     metrics.read(readings)

@@ -187,3 +187,28 @@ def topic_configs(admin: Any, topics: list[str]) -> dict[str, dict[str, str]]:
             if error_code == 0:
                 out[name] = {entry[0]: str(entry[1]) for entry in entries}
     return out
+
+
+def recover_lost_join(consumer: Any) -> bool:
+    """Restart a group join whose completion kafka-python dropped; True when it did. Call after each poll.
+
+    kafka-python 3.0.12 (`coordinator/base.py`, `join_group_async`) runs a join as a task and, when a poll's time
+    runs out first, leaves the task in flight for the next poll to await, but only while `need_rejoin()` holds. A
+    rejoin caused by a metadata change (the group leader assigned partitions before it knew the topic's, which a
+    fresh group on a fresh topic often does) needs it only until the leader's new assignment updates its metadata
+    snapshot, inside the task. If the poll timed out before that, the next poll sees no rejoin needed and never
+    awaits the task: its assignment is never applied, the member stays REBALANCING with no partitions, for ever
+    (reproduced: a consumer polled with a timeout of 0-2 ms, 10 fresh groups of 10; tests/integration/
+    test_kafka_group_join.py). A finished join task that nobody took, while the member is still rebalancing, is
+    exactly that state: asking for a rejoin makes the next poll run a new join (the partitions were already
+    revoked when the lost one began). Private attributes, read defensively: a kafka-python without them (or
+    with the bug fixed and the task cleared) makes this a no-op.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    task = getattr(coordinator, "_join_task", None)
+    if task is None or not getattr(task, "is_done", False):
+        return False
+    if str(getattr(coordinator, "state", "")) != "<rebalancing>" or coordinator.need_rejoin():
+        return False
+    coordinator.request_rejoin()
+    return True

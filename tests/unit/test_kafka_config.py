@@ -142,3 +142,42 @@ def test_topics_config_rejects_impossible_settings() -> None:
 def test_a_misspelt_kafka_variable_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="FLYWHEEL_KAFKA_SASL_USER'"):
         load_kafka_config(env={**SCRAM, "FLYWHEEL_KAFKA_SASL_USER": "agent", "FLYWHEEL_KAFKA_BOOTSTRAP": "b:9092"})
+
+
+class _Task:
+    def __init__(self, done: bool) -> None:
+        self.is_done = done
+
+
+class _Coordinator:
+    def __init__(self, state: str, task: _Task | None, rejoin: bool) -> None:
+        self.state, self._join_task, self.rejoin_needed = state, task, rejoin
+
+    def need_rejoin(self) -> bool:
+        return self.rejoin_needed
+
+    def request_rejoin(self) -> None:
+        self.rejoin_needed = True
+
+
+class _Consumer:
+    def __init__(self, coordinator: object) -> None:
+        self._coordinator = coordinator
+
+
+def test_only_a_finished_join_left_untaken_while_rebalancing_is_restarted() -> None:
+    from flywheel.base.kafka import recover_lost_join
+
+    lost = _Coordinator("<rebalancing>", _Task(done=True), rejoin=False)
+    assert recover_lost_join(_Consumer(lost)) and lost.rejoin_needed, "the dropped completion must ask for a rejoin"
+    assert not recover_lost_join(_Consumer(lost)), "once asked, the next poll's join loop takes over"
+    healthy = [
+        _Coordinator("<rebalancing>", _Task(done=False), rejoin=False),  # the join still runs: the next poll awaits it
+        _Coordinator("<rebalancing>", _Task(done=True), rejoin=True),    # the next poll's loop will take it
+        _Coordinator("<stable>", _Task(done=True), rejoin=False),        # joined
+        _Coordinator("<rebalancing>", None, rejoin=False),               # no task at all
+    ]
+    for coordinator in healthy:
+        before = coordinator.rejoin_needed
+        assert not recover_lost_join(_Consumer(coordinator)) and coordinator.rejoin_needed == before, vars(coordinator)
+    assert not recover_lost_join(object()), "a client without kafka-python 3's attributes is left alone"
