@@ -482,6 +482,15 @@ def _decode_fast(table: str, topic: str, partition: int, offsets: list[int], val
     return None, [], []
 
 
+def warm_up() -> None:
+    """Pay pyarrow's lazy imports now rather than inside the first batch: its first timestamp cast imports
+    pandas (0.35-0.43 s here, measured in the bench's first decoded batch), which would otherwise delay the first
+    records a writer lands after every (re)start."""
+    import pyarrow as pa
+
+    pa.array([0], pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+
+
 def decode_batch(table: str, topic: str, partition: int, offsets: list[int], values: list[Any],
                  ingest_ts: dt.datetime | None = None) -> DecodedBatch:
     """Decode a run of one partition's records (values at those offsets) into lake rows and rejections.

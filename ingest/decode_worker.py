@@ -25,7 +25,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from flywheel.ingest.decode import DecodedBatch, decode_batch
+from flywheel.ingest.decode import DecodedBatch, decode_batch, warm_up
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -133,6 +133,7 @@ def _serve(source: "Connection", sink: "Connection", parent_pid: int) -> None:
     import pyarrow as pa
 
     _die_with(parent_pid)
+    warm_up()
     while True:
         try:
             table, topic, partition, offsets, values = pickle.loads(source.recv_bytes())

@@ -92,6 +92,7 @@ from flywheel.ingest.decode import (  # noqa: F401 - the decode path's public na
     decode_batch,
     decode_record,
     rows_to_table,
+    warm_up,
 )
 
 if TYPE_CHECKING:
@@ -793,6 +794,7 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     if clients is None:
         return 2
     consumer, producer = clients
+    warm_up()
     writer = LakeWriter(cfg, DeadLetters(producer, cfg.dlq_topic, cfg.lake_root))
     writer.on_published = functools.partial(_commit_hint, consumer)
     metrics = writer_metrics(writer)
