@@ -124,6 +124,21 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _package_versions() -> dict[str, str | None]:
+    """The versions the warm start's numbers depend on. The same rule, code and base weights kept step 200 of 275
+    (held-out 21%) in run a and step 100 of 175 (5.5%) in run b and since: the early stopping sits on a knife
+    edge, and a changed environment is the suspect we could not test (docs/experiments.md)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in ("torch", "transformers", "tokenizers", "huggingface-hub", "numpy", "safetensors"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def _batch(examples: list[Example], pad_id: int) -> tuple[Any, Any, Any]:
     import torch
 
@@ -287,6 +302,7 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     at = next(h for h in history if h["step"] == kept)
     held = tasks.heldout_keys()
     record = {"rule": rule, "base_model": str(base_dir), "base_sha256": _file_sha256(Path(base_dir) / "model.safetensors"),
+              "packages": _package_versions(),
               "steps": kept, "steps_trained": trained,
               "stopped_early": trained < s.max_steps, "heldout_loss": at["heldout_loss"],
               "final_success": at["success"], "first_call_correct": at["first_call_correct"],
