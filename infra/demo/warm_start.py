@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -126,8 +127,8 @@ def _file_sha256(path: Path) -> str:
 
 def _package_versions() -> dict[str, str | None]:
     """The versions the warm start's numbers depend on. The same rule, code and base weights kept step 200 of 275
-    (held-out 21%) in run a and step 100 of 175 (5.5%) in run b and since: the early stopping sits on a knife
-    edge, and a changed environment is the suspect we could not test (docs/experiments.md)."""
+    (held-out 21%) in run a and step 100 of 175 (5.5%) in run b: the early stopping sits on a knife edge
+    (docs/experiments.md). These packages alone do not settle it (see _machine)."""
     from importlib import metadata
 
     out: dict[str, str | None] = {}
@@ -136,6 +137,40 @@ def _package_versions() -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    """The CPU the warm start ran on. With the same packages (torch 2.13.0, transformers 5.19.0), base weights, seed
+    and rule, one development machine kept step 100 (5.5%) three times on 2026-12-03 and another kept step 200
+    (21.1%) the same evening. The likeliest cause is the processor (CPU kernels that round differently; not proven),
+    and the rule's decision turns on the third decimal of a held-out loss, so the processor is recorded. A virtual
+    machine's model name is often generic ("Intel(R) Xeon(R) Processor"), hence family/model/stepping and flags."""
+    import platform
+
+    import torch
+
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    return {"cpu": info.get("model name") or platform.processor() or None,
+            "cpu_id": "/".join(info.get(k, "?") for k in ("cpu family", "model", "stepping")),
+            "isa": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"}),
+            "machine": platform.machine(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads(), "cores": os.cpu_count()}
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ({} where there is none: not Linux)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                out[key.strip()] = value.strip()
+    except OSError:
+        pass
     return out
 
 
@@ -302,7 +337,7 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     at = next(h for h in history if h["step"] == kept)
     held = tasks.heldout_keys()
     record = {"rule": rule, "base_model": str(base_dir), "base_sha256": _file_sha256(Path(base_dir) / "model.safetensors"),
-              "packages": _package_versions(),
+              "packages": _package_versions(), "machine": _machine(),
               "steps": kept, "steps_trained": trained,
               "stopped_early": trained < s.max_steps, "heldout_loss": at["heldout_loss"],
               "final_success": at["success"], "first_call_correct": at["first_call_correct"],
