@@ -520,8 +520,30 @@ def _create_topics(cfg: StackConfig) -> None:
         if missing:
             log.info("kafka: created topics %s with %d partitions, %d replicas", missing, cfg.kafka_partitions,
                      cfg.kafka_replication)
+            _wait_for_leaders(admin, missing, cfg.kafka_partitions)
     finally:
         admin.close()
+
+
+def _wait_for_leaders(admin: Any, topics: list[str], partitions: int, timeout_s: float = 30.0) -> None:
+    """Wait until every new topic's partitions have a leader in the metadata. A KRaft cluster answers CreateTopics
+    before its brokers' metadata show the partitions: a describe right after it found none (CI, 3 nodes). On
+    timeout, warn and go on: the topics exist, and clients retry their metadata."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ready = sum(1 for t in admin.describe_topics(topics) if len(t.get("partitions") or []) == partitions
+                        and all(p.get("leader_id", -1) >= 0 for p in t["partitions"]))
+        except Exception as exc:  # noqa: BLE001 - metadata not there yet reads as an error on some versions
+            log.debug("kafka: describing new topics failed (%s); retrying", exc)
+            ready = 0
+        if ready == len(topics):
+            return
+        if time.monotonic() >= deadline:
+            log.warning("kafka: new topics %s have no leader for every partition after %.0fs; going on", topics,
+                        timeout_s)
+            return
+        time.sleep(0.2)
 
 
 def start_kafka(cfg: StackConfig) -> dict[str, Any]:

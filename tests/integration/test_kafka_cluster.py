@@ -103,6 +103,18 @@ def _layout(cfg: stack_mod.StackConfig, topic: str) -> tuple[int, dict[int, int]
             {p["partition_index"]: len(p["replica_nodes"]) for p in parts})
 
 
+def _layout_once_listed(cfg: stack_mod.StackConfig, topic: str, timeout_s: float = 30.0
+                        ) -> tuple[int, dict[int, int], dict[int, int]]:
+    """_layout, once the broker it asks lists every partition (or after timeout_s): a broker's metadata can trail
+    the topic's creation, and one describe right after the cluster start found no partitions (CI)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        layout = _layout(cfg, topic)
+        if len(layout[2]) == PARTITIONS or time.monotonic() >= deadline:
+            return layout
+        time.sleep(0.3)
+
+
 def _end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
     from kafka import KafkaConsumer, TopicPartition
 
@@ -198,7 +210,7 @@ def test_one_broker_of_three_killed_every_event_lands_once_and_calls_never_block
         cluster: stack_mod.StackConfig, tmp_path: Path) -> None:
     cfg = cluster
     topic = cfg.kafka_topics[0]
-    quorum_leader, leaders, replicas = _layout(cfg, topic)
+    quorum_leader, leaders, replicas = _layout_once_listed(cfg, topic)
     assert set(replicas.values()) == {3}, f"every partition on 3 replicas, got {replicas}"
     # The active controller: its death forces a controller election as well as moving its partitions' leaders.
     victim = quorum_leader
