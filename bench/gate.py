@@ -1,24 +1,27 @@
 """`flywheel bench gate`: the promotion gate's false-promotion rate under the null and its power under a
 true lift, measured on simulated session streams fed to the gate's own decision code.
 
-    flywheel bench gate [--challengers 2000] [--seed 0] [--alpha 0.05 --tau 0.1 --margin 0.0
-                         --min-sessions 30 --max-sessions 500 --challenger-per-look 15 --champion-ratio 1.0]
-                        [--out-dir var/bench/gate]
+    flywheel bench gate [--challengers 2000] [--seed 0] [--test group-sequential --looks 3 --spending obf]
+                        [--alpha 0.05 --tau 0.1 --margin 0.0 --min-sessions 30 --max-sessions 240
+                         --challenger-per-look 15 --champion-ratio 1.0] [--no-compare] [--out-dir var/bench/gate]
 
 flywheel.serving.gate_sim runs each simulated challenger look by look through
 flywheel.serving.decision.decide, the function `flywheel promote` calls, until it promotes,
 rejects or expires. Under the null (the challenger exactly `margin` worse than the champion)
 at several base rates and task mixes the promote rate is the false-promotion rate, which the
-mSPRT bounds by alpha at every look; the worst scenario is reported. Under true lifts on the
-demo-like mix the promote rate is the power. The defaults are the demo's rule and traffic,
-fixed in advance: they are what is measured, not tuned to what is measured.
+test bounds by alpha (the mSPRT at every look, the group-sequential test over its planned
+looks); the worst scenario is reported. Under true lifts on the demo-like mix the promote rate
+is the power. With --compare (the default) the other test runs at the same traffic and seed on
+the demo-like mix, side by side, and the summary gives the power ratio. The defaults are the
+demo's rule and traffic, fixed in advance: they are what is measured, not tuned to what is measured.
 
 Prints a table, writes power_vs_lift.png and the resolved config.toml under --out-dir, and
-prints as its last line one JSON object. Pure CPU, about a minute at 2,000 challengers.
+prints as its last line one JSON object. Pure CPU, a few minutes at 2,000 challengers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -46,14 +49,25 @@ class GateBenchConfig:
     tau: float = setting(0.1, "the mSPRT's mixture scale (the demo's rule)")
     margin: float = setting(0.0, "non-inferiority margin (the demo's rule)")
     min_sessions: int = setting(30, "sessions each side needs before the first look (the demo's rule)")
-    max_sessions: int = setting(500, "challenger sessions after which an undecided challenger expires (the demo's rule)")
+    max_sessions: int = setting(240, "challenger sessions after which an undecided challenger expires; group-sequential: "
+                                     "the last look's sessions a side (the demo's rule)")
+    test: str = setting("group-sequential", "the promotion test, msprt or group-sequential (the demo's rule)")
+    looks: int = setting(3, "group-sequential: planned looks (the demo's rule)")
+    spending: str = setting("obf", "group-sequential: alpha-spending function, obf or pocock (the demo's rule)")
+    compare: bool = setting(True, "also run the other test (msprt <-> group-sequential) at the same traffic on the "
+                                  "demo-like null and at +5 and +10 points, side by side")
     challenger_per_look: int = setting(15, "challenger sessions that mature between two looks (the demo's traffic)")
     champion_ratio: float = setting(1.0, "champion sessions per challenger session (the demo's traffic)")
     out_dir: str = setting(f"{defaults.VAR_DIR}/bench/gate", "where the plot and the resolved config go")
 
     def rule(self) -> GateRule:
         return GateRule(alpha=self.alpha, tau=self.tau, margin=self.margin, min_sessions=self.min_sessions,
-                        max_sessions=self.max_sessions)
+                        max_sessions=self.max_sessions, test=self.test, looks=self.looks, spending=self.spending)
+
+    def other_rule(self) -> GateRule:
+        """The same rule with the other test: the side-by-side comparison."""
+        other = "msprt" if self.test == "group-sequential" else "group-sequential"
+        return dataclasses.replace(self.rule(), test=other)
 
     def check(self) -> None:
         if self.challengers < 1:
@@ -117,17 +131,41 @@ def run_all(cfg: GateBenchConfig) -> tuple[list[Row], list[Row]]:
     return [done[k] for k in wanted[:n_null]], [done[k] for k in wanted[n_null:]]
 
 
-def print_table(null: list[Row], power: list[Row], cfg: GateBenchConfig) -> None:
+COMPARE_LIFTS_PT = [0, 5, 10]  # the other test, demo-like mix: its null, and the two powers the summary names
+
+
+def run_other(cfg: GateBenchConfig) -> list[Row]:
+    """The other test on the demo-like mix at COMPARE_LIFTS_PT, same traffic and seed (common random numbers)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    rule = cfg.other_rule()
+    rows = []
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        for pt in COMPARE_LIFTS_PT:
+            task = progress.add_task(f"{rule.test}: {DEMO_LIKE}, lift {pt:+d} pt", total=cfg.challengers)
+            scenario = at_null(rule, _scenario(cfg, DEMO_LIKE, 0.0)) if pt == 0 else _scenario(cfg, DEMO_LIKE, pt / 100.0)
+            rows.append(Row(f"{rule.test}: {DEMO_LIKE}", scenario,
+                            simulate(rule, scenario, cfg.challengers, cfg.seed, lambda: progress.advance(task))))
+    return rows
+
+
+def print_table(null: list[Row], power: list[Row], cfg: GateBenchConfig, other: list[Row] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"promotion gate on simulated streams: alpha {cfg.alpha}, tau {cfg.tau}, margin {cfg.margin}, "
+    table = Table(title=f"promotion gate on simulated streams: {cfg.test}"
+                        f"{f' ({cfg.looks} looks, {cfg.spending} spending)' if cfg.test == 'group-sequential' else ''}, "
+                        f"alpha {cfg.alpha}, tau {cfg.tau}, margin {cfg.margin}, "
                         f"sessions {cfg.min_sessions}-{cfg.max_sessions}, {cfg.challenger_per_look} challenger "
                         f"sessions/look, champion ratio {cfg.champion_ratio}, {cfg.challengers} challengers each")
     for col in ("test", "scenario", "champion rate", "lift (pt)", "promote ± se", "reject", "expire",
                 "median sessions"):
         table.add_column(col, justify="left" if col in ("test", "scenario") else "right")
-    for test, rows in (("null", null), ("power", [r for r in power if r.scenario.lift > 0])):
+    sections = [("null", null), ("power", [r for r in power if r.scenario.lift > 0])]
+    if other:
+        sections.append((f"side by side: {other[0].name.split(':')[0]}", other))
+    for test, rows in sections:
         for row in rows:
             r, s = row.result, row.scenario
             table.add_row(test, row.name, f"{s.overall_rate():.3f}", f"{s.lift * 100:+.0f}",
@@ -136,7 +174,7 @@ def print_table(null: list[Row], power: list[Row], cfg: GateBenchConfig) -> None
     Console(width=160).print(table)
 
 
-def plot(power: list[Row], cfg: GateBenchConfig, path: Path) -> Path:
+def plot(power: list[Row], cfg: GateBenchConfig, path: Path, other: list[Row] | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a server
@@ -145,7 +183,10 @@ def plot(power: list[Row], cfg: GateBenchConfig, path: Path) -> Path:
     lifts = [r.scenario.lift * 100 for r in power]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax.errorbar(lifts, [r.result.promote_rate for r in power], yerr=[1.96 * r.result.promote_se for r in power],
-                marker="o", capsize=3, label="promote rate (95% sim. interval)")
+                marker="o", capsize=3, label=f"{cfg.test}: promote rate (95% sim. interval)")
+    if other:
+        ax.plot([r.scenario.lift * 100 for r in other], [r.result.promote_rate for r in other], marker="s",
+                linestyle="--", label=f"{cfg.other_rule().test}, same traffic")
     ax.axhline(cfg.alpha, color="red", linestyle="--", label=f"alpha {cfg.alpha}")
     ax.axhline(0.8, color="grey", linestyle=":", label="power 0.8")
     ax.set(xlabel="true lift (points of success)", ylabel="share of challengers promoted", ylim=(0, 1.02),
@@ -161,13 +202,14 @@ def plot(power: list[Row], cfg: GateBenchConfig, path: Path) -> Path:
     return path
 
 
-def summary(null: list[Row], power: list[Row], cfg: GateBenchConfig, png: Path, seconds: float) -> dict[str, object]:
+def summary(null: list[Row], power: list[Row], cfg: GateBenchConfig, png: Path, seconds: float,
+            other: list[Row] | None = None) -> dict[str, object]:
     worst = max(null, key=lambda r: r.result.promote_rate)
     by_pt = {round(r.scenario.lift * 100): r.result for r in power}
     n = cfg.challengers
     # "alpha + simulation error": two standard errors of a rate equal to alpha at this many challengers
     allowed = cfg.alpha + 2.0 * binomial_se(cfg.alpha, n)
-    return {
+    out: dict[str, object] = {
         "false_promotion_rate": worst.result.promote_rate, "false_promotion_se": round(worst.result.promote_se, 5),
         "false_promotion_scenario": worst.name, "false_promotion_allowed": round(allowed, 5),
         "false_promotion_ok": worst.result.promote_rate <= allowed, "alpha": cfg.alpha,
@@ -178,8 +220,19 @@ def summary(null: list[Row], power: list[Row], cfg: GateBenchConfig, png: Path, 
         "false_rejection_10pt": by_pt[10].reject_rate, "challengers": n, "seed": cfg.seed, "tau": cfg.tau,
         "margin": cfg.margin, "min_sessions": cfg.min_sessions, "max_sessions": cfg.max_sessions,
         "challenger_per_look": cfg.challenger_per_look, "champion_ratio": cfg.champion_ratio,
+        "test": cfg.test, "looks": cfg.looks, "spending": cfg.spending,
         "plot": str(png), "seconds": round(seconds, 1),
     }
+    if other:
+        # the other test side by side: its null rate and powers, and this test's power over it at +5 and +10
+        name = cfg.other_rule().test.replace("-", "_")
+        by = {round(r.scenario.lift * 100): r.result for r in other}
+        out.update({f"{name}_false_promotion_rate": by[0].promote_rate, f"{name}_power_5pt": by[5].promote_rate,
+                    f"{name}_power_10pt": by[10].promote_rate,
+                    f"{name}_median_sessions_to_decision": by[10].median_sessions,
+                    f"power_5pt_ratio_over_{name}": round(by_pt[5].promote_rate / max(by[5].promote_rate, 1e-9), 3),
+                    f"power_10pt_ratio_over_{name}": round(by_pt[10].promote_rate / max(by[10].promote_rate, 1e-9), 3)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     write_resolved(cfg, out / "config.toml")
     t0 = time.perf_counter()
     null, power = run_all(cfg)
+    other = run_other(cfg) if cfg.compare else None
     seconds = time.perf_counter() - t0
-    print_table(null, power, cfg)
-    png = plot(power, cfg, out / "power_vs_lift.png")
-    print(json.dumps(summary(null, power, cfg, png, seconds)))
+    print_table(null, power, cfg, other)
+    png = plot(power, cfg, out / "power_vs_lift.png", other)
+    print(json.dumps(summary(null, power, cfg, png, seconds, other)))
     return 0
 

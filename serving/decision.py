@@ -12,18 +12,33 @@ or never got the outcome (both counted apart, in the decision's numbers). Reward
 session's outcome (the verifier's task_success by default), grouped by task type.
 
 The test (`decide`): a stratified difference of means (task types weighted by their pooled share,
-or a fixed mix) with two one-sided mixture SPRTs (serving/stats.py): "the challenger is better
-than the champion by more than -margin" promotes, "the challenger is worse" rejects. An mSPRT is
-valid at every look, so the gate may look every few seconds for as long as it likes and each
-direction still errs with probability at most alpha; a fixed-sample test re-run every round
-would not be (with 17 challengers the old gate "found" a better champion in 9-11% of null runs).
-We chose mSPRT over group-sequential alpha spending because the gate has no planned sample size:
-traffic decides how many sessions arrive and when, and alpha spending needs the information
-fraction of each look. A challenger that reaches `max_sessions` without deciding expires (not
-promoted; its evidence was not enough, which is not evidence that it is worse).
+or a fixed mix), tested in both one-sided directions: "the challenger is better than the champion
+by more than -margin" promotes, "the challenger is worse" rejects. Two tests, `GateRule.test`:
 
-Rollback (`decide_rollback`) uses the same test on the champion's sessions since its promotion
-against the control arm's, concurrent: a champion significantly worse than the control is rolled back.
+- msprt: two mixture SPRTs (serving/stats.py). Valid at every look with no planned size, so the
+  gate may look every few seconds for as long as it likes and each direction still errs with
+  probability at most alpha. The price: at n sessions a side it needs a difference of about 3
+  standard errors (k's v2 in docs/experiments.md: +5.4 points at ~280 a side, not enough).
+- group-sequential: looks planned in advance at max_sessions * k / looks sessions a side; at each,
+  the first n sessions of each side in the order they matured (so a look is replayed exactly by
+  every later round, and the gate may poll as often as it likes: only a planned size is a look)
+  are compared with a z boundary from Lan-DeMets alpha spending (serving/stats.py). Traffic decides
+  when a look comes, not how many sessions it holds, so the information fractions are known in
+  advance. The last look's boundary is near the fixed-sample one (about 1.7 standard errors at
+  three looks, O'Brien-Fleming type spending): at the demo's ~250 sessions a side it has about twice
+  the mSPRT's power at +5 points. A test cut short (a newer version replaces the challenger before
+  its last look) only spends less alpha. The variance is a plug-in, so the guarantee is
+  asymptotic; `flywheel bench gate` measures it either way.
+
+A fixed-sample test re-run every round would be valid neither way (with 17 challengers the old gate
+"found" a better champion in 9-11% of null runs). A challenger that reaches `max_sessions` (msprt)
+or its last look (group-sequential) without deciding expires: not promoted; its evidence was not
+enough, which is not evidence that it is worse.
+
+Rollback (`decide_rollback`) runs the mSPRT, whatever the promotion test, on the champion's sessions
+since its promotion against the control arm's, concurrent: a champion significantly worse than the
+control is rolled back. A champion is watched for as long as it serves, with no planned size, which is
+what an always-valid test is for. So is the error-rate guard below.
 
 Excluding infrastructure errors from the comparison is not a blind spot: the same test runs on the
 share of sessions that ended in an error, and a challenger that errs significantly more is rejected.
@@ -39,7 +54,17 @@ from typing import Iterable
 
 from flywheel.base.config import ConfigError, setting
 from flywheel.serving.sessions import ERROR_STATUSES, SessionRecord, mature
-from flywheel.serving.stats import Moments, SequentialDecision, sequential_test
+from flywheel.serving.stats import (
+    SPENDING,
+    GroupSequentialLook,
+    Moments,
+    SequentialDecision,
+    group_sequential_bounds,
+    group_sequential_look,
+    sequential_test,
+)
+
+TESTS = ("msprt", "group-sequential")
 
 
 @dataclass
@@ -58,6 +83,12 @@ class GateRule:
     error_statuses: list[str] = setting(list(ERROR_STATUSES), "session_end statuses that mean an infrastructure error: excluded, counted apart")
     strata_weights: dict[str, float] = setting({}, "fixed task-type mix, e.g. tool_use.add=0.3,tool_use.weather=0.7 "
                                                    "(empty: each type's share of both arms' sessions)")
+    test: str = setting("msprt", "the promotion test: msprt (always valid at every look, no planned size) or "
+                                 "group-sequential (looks planned at max_sessions * k / looks sessions a side, alpha "
+                                 "spent across them: more power at the planned size; serving/decision.py says when)")
+    looks: int = setting(3, "group-sequential: planned looks, equally spaced in sessions per side up to max_sessions")
+    spending: str = setting("obf", "group-sequential: the alpha-spending function, obf (O'Brien-Fleming type: most power "
+                                   "at the last look) or pocock (stops sooner on large effects)")
 
     def check_rule(self) -> None:
         if not 0.0 < self.alpha < 0.5:
@@ -74,6 +105,24 @@ class GateRule:
             raise ConfigError(f"maturity_s: {self.maturity_s} must be >= 0")
         if any(w < 0 for w in self.strata_weights.values()):
             raise ConfigError(f"strata_weights: negative weight in {self.strata_weights}")
+        if self.test not in TESTS:
+            raise ConfigError(f"test: {self.test!r} is not one of {TESTS}")
+        if self.test == "group-sequential":
+            if self.spending not in SPENDING:
+                raise ConfigError(f"spending: {self.spending!r} is not one of {SPENDING}")
+            if self.looks < 1:
+                raise ConfigError(f"looks: {self.looks} must be >= 1")
+            if self.look_sizes()[0] < self.min_sessions:
+                raise ConfigError(f"looks ({self.looks}) and max_sessions ({self.max_sessions}): the first look at "
+                                  f"{self.look_sizes()[0]} sessions a side comes before min_sessions ({self.min_sessions})")
+
+    def look_sizes(self) -> list[int]:
+        """Group-sequential: sessions per side at each planned look, the last at max_sessions."""
+        return [math.ceil(self.max_sessions * k / self.looks) for k in range(1, self.looks + 1)]
+
+    def bounds(self) -> tuple[float, ...]:
+        """Group-sequential: each look's z boundary (either direction), from the spending function."""
+        return group_sequential_bounds(tuple(n / self.max_sessions for n in self.look_sizes()), self.alpha, self.spending)
 
 
 @dataclass
@@ -84,6 +133,11 @@ class Evidence:
     b: dict[str, Moments] = field(default_factory=dict)
     since: float | None = None  # the concurrent window starts here (epoch seconds)
     excluded: dict[str, int] = field(default_factory=dict)  # errored_a, unlabelled_b, open ...
+    # each side's sessions in the order their outcome windows closed: a group-sequential look at n sessions a
+    # side reads the first n of each, so a later round replays an earlier look exactly
+    order_a: list[tuple[str, float]] = field(default_factory=list)
+    order_b: list[tuple[str, float]] = field(default_factory=list)
+    _first: dict[int, tuple[dict[str, Moments], dict[str, Moments]]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_a(self) -> int:
@@ -96,6 +150,19 @@ class Evidence:
     def add(self, side: str, task_type: str, value: float) -> None:
         table = self.a if side == "a" else self.b
         table[task_type] = table.get(task_type, Moments()).add(value)
+        (self.order_a if side == "a" else self.order_b).append((task_type, value))
+
+    def first(self, n: int) -> tuple[dict[str, Moments], dict[str, Moments]]:
+        """The moments of each side's first n sessions (in the order they matured)."""
+        if n in self._first:
+            return self._first[n]
+        out: tuple[dict[str, Moments], dict[str, Moments]] = ({}, {})
+        for table, order in zip(out, (self.order_a, self.order_b)):
+            for task_type, value in order[:n]:
+                table[task_type] = table.get(task_type, Moments()).add(value)
+        if min(len(self.order_a), len(self.order_b)) >= n:  # sessions are only appended: a full prefix never changes
+            self._first[n] = out
+        return out
 
 
 @dataclass
@@ -124,7 +191,9 @@ def concurrent(records: list[SessionRecord], a: tuple[int, str], b: tuple[int, s
     ev = Evidence(since=start)
     for name, side in (("a", side_a), ("b", side_b)):
         split = mature([r for r in side if r.started >= start], now, rule.maturity_s, rule.error_statuses)
-        for r in split.counted:
+        # the order their outcome windows closed in (maturity_s after the end): a session that matures later
+        # is appended later, so the first n of a side stay the first n at every later round
+        for r in sorted(split.counted, key=lambda r: (r.ended or 0.0, r.started, r.session_id)):
             ev.add(name, r.task_type, float(r.outcome))  # type: ignore[arg-type]
         ev.excluded.update({f"errored_{name}": split.errored, f"unlabelled_{name}": split.unlabelled,
                             f"open_{name}": split.open})
@@ -144,6 +213,51 @@ def _numbers(ev: Evidence, test: SequentialDecision | None, rule: GateRule) -> d
                     "log_lr_better": test.log_lr_better, "log_lr_worse": test.log_lr_worse,
                     "p_better": test.p_better, "p_worse": test.p_worse})
     return out
+
+
+def _gs_numbers(ev: Evidence, look: GroupSequentialLook | None, rule: GateRule) -> dict[str, float]:
+    out = _numbers(ev, None, rule)
+    out.update({"looks": rule.looks, "looks_reached": sum(n <= min(ev.n_a, ev.n_b) for n in rule.look_sizes())})
+    if look is not None:
+        e = look.estimate
+        out.update({"look": look.look, "look_sessions": rule.look_sizes()[look.look - 1], "mean_a": e.mean_a,
+                    "mean_b": e.mean_b, "diff": e.diff, "se": math.sqrt(e.var), "strata": e.strata,
+                    "z_better": look.z_better, "z_worse": look.z_worse, "z_bound": look.bound})
+    return out
+
+
+def _decide_group_sequential(ev: Evidence, rule: GateRule) -> Verdict:
+    """The planned looks the evidence has reached, in order, each on the first n sessions of each side: the first
+    that crosses a boundary decides; all looks without a crossing: expire; looks still to come: hold."""
+    bounds, sizes = rule.bounds(), rule.look_sizes()
+    weights = rule.strata_weights or None
+    last: GroupSequentialLook | None = None
+    for k, n in enumerate(sizes, start=1):
+        if min(ev.n_a, ev.n_b) < n:
+            break
+        a, b = ev.first(n)
+        look = group_sequential_look(a, b, k, bounds, rule.margin, weights)
+        if look is None:
+            continue
+        last = look
+        e = look.estimate
+        text = (f"look {k} of {len(sizes)} at {n} sessions a side: challenger {e.mean_b:.3f} vs champion "
+                f"{e.mean_a:.3f}, diff {e.diff:+.3f} +- {1.96 * math.sqrt(e.var):.3f}")
+        if look.worse:
+            return Verdict("reject", f"worse: {text}; z {look.z_worse:.2f} >= {look.bound:.2f}", _gs_numbers(ev, look, rule))
+        if look.better:
+            return Verdict("promote", f"better{'' if not rule.margin else f' than champion - {rule.margin}'}: {text}; "
+                           f"z {look.z_better:.2f} >= {look.bound:.2f}", _gs_numbers(ev, look, rule))
+    numbers = _gs_numbers(ev, last, rule)
+    if min(ev.n_a, ev.n_b) >= sizes[-1]:
+        return Verdict("expire", f"undecided at the last of {len(sizes)} looks ({sizes[-1]} sessions a side)", numbers)
+    if ev.n_b >= sizes[-1] + rule.max_sessions:
+        # the champion's side never reached the last look: the cap keeps a challenger from holding for ever
+        return Verdict("expire", f"the champion had {ev.n_a} concurrent sessions after the challenger's {ev.n_b}: the "
+                       f"last look ({sizes[-1]} a side) was not reached", numbers)
+    reached = f"look {last.look}: z {last.z_better:.2f} (better) / {last.z_worse:.2f} (worse) < {last.bound:.2f}; " if last else ""
+    return Verdict("hold", f"undecided: {reached}next look at {next(n for n in sizes if n > min(ev.n_a, ev.n_b))} "
+                   f"sessions a side (champion {ev.n_a}, challenger {ev.n_b})", numbers)
 
 
 def _error_test(ev: Evidence, rule: GateRule) -> SequentialDecision | None:
@@ -172,6 +286,8 @@ def decide(ev: Evidence, rule: GateRule) -> Verdict:
         action = "expire" if ev.n_b >= rule.max_sessions else "hold"
         return Verdict(action, f"too few mature concurrent sessions: champion {ev.n_a}, challenger {ev.n_b}, need "
                        f"{rule.min_sessions} each", _numbers(ev, None, rule))
+    if rule.test == "group-sequential":
+        return _decide_group_sequential(ev, rule)
     test = sequential_test(ev.a, ev.b, rule.alpha, rule.tau, rule.margin, weights)
     numbers = _numbers(ev, test, rule)
     if test is None:

@@ -267,12 +267,12 @@ def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | 
     run = client.create_run(tracking.experiment_id(cfg.experiment, cfg.mlflow_tracking_uri),
                             run_name=f"{decision.action}-v{decision.challenger}-over-v{decision.champion}",
                             tags={"decision": decision.action, "reason": decision.reason[:4000],
-                                  "registered_model": registry.name, "test": "msprt-stratified"})
+                                  "registered_model": registry.name, "test": f"{cfg.test}-stratified"})
     run_id = run.info.run_id
     client.log_param(run_id, "champion", decision.champion)
     client.log_param(run_id, "challenger", decision.challenger)
-    for key in ("alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s", "outcome_kind", "eval_tasks",
-                "control_share", "control_version", "challenger_share"):
+    for key in ("test", "looks", "spending", "alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s",
+                "outcome_kind", "eval_tasks", "control_share", "control_version", "challenger_share"):
         client.log_param(run_id, key, getattr(cfg, key))
     for key, value in decision.numbers.items():
         if value is not None and math.isfinite(float(value)):

@@ -7,6 +7,7 @@ number per production session), so sessions, not llm_calls, are the independent 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -229,3 +230,108 @@ def sequential_test(a: dict[str, Moments], b: dict[str, Moments], alpha: float, 
         return None
     return SequentialDecision(est, margin, msprt_log_lr(est.diff, est.var, -margin, tau),
                               msprt_log_lr(-est.diff, est.var, 0.0, tau), math.log(1.0 / alpha))
+
+
+# ---------------------------------------------------------------------------------------------
+# The gate's group-sequential test: a few looks planned in advance, alpha spent across them
+# ---------------------------------------------------------------------------------------------
+SPENDING = ("obf", "pocock")
+
+
+def alpha_spent(t: float, alpha: float, spending: str) -> float:
+    """Lan-DeMets spending function: the share of the one-sided alpha used up by information fraction t.
+
+    obf: O'Brien-Fleming type, 2 - 2 Phi(z_{1 - alpha/2} / sqrt t): almost nothing early, nearly the whole alpha
+    at the last look, so the last look's boundary is close to the fixed-sample one (most power at the planned size).
+    pocock: alpha ln(1 + (e - 1) t): spent about evenly, so a large effect stops sooner and the last look costs more.
+    """
+    from scipy.stats import norm
+
+    if t <= 0.0:
+        return 0.0
+    t = min(t, 1.0)
+    if spending == "obf":
+        return float(2.0 * norm.sf(norm.isf(alpha / 2.0) / math.sqrt(t)))
+    if spending == "pocock":
+        return alpha * math.log(1.0 + (math.e - 1.0) * t)
+    raise ValueError(f"alpha_spent: spending {spending!r} is not one of {SPENDING}")
+
+
+@functools.lru_cache(maxsize=64)
+def group_sequential_bounds(fractions: tuple[float, ...], alpha: float, spending: str = "obf") -> tuple[float, ...]:
+    """The z boundary of each look of a one-sided group-sequential test (Lan and DeMets 1983).
+
+    At look k (information fraction t_k, increasing, the last 1) the standardised statistic Z_k crosses when
+    Z_k >= b_k. Under the null, Z_k sqrt(t_k) is a Brownian motion at time t_k (independent increments), so
+    b_k is set so that the probability of crossing first at look k is what the spending function adds between
+    t_{k-1} and t_k: the chance of ever crossing is alpha(1) = alpha, however the effect turns out. Computed by
+    the Armitage-McPherson-Rowe recursion: the density of the score on a grid, kept only where no earlier look
+    crossed, convolved with the Gaussian increment to the next look.
+    """
+    import numpy as np
+    from scipy.stats import norm
+
+    assert fractions and 0.0 < fractions[0] and all(a < b for a, b in zip(fractions, fractions[1:])) and fractions[-1] <= 1.0, \
+        f"group_sequential_bounds: fractions must increase within (0, 1], got {fractions}"
+    h = 0.004
+    x = np.arange(-10.0, 10.0 + h / 2, h)  # the score S = Z sqrt(t); |S| < 10 covers t <= 1 to 1e-20
+    bounds: list[float] = []
+    density = None  # the score's sub-density at the last look, where no look has crossed
+    spent, previous_t = 0.0, 0.0
+    for t in fractions:
+        step = t - previous_t
+        if density is None:
+            density = norm.pdf(x, scale=math.sqrt(t))
+        else:
+            half = int(math.ceil(8.0 * math.sqrt(step) / h))
+            kernel = norm.pdf(np.arange(-half, half + 1) * h, scale=math.sqrt(step)) * h
+            density = np.convolve(density, kernel, mode="same")
+        target = alpha_spent(t, alpha, spending) - spent
+        # tail[i]: P(S_t >= x[i], no earlier crossing), by the trapezoid rule (half of the first cell)
+        tail = np.cumsum((density * h)[::-1])[::-1] - 0.5 * density * h
+        if target <= 1e-12:
+            bound = math.inf
+        else:
+            # tail decreases with x: interpolate the score at which it equals the target
+            i = int(np.searchsorted(-tail, -target))
+            i = min(max(i, 1), len(x) - 1)
+            frac = (tail[i - 1] - target) / max(tail[i - 1] - tail[i], 1e-300)
+            bound = float((x[i - 1] + frac * h) / math.sqrt(t))
+        bounds.append(bound)
+        if math.isfinite(bound):
+            density = np.where(x >= bound * math.sqrt(t), 0.0, density)
+            spent = alpha_spent(t, alpha, spending)
+        previous_t = t
+    return tuple(bounds)
+
+
+@dataclass(frozen=True)
+class GroupSequentialLook:
+    """One planned look of the gate's two one-sided group-sequential tests on a stratified difference (B minus A)."""
+
+    estimate: Stratified
+    margin: float
+    look: int  # 1-based
+    looks: int
+    z_better: float  # (diff + margin) / se: evidence for diff > -margin
+    z_worse: float  # -diff / se: evidence for diff < 0
+    bound: float  # this look's boundary for either direction
+
+    @property
+    def better(self) -> bool:
+        return self.z_better >= self.bound
+
+    @property
+    def worse(self) -> bool:
+        return self.z_worse >= self.bound
+
+
+def group_sequential_look(a: dict[str, Moments], b: dict[str, Moments], look: int, bounds: tuple[float, ...],
+                          margin: float = 0.0, weights: dict[str, float] | None = None) -> GroupSequentialLook | None:
+    """Look `look` (1-based) of `bounds`: both one-sided z statistics of the stratified difference; None when no
+    stratum has five sessions on each side."""
+    est = stratified(a, b, weights)
+    if est is None:
+        return None
+    se = math.sqrt(est.var)
+    return GroupSequentialLook(est, margin, look, len(bounds), (est.diff + margin) / se, -est.diff / se, bounds[look - 1])

@@ -68,9 +68,11 @@ class DemoConfig:
     publish_wait_for_gate: bool = setting(True, "a new version waits until the gate has ruled on the last (a new challenger "
                                                 "replaces the last on the free server: with a fast learner the gate judged "
                                                 "only 4 of 41 versions before the next replaced them)")
-    publish_supersede_s: float = setting(300.0, "... but at most this long: a challenger still undecided after 300 s (about "
-                                                "350 of its sessions) is replaced by the learner's newer version (ending a "
-                                                "test undecided promotes nothing; 0: wait for the verdict)")
+    publish_supersede_s: float = setting(420.0, "... but at most this long: a challenger still undecided after 420 s is "
+                                                "replaced by the learner's newer version (ending a test undecided promotes "
+                                                "nothing; 0: wait for the verdict). The group-sequential gate ends a test by "
+                                                "its last look (240 a side, about 270 s at runs j-l's pace); 420 s is the "
+                                                "safety net on a slower machine, not the pace (300 s before that gate)")
     publish_every_s: float = setting(0.0, "also publish after this many seconds, whatever the gate (0: never; a version "
                                           "published by time replaces the challenger under test, and the gate needs "
                                           "100-500 of its sessions to decide)")
@@ -89,7 +91,17 @@ class DemoConfig:
     gate_outcome_kind: str = setting("task_success", "the session outcome the gate compares (the swarm scenario: "
                                                      "parts_correct, set by the scenario)")
     gate_min_sessions: int = setting(30, "mature concurrent sessions each side needs before the gate's first look")
-    gate_max_sessions: int = setting(500, "challenger sessions after which an undecided challenger expires (not promoted)")
+    gate_max_sessions: int = setting(240, "challenger sessions after which an undecided challenger expires (not promoted); "
+                                          "group-sequential: the last look's sessions a side. 240 fits the ~250-300 "
+                                          "sessions a side a version got in 300 s in runs j, k, l")
+    gate_test: str = setting("group-sequential", "the gate's promotion test: group-sequential (looks at 80, 160 and 240 "
+                                                 "sessions a side, O'Brien-Fleming alpha spending) or msprt. Runs j, k, "
+                                                 "l's versions were +4 to +6 points at ~280 a side, which the mSPRT "
+                                                 "(about 3 standard errors) cannot separate from noise; the group-"
+                                                 "sequential test's last look needs about 1.7 (flywheel bench gate: "
+                                                 "power at +5 points 0.19 -> 0.51 at the same false-promotion bound)")
+    gate_looks: int = setting(3, "group-sequential: planned looks, equally spaced up to gate_max_sessions")
+    gate_spending: str = setting("obf", "group-sequential: alpha-spending function (obf or pocock)")
     gate_maturity_s: float = setting(10.0, "seconds after a session ends before the gate counts it (the demo's verifier "
                                            "reports 2 s after a session)")
     base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
@@ -168,7 +180,8 @@ class DemoConfig:
 def gate_rule(cfg: DemoConfig) -> GateRule:
     """The demo's promotion rule: the one place it is built (the gate's flags and the report read it)."""
     return GateRule(alpha=cfg.gate_alpha, tau=cfg.gate_tau, margin=cfg.gate_margin, min_sessions=cfg.gate_min_sessions,
-                    max_sessions=cfg.gate_max_sessions, maturity_s=cfg.gate_maturity_s, outcome_kind=cfg.gate_outcome_kind)
+                    max_sessions=cfg.gate_max_sessions, maturity_s=cfg.gate_maturity_s, outcome_kind=cfg.gate_outcome_kind,
+                    test=cfg.gate_test, looks=cfg.gate_looks, spending=cfg.gate_spending)
 
 
 SCENARIOS = ("tool_use", "swarm")
@@ -350,7 +363,8 @@ def learner_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]
             "--experiment", f"{run.run_id}-learner", "--var-dir", str(run.var_dir)]
 
 
-RULE_FLAGS = ("alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s", "outcome_kind")  # the GateRule fields the demo sets
+RULE_FLAGS = ("alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s", "outcome_kind", "test", "looks",
+              "spending")  # the GateRule fields the demo sets
 
 
 def promote_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]:

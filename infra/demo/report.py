@@ -484,7 +484,9 @@ def gate_simulation(facts: Facts, rule: GateRule | None, control_version: int, g
                     shares: dict[str, float] | None, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
     """The gate's false-promotion rate at this run's traffic: its own rule on 2,000 simulated null challengers."""
     out: dict[str, Any] = {"gate_false_promotion_rate": None, "gate_sim_scenario": None, "gate_sim_basis": None,
-                           "gate_alpha": rule.alpha if rule is not None else None}
+                           "gate_alpha": rule.alpha if rule is not None else None,
+                           "gate_test": rule.test if rule is not None else None,
+                           "gate_looks": rule.look_sizes() if rule is not None and rule.test == "group-sequential" else None}
     if rule is None:
         return out
     if rule.outcome_kind != "task_success":
@@ -619,6 +621,22 @@ def _clock(epoch: float | None) -> str:
     return "?" if epoch is None else time.strftime("%H:%M:%S UTC", time.gmtime(epoch))
 
 
+def _gate_test_line(s: dict[str, Any]) -> str:
+    alpha = f" = {s['gate_alpha']}" if s.get("gate_alpha") is not None else ""
+    if s.get("gate_test") == "group-sequential":
+        looks = s.get("gate_looks") or []
+        return ("- **The gate's test**: a group-sequential test in each one-sided direction on the task-type-stratified "
+                "difference in success between concurrent, mature challenger and champion sessions, with looks planned "
+                f"at {', '.join(map(str, looks))} sessions a side (each look reads the first that many of each side, "
+                "in the order they matured) and O'Brien-Fleming type alpha spending, so each challenger is promoted "
+                f"falsely with probability <= alpha{alpha} over all its looks, however often the gate polls "
+                f"(every {s.get('gate_interval_s', '?')} s). Rollback: the mSPRT, valid at every look.")
+    return ("- **The gate's test**: two one-sided mixture SPRTs (mSPRT) on the task-type-stratified difference in "
+            "success between concurrent, mature challenger and champion sessions. An mSPRT is valid at every look, "
+            f"so each challenger is promoted falsely with probability <= alpha{alpha} however often the gate looks "
+            f"(every {s.get('gate_interval_s', '?')} s).")
+
+
 def design_section(s: dict[str, Any]) -> list[str]:
     """What the control arm is, what the final window is, and what the gate's test guarantees."""
     share = f"{s['control_share']:.0%}" if s.get("control_share") is not None else "a fixed share"
@@ -631,11 +649,7 @@ def design_section(s: dict[str, Any]) -> list[str]:
              "The headline counts only sessions that started in this window and after the champion's promotion: "
              "sessions the gate never saw when it chose the champion." if s["final_since"] is not None else
              "- **Final window**: none in this run (measure_s = 0), so there is no measurement the gate did not see.",
-             "- **The gate's test**: two one-sided mixture SPRTs (mSPRT) on the task-type-stratified difference in "
-             "success between concurrent, mature challenger and champion sessions. An mSPRT is valid at every look, "
-             "so each challenger is promoted falsely with probability <= alpha"
-             + (f" = {s['gate_alpha']}" if s.get("gate_alpha") is not None else "")
-             + f" however often the gate looks (every {s.get('gate_interval_s', '?')} s)."]
+             _gate_test_line(s)]
     scenario, basis = s.get("gate_sim_scenario"), s.get("gate_sim_basis") or {}
     if s.get("gate_false_promotion_rate") is not None and scenario:
         rate = s["gate_false_promotion_rate"]

@@ -124,13 +124,14 @@ def test_the_learner_and_gate_carry_the_demos_measured_defaults(tmp_path: Path) 
         (1, True, "sequence", 0.0, "batch"), learner
     assert (learner.positive_only, learner.max_staleness_steps, learner.epochs, learner.loss) == (True, 60, 1, "tis"), learner
     assert (learner.publish_every_steps, learner.publish_wait_for_gate, learner.publish_every_s, learner.publish_supersede_s) == \
-        (10, True, 0.0, 300.0), learner
+        (10, True, 0.0, 420.0), learner
     assert (learner.base_model, learner.lake_root, learner.policies_dir, learner.registered_model) == \
         (str((tmp_path / "warm").resolve()), str(run.lake_root), str(run.policies_dir), "flywheel-demo-t"), learner
     gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
     assert (gate.auto, gate.interval_s, gate.eval_tasks) == (True, 10.0, "flywheel.demo.tasks:eval_tasks"), gate
     assert (gate.alpha, gate.tau, gate.margin, gate.min_sessions, gate.max_sessions, gate.maturity_s) == \
-        (0.05, 0.1, 0.0, 30, 500, 10.0), gate
+        (0.05, 0.1, 0.0, 30, 240, 10.0), gate
+    assert (gate.test, gate.looks, gate.spending, gate.look_sizes()) == ("group-sequential", 3, "obf", [80, 160, 240]), gate
     assert (gate.servers, gate.policies_dir, gate.registered_model, gate.lake_root) == \
         (SERVERS, str(run.policies_dir), "flywheel-demo-t", str(run.lake_root)), gate
     assert (gate.control_share, gate.control_version, gate.challenger_share) == (0.2, 0, 0.4), gate
@@ -138,7 +139,8 @@ def test_the_learner_and_gate_carry_the_demos_measured_defaults(tmp_path: Path) 
 
 def test_the_gate_runs_exactly_the_demos_rule(tmp_path: Path) -> None:
     cfg, run = _plan(tmp_path, gate_alpha=0.01, gate_tau=0.2, gate_margin=0.02, gate_min_sessions=40,
-                     gate_max_sessions=700, gate_maturity_s=15.0)
+                     gate_max_sessions=700, gate_maturity_s=15.0, gate_test="msprt", gate_looks=5,
+                     gate_spending="pocock")
     rule = demo_plan.gate_rule(cfg)
     gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
     differ = {f.name: (getattr(gate, f.name), getattr(rule, f.name)) for f in dataclasses.fields(GateRule)
@@ -146,10 +148,13 @@ def test_the_gate_runs_exactly_the_demos_rule(tmp_path: Path) -> None:
     assert not differ, f"the gate's rule differs from the demo's (gate, demo): {differ}"
     assert (rule.alpha, rule.tau, rule.margin, rule.min_sessions, rule.max_sessions, rule.maturity_s) == \
         (0.01, 0.2, 0.02, 40, 700, 15.0), rule
+    assert (rule.test, rule.looks, rule.spending) == ("msprt", 5, "pocock"), rule
 
 
 @pytest.mark.parametrize("changes, field", [({"vllm_servers": 1}, "vllm_servers"), ({"control_share": 0.7}, "control_share"),
-                                            ({"gate_alpha": 0.7}, "alpha"), ({"gate_max_sessions": 10}, "max_sessions")])
+                                            ({"gate_alpha": 0.7}, "alpha"), ({"gate_max_sessions": 10}, "max_sessions"),
+                                            ({"gate_test": "t-test"}, "test"), ({"gate_spending": "x"}, "spending"),
+                                            ({"gate_looks": 9}, "looks")])
 def test_a_demo_config_that_cannot_run_is_refused_naming_the_field(tmp_path: Path, changes: dict[str, Any],
                                                                    field: str) -> None:
     cfg, _ = _plan(tmp_path, **changes)
