@@ -124,7 +124,7 @@ def test_the_learner_and_gate_carry_the_demos_measured_defaults(tmp_path: Path) 
         (1, True, "sequence", 0.0, "batch"), learner
     assert (learner.positive_only, learner.max_staleness_steps, learner.epochs, learner.loss) == (True, 60, 1, "tis"), learner
     assert (learner.publish_every_steps, learner.publish_wait_for_gate, learner.publish_every_s, learner.publish_supersede_s) == \
-        (10, True, 0.0, 420.0), learner
+        (20, True, 0.0, 420.0), learner
     assert (learner.base_model, learner.lake_root, learner.policies_dir, learner.registered_model) == \
         (str((tmp_path / "warm").resolve()), str(run.lake_root), str(run.policies_dir), "flywheel-demo-t"), learner
     gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
