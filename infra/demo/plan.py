@@ -62,11 +62,9 @@ class DemoConfig:
                                                    "learner trained on the challenger's 40% alone and idled until each supersede: "
                                                    "47 steps in 14 minutes, 2,152 rows dropped, no version promoted (run w)")
     learner_threads: int = setting(1, "the learner's torch CPU threads (1: its cores are shared with vLLM; 2 threads ran 5-20x slower)")
-    publish_every_steps: int = setting(20, "learner steps between published versions. 20 from session 19, fixed before "
-                                            "the runs that follow it: in runs m, n and o the first version (10 steps) was "
-                                            "+0 to +3 points, held the challenger slot for ~5 of the ~10 learning minutes "
-                                            "and left the better second (35-45 steps, +5 to +10) 3-4 minutes before the "
-                                            "final window. At 3 steps (runs t-v) the first version held it for 500 sessions")
+    publish_every_steps: int = setting(20, "learner steps between published versions (20 from a6484be, fixed before "
+                                            "runs p-r: at 10 the first version was +0 to +3 points and held the "
+                                            "challenger slot for half the learning time; docs/experiments.md)")
     publish_wait_for_gate: bool = setting(True, "a new version waits until the gate has ruled on the last (a new challenger "
                                                 "replaces the last on the free server: with a fast learner the gate judged "
                                                 "only 4 of 41 versions before the next replaced them)")
