@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     started = stack.ensure_up(stack_cfg, parts=["vllm"])
     url = stack_cfg.vllm_url
     base = Path(stack_cfg.base_model).resolve()
-    tier = TierConfig(servers=[url], base_model=str(base))
+    # One server, which already serves the base (the live version 0): a full push must replace it, as a one-server
+    # tier's does (replace_live). The bench holds the weights lock and puts the base back at the end.
+    tier = TierConfig(servers=[url], base_model=str(base), replace_live=True)
     work = Path(tempfile.mkdtemp(prefix="bench-weights-"))
     lock_path = Path(stack_cfg.var_dir) / "run" / "vllm-weights.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
