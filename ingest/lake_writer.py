@@ -65,6 +65,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -78,7 +79,7 @@ from flywheel.base.config import (
     write_resolved,
 )
 from flywheel.base.heartbeat import write_status
-from flywheel.base.kafka import client_kwargs, load_kafka_config, recover_lost_join
+from flywheel.base.kafka import client_kwargs, connect_with_retry, load_kafka_config, recover_lost_join
 from flywheel.base.metrics import Metrics, Reading, nan_if_negative
 from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
@@ -134,6 +135,8 @@ class LakeWriterConfig:
     status_interval_s: float = setting(2.0, "how often the status heartbeat and lag are refreshed")
     join_timeout_s: float = setting(60.0, "a writer that holds no partitions and has not become a stable group member "
                                     "for this long starts a new consumer (doubling the wait each time, up to 16x)")
+    connect_timeout_s: float = setting(600.0, "how long start-up waits for an unreachable broker (retrying, each "
+                                       "attempt logged) before it exits")
     var_dir: str = setting(defaults.VAR_DIR, "local state directory (status heartbeat, resolved config)")
     metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9101)")
     log_level: str = setting("INFO", "logging level")
@@ -152,8 +155,8 @@ class LakeWriterConfig:
             raise ConfigError("dedup_window: must be >= 0 (0 turns de-duplication off)")
         if self.roll_max_age_s <= 0 or self.poll_timeout_s <= 0:
             raise ConfigError("roll_max_age_s, poll_timeout_s: must be > 0")
-        if self.join_timeout_s <= 0:
-            raise ConfigError("join_timeout_s: must be > 0")
+        if self.join_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("join_timeout_s, connect_timeout_s: must be > 0")
         if self.session_timeout_s < 6:
             raise ConfigError("session_timeout_s: the broker refuses less than 6 s (group.min.session.timeout.ms)")
 
@@ -790,9 +793,13 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     fs, base = lake.filesystem(cfg.lake_root)
     fs.create_dir(base, recursive=True)
     stopping = stop_on_signals("publishing open files and leaving the group")
-    clients = _connect(cfg)
-    if clients is None:
+    try:
+        clients = _connect(cfg, stopping)
+    except Exception as exc:
+        log.error("setup: cannot reach Kafka at %s (%s: %s); exiting", cfg.kafka_bootstrap, type(exc).__name__, exc)
         return 2
+    if clients is None:
+        return 0 if stopping.is_set() else 2
     consumer, producer = clients
     warm_up()
     writer = LakeWriter(cfg, DeadLetters(producer, cfg.dlq_topic, cfg.lake_root))
@@ -830,9 +837,13 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     return 0
 
 
-def _connect(cfg: LakeWriterConfig) -> tuple["KafkaConsumer", "KafkaProducer"] | None:
-    """The consumer (not yet subscribed) and the DLQ producer, or None when the DLQ topic is missing."""
-    producer = _dlq_producer(cfg)
+def _connect(cfg: LakeWriterConfig, stopping: threading.Event) -> tuple["KafkaConsumer", "KafkaProducer"] | None:
+    """The consumer (not yet subscribed) and the DLQ producer; None when stopped while waiting for the broker or
+    when the DLQ topic is missing. A broker that is away is waited for (connect_timeout_s), not a reason to exit."""
+    producer = connect_with_retry(lambda: _dlq_producer(cfg), "lake writer's DLQ producer", cfg.connect_timeout_s,
+                                  stopping)
+    if producer is None:
+        return None
     # fail fast: with auto-creation off, a missing DLQ topic would only surface at the first bad record
     try:
         producer.partitions_for(cfg.dlq_topic)
@@ -841,7 +852,14 @@ def _connect(cfg: LakeWriterConfig) -> tuple["KafkaConsumer", "KafkaProducer"] |
         log.error("setup: dead-letter topic %s is not available (%s); create it or pass --dlq-topic", cfg.dlq_topic, exc)
         return None
     log.info("setup: DLQ producer connected (%s)", cfg.dlq_topic)
-    consumer = _consumer(cfg)
+    try:
+        consumer = connect_with_retry(lambda: _consumer(cfg), "lake writer's consumer", cfg.connect_timeout_s, stopping)
+    except Exception:
+        producer.close()
+        raise
+    if consumer is None:
+        producer.close()
+        return None
     _wait_for_topics(consumer, sorted(cfg.tables()))
     return consumer, producer
 

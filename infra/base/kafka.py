@@ -16,11 +16,14 @@ Imports only the standard library: the SDK reads it on the agent's process.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from flywheel.base.config import ConfigError, resolve, setting
 
@@ -31,6 +34,8 @@ SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 _SSL_FILES = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
 _SASL_FIELDS = ("sasl_mechanism", "sasl_username", "sasl_password")
 _OTHER_KAFKA_ENV = frozenset({"FLYWHEEL_KAFKA_BOOTSTRAP", CONFIG_FILE_ENV})  # read by each process's own config
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -212,3 +217,37 @@ def recover_lost_join(consumer: Any) -> bool:
         return False
     coordinator.request_rejoin()
     return True
+
+
+def connect_with_retry(make: Callable[[], T], what: str, timeout_s: float, stop: threading.Event | None = None,
+                       first_wait_s: float = 1.0, max_wait_s: float = 15.0,
+                       clock: Callable[[], float] = time.monotonic) -> T | None:
+    """`make()` (a client whose constructor bootstraps), retried with doubling waits until it succeeds, `stop` is set
+    (None) or `timeout_s` has passed (the last error is raised).
+
+    A daemon that a supervisor restarts while the broker is away (an outage, a rolling restart) would otherwise exit
+    at once on kafka-python's "Unable to bootstrap" and be restarted in a tight loop, or not at all. An unreachable
+    address and refused credentials read alike to kafka-python 3 (both "Unable to bootstrap"), so each attempt's
+    error is logged and the wait is bounded.
+    """
+    stop = stop if stop is not None else threading.Event()
+    deadline = clock() + timeout_s
+    wait, attempt = first_wait_s, 0
+    while True:
+        attempt += 1
+        try:
+            return make()
+        except Exception as exc:
+            left = deadline - clock()
+            if left <= 0:
+                log.error("setup: %s: Kafka still unreachable after %d attempts in %.0f s (%s: %s); giving up",
+                          what, attempt, timeout_s, type(exc).__name__, exc)
+                raise
+            pause = min(wait, left)
+            log.warning("setup: %s: Kafka unreachable (%s: %s); attempt %d, retrying in %.1f s (giving up in %.0f s; "
+                        "a wrong address or refused credentials also read like this)",
+                        what, type(exc).__name__, exc, attempt, pause, left)
+            if stop.wait(pause):
+                log.info("setup: %s: stopped while waiting for Kafka", what)
+                return None
+            wait = min(2 * wait, max_wait_s)

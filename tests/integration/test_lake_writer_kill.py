@@ -9,6 +9,7 @@ import hashlib
 import json
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -247,3 +248,81 @@ def test_a_frozen_writer_that_wakes_after_losing_its_partitions_duplicates_nothi
     print(f"zombie after waking: {stats}")
     # the woken writer held open files of partitions it had lost: it must have met the new owner's claims
     assert stats["conformed"] >= 1, f"the zombie never met a claim, so this run did not test the race: {stats}"
+
+
+class _Forwarder:
+    """A TCP port that forwards to the broker, opened on demand: the broker 'comes back' at the writer's address.
+    After bootstrap the writer follows the broker's advertised listener, so only the first connections pass here."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server: socket.socket | None = None
+
+    def open(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        assert self.server is not None
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_writer_started_while_the_broker_is_away_waits_for_it_and_then_lands_everything(
+        kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
+    topic, dlq = new_topic("lw-away"), new_topic("lw-away-dlq")
+    root, var = tmp_path / "lake", tmp_path / "var"
+    var.mkdir()
+    produced = produce(kafka_bootstrap, topic, 500, 1)
+    away = _Forwarder(kafka_bootstrap)
+    proc = start_writer(f"127.0.0.1:{away.port}", topic, dlq, f"test-lw-away-{uuid.uuid4().hex[:8]}", "away", root, var)
+    log_path = var / "away.log"
+    try:
+        # nothing listens at its bootstrap address: the writer must log its retries and stay up, not exit
+        wait_for(lambda: "Kafka unreachable" in log_path.read_text(errors="replace") or proc.poll() is not None, 60,
+                 "the writer's first retry")
+        time.sleep(3)
+        assert proc.poll() is None, f"the writer exited (rc {proc.returncode}) while the broker was away:\n" \
+                                    f"{log_path.read_text(errors='replace')[-3000:]}"
+        away.open()  # the broker is back
+        wait_for(lambda: landed(root, topic) >= len(produced) or proc.poll() is not None, 120, "the lake to fill")
+        assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+        check_exact(root, topic, produced, 1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        away.close()
+    assert rc == 0, log_path.read_text(errors="replace")[-3000:]

@@ -4,12 +4,13 @@ check`'s comparison of live topics with the wanted settings."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
 
 from flywheel.base.config import ConfigError
-from flywheel.base.kafka import KafkaClientConfig, client_kwargs, load_kafka_config
+from flywheel.base.kafka import KafkaClientConfig, client_kwargs, connect_with_retry, load_kafka_config
 from flywheel.ingest import schema
 from flywheel.topics import (
     DLQ_LARGEST_RECORD,
@@ -181,3 +182,49 @@ def test_only_a_finished_join_left_untaken_while_rebalancing_is_restarted() -> N
         before = coordinator.rejoin_needed
         assert not recover_lost_join(_Consumer(coordinator)) and coordinator.rejoin_needed == before, vars(coordinator)
     assert not recover_lost_join(object()), "a client without kafka-python 3's attributes is left alone"
+
+
+# ---------------------------------------------------------------------------------------------
+# start-up while the broker is away: wait (bounded, logged), do not exit
+# ---------------------------------------------------------------------------------------------
+class _Flaky:
+    """A client constructor that fails `failures` times (as kafka-python's does while no broker answers)."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.calls = failures, 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise TimeoutError("Unable to bootstrap from ['127.0.0.1:1']")
+        return "client"
+
+
+def test_a_client_made_while_the_broker_is_away_is_retried_until_it_answers(caplog: pytest.LogCaptureFixture) -> None:
+    make = _Flaky(3)
+    with caplog.at_level(logging.WARNING, logger="flywheel.base.kafka"):
+        got = connect_with_retry(make, "test writer", timeout_s=30.0, first_wait_s=0.01, max_wait_s=0.02)
+    assert got == "client" and make.calls == 4, make.calls
+    retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) == 3 and "Unable to bootstrap" in retries[0] and "test writer" in retries[0], retries
+
+
+def test_the_wait_for_the_broker_is_bounded_and_then_raises_the_last_error() -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0  # each look at the clock is a second later: the bound is reached after a few attempts
+        return now[0]
+
+    make = _Flaky(10**6)
+    with pytest.raises(TimeoutError, match="Unable to bootstrap"):
+        connect_with_retry(make, "test writer", timeout_s=5.0, first_wait_s=0.001, max_wait_s=0.001, clock=clock)
+    assert 1 < make.calls < 10, make.calls
+
+
+def test_a_stop_while_waiting_for_the_broker_returns_none_at_once() -> None:
+    stop = threading.Event()
+    stop.set()
+    make = _Flaky(10**6)
+    assert connect_with_retry(make, "test writer", timeout_s=600.0, stop=stop, first_wait_s=60.0) is None
+    assert make.calls == 1
