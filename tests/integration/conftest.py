@@ -25,9 +25,18 @@ import pytest
 from flywheel import stack as stack_mod
 
 
+# The test session's own MLflow store, beside the demo's (var/mlflow): the registered models and experiments
+# the tests make (test-gate-*, test-learner-*) never show up in the registry a user's `make demo` then reads.
+TEST_MLFLOW_DIR = Path("var") / "test-mlflow"
+
+
 @pytest.fixture(scope="session")
 def stack() -> Iterator[stack_mod.StackConfig]:
-    cfg = stack_mod.replace_config(stack_mod.load_stack_config([]), vllm_servers=2)
+    uri = f"sqlite:///{TEST_MLFLOW_DIR / 'mlflow.db'}"
+    # the flat FLYWHEEL_MLFLOW_TRACKING_URI reaches every process a test starts (the demo's, the learner's, torchrun's)
+    os.environ["FLYWHEEL_MLFLOW_TRACKING_URI"] = uri
+    cfg = stack_mod.replace_config(stack_mod.load_stack_config([]), vllm_servers=2, mlflow_tracking_uri=uri,
+                                   mlflow_artifacts_dir=TEST_MLFLOW_DIR / "artifacts")
     started = stack_mod.ensure_up(cfg)
     yield cfg
     if os.environ.get("FLYWHEEL_KEEP_STACK") != "1":

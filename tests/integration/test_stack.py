@@ -219,3 +219,16 @@ def test_bad_config_is_one_clear_line(bad):
     out = _flywheel("infra", "status", bad)
     assert out.returncode == 2
     assert "kafka_port" in out.stderr, out.stderr
+
+
+def test_the_test_session_records_into_its_own_mlflow_store_not_the_demos(mlflow_uri):
+    """`make test` must leave nothing (test-gate-* models, test experiments) in the registry `make demo` shows."""
+    from flywheel.base import defaults, tracking
+
+    assert tracking.absolute_uri(mlflow_uri) != tracking.absolute_uri(defaults.MLFLOW_TRACKING_URI), mlflow_uri
+    # every process a test starts resolves the same store (the flat FLYWHEEL_MLFLOW_TRACKING_URI)
+    code = ("from flywheel.base.config import load_config; from flywheel.learner.config import LearnerConfig; "
+            "print(load_config(LearnerConfig, [], 'flywheel learner').mlflow_tracking_uri)")
+    child = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip().splitlines()[-1] == mlflow_uri, child.stdout
