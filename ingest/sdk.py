@@ -84,6 +84,7 @@ from flywheel.base.kafka import (
     topic_configs,
 )
 from flywheel.ingest import schema, wire
+from flywheel.ingest.journal import Journal, JournalLocked
 from flywheel.ingest.redact import Redactor, redact_json, redact_text
 from flywheel.ingest.spool import SEGMENT_SUFFIX, Spool, SpoolLocked, read_owner
 
@@ -150,6 +151,12 @@ def default_spool_dir(name: str, topic: str) -> Path:
     """<root>/<name>@<topic>: one spool per logger name and topic (a SessionLogger and an OutcomeReporter
     of the same name must not replay each other's records into the wrong topic)."""
     return default_spool_root() / f"{_name_component(name)}@{_safe_name(topic)}"
+
+
+def default_journal_dir(name: str, topic: str) -> Path:
+    """<root>/../journal/<name>@<topic>: a journal beside the spools, not among them (tools that list spools by
+    name, the chaos audit among them, must not take one for a spool)."""
+    return default_spool_root().with_name("journal") / f"{_name_component(name)}@{_safe_name(topic)}"
 
 
 def _sampled(session_id: str, rate: float) -> bool:
@@ -368,6 +375,7 @@ class _Pipeline:
         self._default_dir = default_spool_dir(name, topic)
         self._spool_dir = Path(spool_dir) if spool_dir is not None else self._default_dir
         self._default_spool = spool_dir is None
+        self.journal: Journal | None = None  # set by the client when the host asked for one (journal_dir)
         self.max_queue = max_queue
         self.batch_max = batch_max
         self.linger_s = linger_s
@@ -459,6 +467,8 @@ class _Pipeline:
             self.dropped_full += 1
             self.warn("full", "sdk %s: queue full (%d records) or closed; record dropped", self.name, self.max_queue)
             return False
+        if self.journal is not None:
+            self.journal.append(record)
         self._queue.append(record)
         if len(self._queue) >= self.batch_max:
             self._wake.set()
@@ -528,6 +538,9 @@ class _Pipeline:
     def _reset_in_child(self) -> None:
         # The parent owns the queue's contents, the producer's sockets and the spool directory:
         # the child must neither send the parent's records nor unlock the parent's spool.
+        if self.journal is not None:  # nor write into the parent's journal, nor keep its lock after the parent dies
+            self.journal.forget_in_child()
+            self.journal = None
         # Both are kept alive, unused: dropping the producer would run its __del__ (close, flush on the
         # parent's sockets), and closing the spool would unlock the parent's spool (flock is shared by fork).
         _FORK_ORPHANS.extend(x for x in (self._producer, self._spool) if x is not None)
@@ -1458,6 +1471,7 @@ class _Client:
         producer_config: dict[str, Any] | None = None,
         sample_rate: float | None = None,
         wire_format: str = "packed",
+        journal_dir: str | Path | None = None,
     ) -> None:
         if wire_format not in wire.FORMATS:
             _warn_setting("wire_format", wire_format, f"not one of {wire.FORMATS}; packed is used")
@@ -1487,6 +1501,26 @@ class _Client:
             metrics_interval_s=metrics_interval_s,
             exit_timeout_s=exit_timeout_s, producer_config=producer_config,
         )
+        if journal_dir is not None:
+            self._open_journal(Path(journal_dir))
+
+    def _open_journal(self, directory: Path) -> None:
+        """Journal every record before the log call returns (ingest/journal.py); log an earlier process's first."""
+        assert self._pipe is not None
+        try:
+            journal = Journal(directory, self._id_field)
+        except (OSError, JournalLocked) as exc:
+            log.warning("sdk: %s: journal %s not opened (%s); records are logged without it", self.name, directory, exc)
+            return
+        earlier = journal.leftovers()
+        self._pipe.journal = journal
+        for record in earlier:  # journalled again, now in this process's segment, before the old ones go
+            self._pipe.put(record)
+        journal.drop_leftovers()
+        if earlier:
+            log.warning("sdk: %s: %d records an earlier process journalled and may not have delivered are logged "
+                        "again (copies land once: the lake de-duplicates by %s)", self.name, len(earlier), self._id_field)
+        journal.start(self._pipe.flush)
 
     @staticmethod
     def _validate(record: Any) -> Any:
@@ -1500,7 +1534,8 @@ class _Client:
         """Counters: enqueued, sent, spilled, replayed, dropped, invalid ... ({"enabled": False} when disabled)."""
         if self._pipe is None:
             return {"enabled": False}
-        return {**self._pipe.metrics(), "sampled_out": self.sampled_out}
+        journal = self._pipe.journal.metrics() if self._pipe.journal is not None else {}
+        return {**self._pipe.metrics(), **journal, "sampled_out": self.sampled_out}
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until everything logged so far reached Kafka (True) or timeout (False)."""
@@ -1510,6 +1545,8 @@ class _Client:
         """Deliver what can be delivered within timeout, spill the rest to disk; later calls are dropped."""
         if self._pipe is not None:
             self._pipe.close(timeout)
+            if self._pipe.journal is not None:  # what was delivered leaves the journal; what was spooled stays too
+                self._pipe.journal.close(self._pipe.flush)
 
     def __enter__(self) -> "_Client":
         return self
@@ -1539,6 +1576,8 @@ class SessionLogger(_Client):
       sample_rate     share of sessions logged, whole sessions by a hash of session_id [FLYWHEEL_SAMPLE_RATE, else 1.0]
       metrics_interval_s [60]   exit_timeout_s  how long the exit hook may deliver [5]
       producer_config extra KafkaProducer settings
+      journal_dir     write every record into this directory before the log call returns, so a SIGKILL of the
+                      host loses nothing it logged (ingest/journal.py; the capture proxy uses it) [None: off]
       wire_format     "packed" (schema v3: token ids and logprobs as base64 of int32/float32) or "json" (v2: JSON
                       lists, for a lake writer older than v3) [packed]; ingest/wire.py
     FLYWHEEL_ENABLED=0 makes it a no-op (one warning), whatever the arguments.

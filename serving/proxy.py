@@ -62,6 +62,7 @@ from flywheel.ingest.sdk import (
     HEADER_TASK_TYPE,
     MAIN_AGENT,
     SessionLogger,
+    default_journal_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class ProxyConfig:
     wire_format: str = setting("packed", "how llm_calls travel (ingest/wire.py): packed (schema v3, token ids as base64 "
                                "int32) or json (v2, for a lake writer older than v3)")
     spool_name: str = setting("proxy", "name of the SDK's spill spool (<FLYWHEEL_SPOOL_DIR or state dir>/<name>@<topic>), stable so a restart replays it")
+    journal: bool = setting(True, "write each logged call to a local journal before answering, so a SIGKILL of the "
+                            "proxy loses no call it answered (beside the spool: <root>/../journal/<spool_name>@<topic>)")
     heartbeat_s: float = setting(5.0, "how often the status heartbeat (var/run/status/proxy*.json) is written; 0: never")
     log_level: str = setting("INFO", "logging level")
 
@@ -618,7 +621,9 @@ def run(cfg: ProxyConfig) -> int:
 
     route, router_state = build_route(cfg)
     log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "flywheel.serving.router.Router")
-    logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name, wire_format=cfg.wire_format)
+    journal = default_journal_dir(cfg.spool_name, cfg.events_topic) if cfg.journal else None
+    logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name, wire_format=cfg.wire_format,
+                           journal_dir=journal)
     log.info("proxy: logging llm_call events to %s on %s", cfg.events_topic, cfg.kafka_bootstrap)
     proxy = CaptureProxy(cfg, logger, route, router_state)
     log.info("proxy: listening on http://%s:%d/v1, forwarding to %s", cfg.host, cfg.port, cfg.upstream)

@@ -192,3 +192,30 @@ def test_serving_router_logs_the_version_the_server_holds(kafka_bootstrap: str, 
         assert len(events) == 1 and events[0]["policy_version"] == held and events[0]["model"] == "policy-v0", events
     finally:
         _stop_proxy(proc, tmp_path / "proxy.log")
+
+
+def test_calls_answered_just_before_a_sigkill_reach_kafka_after_the_restart(
+        kafka_bootstrap: str, vllm_url: str, tmp_path: Path, start_proxy: Any, new_topic: Any) -> None:
+    """The proxy journals each call before it answers (ingest/journal.py). Its first life cannot reach Kafka (port 1),
+    so every answered call is still in the SDK's memory when SIGKILL comes: without the journal all are lost."""
+    import signal
+
+    topic, name = new_topic("proxy-kill"), f"test-proxy-kill-{uuid.uuid4().hex[:8]}"
+    env = {"FLYWHEEL_SPOOL_DIR": str(tmp_path / "spool")}
+    args = ["--upstream", vllm_url, "--events-topic", topic, "--spool-name", name]
+    first, url = start_proxy([*args, "--kafka-bootstrap", "127.0.0.1:1"], tmp_path / "first.log", env)
+    session = uuid.uuid4().hex
+    client = _client(url)
+    for _ in range(5):
+        client.chat.completions.create(model="policy-v0", messages=MESSAGES, max_tokens=4, temperature=1.0,
+                                       extra_headers={"X-Flywheel-Session-Id": session})
+    first.send_signal(signal.SIGKILL)  # within the SDK's 2 s before it spools anything
+    first.wait(timeout=30)
+    second, _ = start_proxy([*args, "--kafka-bootstrap", kafka_bootstrap], tmp_path / "second.log", env)
+    try:
+        calls = [e for e in _events(kafka_bootstrap, topic, session, 6, timeout_s=60) if e["type"] == "llm_call"]
+    finally:
+        _stop_proxy(second, tmp_path / "second.log")
+    assert len(calls) == 5, f"{len(calls)} of 5 answered calls reached Kafka after the SIGKILL:\n" \
+                            f"{(tmp_path / 'second.log').read_text()[-2000:]}"
+    assert all(len(c["completion_logprobs"]) == len(c["completion_token_ids"]) > 0 for c in calls)

@@ -6,7 +6,7 @@ Import directions (every import counts, the lazy ones inside functions too):
   each importing only the base and what is upstream of it; the learner reaches downstream only
   through the hand-off interfaces (the publish function, the registry's version records, the tier's
   description of the servers);
-- within ingest, the SDK an agent imports (schema, sdk, spool, redact) does not import the lake side;
+- within ingest, the SDK an agent imports (schema, sdk, spool, journal, redact) does not import the lake side;
 - no module of the package imports flywheel.demo, flywheel.stack, flywheel.status, flywheel.cli
   (the top) unless it is one of them, and none imports bench or tests;
 - no import cycles between modules.
@@ -24,7 +24,7 @@ FOLDERS = {"infra": "flywheel", "ingest": "flywheel.ingest", "rewards": "flywhee
            "learner": "flywheel.learner", "serving": "flywheel.serving"}
 STAGES = ["flywheel.base", "flywheel.ingest", "flywheel.rewards", "flywheel.learner", "flywheel.serving"]
 HANDOFFS = {"flywheel.learner": {"flywheel.serving.publisher", "flywheel.serving.registry", "flywheel.serving.tier"}}
-SDK = {"flywheel.ingest.schema", "flywheel.ingest.sdk", "flywheel.ingest.spool", "flywheel.ingest.redact", "flywheel.ingest.wire"}
+SDK = {"flywheel.ingest.schema", "flywheel.ingest.sdk", "flywheel.ingest.spool", "flywheel.ingest.journal", "flywheel.ingest.redact", "flywheel.ingest.wire"}
 TOP = ["flywheel.demo", "flywheel.stack", "flywheel.status", "flywheel.cli", "flywheel.topics"]
 MAX_FUNCTION_LINES = 60
 
