@@ -110,9 +110,11 @@ def _session(sid: str, llm_calls: int = 2, end_s: float = 10.0) -> list[dict[str
 
 
 def _ledger_of(events: list[dict[str, Any]], done: dict[str, tuple[str, bool | None]]) -> chaos.Ledger:
+    """The agent's ledger of these events, each noted 1 ms before the SDK stamped its ts (as agent-sim does)."""
     ledger = chaos.Ledger()
     for e in events:
         ledger.expected[e["session_id"]][(e["agent_id"], e["type"])] += 1
+        ledger.times[(e["session_id"], e["agent_id"], e["type"])].append(e["ts"].timestamp() - 0.001)
     ledger.done.update(done)
     return ledger
 
@@ -215,6 +217,143 @@ def test_failures_name_each_check_with_its_numbers() -> None:
     got = chaos.failures(bad)
     assert "events_lost = 3" in got and "kills 11 < 12" in got and "broker_outage_s 30.0 < 45.0" in got, got
     assert any("38 != sessions_completed 40" in x for x in got) and any("[4]" in x for x in got), got
+
+
+# ---------------------------------------------------------------------------------------------
+# the audit's items: where each lost or duplicated event's trail stops, and the faults around it
+# ---------------------------------------------------------------------------------------------
+def _wire(e: dict[str, Any]) -> bytes:
+    """An event as the SDK sends it (and spools it): JSON, ts as ISO-8601 text."""
+    return json.dumps({**{k: e[k] for k in chaos.TRAIL_FIELDS}, "ts": e["ts"].isoformat(), "schema_version": 3}).encode()
+
+
+def _at(seconds: float) -> float:
+    return (T0 + dt.timedelta(seconds=seconds)).timestamp()
+
+
+def _fault(kind: str, target: str, seconds: float, until: float | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": kind, "target": target, "t": _at(seconds), "at_s": seconds}
+    if kind == "outage":
+        out["until"] = None if until is None else _at(until)
+    return out
+
+
+def test_a_lost_event_is_listed_with_the_stage_where_its_trail_stops_and_the_faults_around_it(tmp_path: Path) -> None:
+    sid = "a" * 32
+    a = _session(sid)  # ts = T0 + seq: tool_call seqs 2 and 5, tool_result seqs 3 and 6
+    ledger = _ledger_of(a, {sid: ("ok", True)})
+    in_kafka = next(e for e in a if e["type"] == "tool_result" and e["seq"] == 3)  # the lake writer lost it
+    in_spool = next(e for e in a if e["type"] == "tool_call" and e["seq"] == 5)  # never acknowledged by Kafka
+    nowhere = next(e for e in a if e["type"] == "tool_result" and e["seq"] == 6)  # lost in the SDK's memory
+    lake = [e for e in a if e not in (in_kafka, in_spool, nowhere)]
+    kafka = [(1, i, _wire(e)) for i, e in enumerate(lake + [in_kafka])]  # in_kafka at partition 1, offset len(lake)
+    faults = [_fault("outage", "kafka", -100.0, until=-80.0),  # over 30 s before any of them: not listed
+              _fault("kill", "proxy", -10.0), _fault("kill", "lake-writer", 4.0), _fault("crash", "lake-writer", 5.5),
+              _fault("kill", "agent-sim", 200.0)]  # over 60 s after: not listed
+    facts = _facts(lake, ledger, kafka=kafka, lake_ranges={"events": {1: [(0, len(lake))]}},
+                   spooled=[{**chaos.wire_event(_wire(in_spool)), "spool": f"chaos-t-agent@{sid}"}], faults=faults)
+
+    assert chaos.event_checks(facts)["events_lost"] == 3
+    items = chaos.audit_items(facts)
+    lost = items["lost"]
+    assert lost["count"] == 3 and lost["stops_at"] == {"kafka": 1, "spool": 1, "sdk": 1}, lost
+    by_stop = {x["stops_at"]: x for x in lost["items"]}
+
+    k = by_stop["kafka"]  # in Kafka, not in the lake: the writer passed its offset (a lake file covers it)
+    assert (k["event_id"], k["type"], k["seq"], k["agent_id"]) == (in_kafka["event_id"], "tool_result", 3, "main"), k
+    assert k["seen_in"] == ["sdk", "kafka"] and k["kafka"] == [{"partition": 1, "offset": len(lake), "lake_file_covers": True}], k
+    assert k["handed_at"] == pytest.approx(_at(3) - 0.001) and k["session_completed"] and k["durable"] is True, k
+    assert [(x["kind"], x["target"], x["dt_s"]) for x in k["faults"]] == [
+        ("kill", "proxy", -13.0), ("kill", "lake-writer", 1.0), ("crash", "lake-writer", 2.5)], k["faults"]
+
+    sp = by_stop["spool"]
+    assert sp["event_id"] == in_spool["event_id"] and sp["seq"] == 5 and sp["seen_in"] == ["sdk", "spool"], sp
+    assert sp["spool"] == [f"chaos-t-agent@{sid}"] and "kafka" not in sp, sp
+
+    sdk = by_stop["sdk"]  # never reached a spool or Kafka: its id is unknown, the ledger's line gives its hand-off
+    assert sdk["event_id"] is None and sdk["type"] == "tool_result" and sdk["seen_in"] == ["sdk"], sdk
+    assert sdk["handed_at"] == pytest.approx(_at(6) - 0.001), (sdk, "the tool_result line left after pairing seq 3")
+    assert [x["dt_s"] for x in sdk["faults"]] == [-16.0, -2.0, -0.5], sdk["faults"]
+
+    written = chaos.write_audit(tmp_path / chaos.AUDIT_FILE, {"events_lost": 3}, items)
+    back = json.loads(written.read_text())
+    assert back["summary"] == {"events_lost": 3} and back["lost"]["count"] == 3 and set(back["stages"]) == set(chaos.STAGES)
+    assert [x["target"] for x in back["faults"]] == ["kafka", "proxy", "lake-writer", "lake-writer", "agent-sim"]
+
+
+def test_lost_items_match_the_counts_and_the_file_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    done, killed = "b" * 32, "c" * 32  # the agent was killed while c was in flight
+    b, c = _session(done, llm_calls=3), _session(killed, llm_calls=3)
+    ledger = _ledger_of(b + c, {done: ("ok", False)})
+    lake = [e for e in b if e["type"] != "llm_call"] + c[:3]
+    facts = _facts(lake, ledger, faults=[_fault("outage", "kafka", -200.0)])  # never came back: still around
+    counts = chaos.event_checks(facts)
+    monkeypatch.setattr(chaos, "MAX_LISTED", 2)
+    items = chaos.audit_items(facts)
+    assert items["lost"]["count"] == counts["events_lost"] == 3, (items["lost"], counts)
+    assert items["lost_uncompleted"]["count"] == counts["events_lost_uncompleted"] == len(c) - 3
+    assert items["lost"]["listed"] == 2 and len(items["lost"]["items"]) == 2, "a category lists at most MAX_LISTED"
+    call = items["lost"]["items"][0]
+    assert call["type"] == "llm_call" and call["stops_at"] == "sdk" and call["durable"] is False, call
+    assert call["faults"][0]["kind"] == "outage" and call["faults"][0]["until"] is None, call
+
+
+def test_duplicated_events_and_episodes_trained_twice_are_listed_with_their_faults() -> None:
+    sid = "d" * 32
+    a = _session(sid)
+    call = next(e for e in a if e["type"] == "llm_call")
+    replayed = {**call, "_partition": 2, "_offset": 40}  # the same event_id landed twice
+    trained = [{"step": 1, "policy_version": 0, "episode_ids": [call["event_id"]], "t": _at(30)},
+               {"step": 2, "policy_version": 1, "episode_ids": [call["event_id"]], "t": _at(50)}]
+    faults = [_fault("kill", "lake-writer", 2.0), _fault("kill", "learner", 40.0)]
+    facts = _facts(a + [replayed], _ledger_of(a, {sid: ("ok", True)}), trained=trained, faults=faults,
+                   episodes=[{"episode_id": call["event_id"], "label_version": 1, "session_id": sid}] * 2)
+    items = chaos.audit_items(facts)
+    dup = items["duplicated_in_lake"]["items"]
+    assert len(dup) == 1 and dup[0]["event_id"] == call["event_id"] and dup[0]["lake_rows"] == 2, dup
+    assert dup[0]["lake"] == [{"partition": 0, "offset": 0}, {"partition": 2, "offset": 40}], dup
+    assert dup[0]["stops_at"] == "episodes" and [x["target"] for x in dup[0]["faults"]] == ["lake-writer", "learner"]
+    ep = items["duplicated_in_episodes"]["items"]
+    assert len(ep) == 1 and ep[0]["episode_rows"] == 2 and ep[0]["label_version"] == 1, ep
+    twice = items["trained_twice"]["items"]
+    assert len(twice) == 1 and [s["step"] for s in twice[0]["steps"]] == [1, 2], twice
+    assert [(x["target"], x["dt_s"]) for x in twice[0]["faults"]] == [("lake-writer", -28.0), ("learner", 10.0)], twice
+    assert items["lost"]["count"] == 0
+
+
+def test_the_run_writes_the_audit_file_with_the_faults_as_done_and_names_it_in_the_summary(tmp_path: Path) -> None:
+    args = chaos.parse_args(["--var-dir", str(tmp_path), "--run-id", "chaos-t", "--base-model", str(tmp_path / "base")])
+    run = chaos.ChaosRun(args)
+    run.traffic_start = _at(-50)
+    run.sup = chaos.Supervisor(run.procs, {}, lambda _: None)
+    run.sup.timeline += [(_at(-20), "kill", "agent-sim"), (_at(2), "crash", "lake-writer")]
+    run.broker = SimpleNamespace(stopping_at=_at(-10), up_at=_at(60))
+    timeline = run.fault_timeline()
+    assert [(x["kind"], x["at_s"]) for x in timeline] == [("kill", 30.0), ("outage", 40.0), ("crash", 52.0)], timeline
+    assert timeline[1]["down_s"] == 70.0
+    sid = "f" * 32
+    a = _session(sid)
+    result = {"events_lost": 1}
+    run.write_items(_facts(a[1:], _ledger_of(a, {sid: ("ok", True)}), faults=timeline), result)
+    assert result["audit_path"] == str(run.plan.run_dir / "audit.json") and result["events_lost_stop_at"] == {"sdk": 1}
+    back = json.loads(Path(result["audit_path"]).read_text())
+    lost = back["lost"]["items"]
+    assert [x["type"] for x in lost] == ["session_start"] and back["summary"]["events_lost"] == 1, back["lost"]
+    assert [(x["kind"], x["dt_s"]) for x in lost[0]["faults"]] == [("kill", -20.0), ("outage", -10.0), ("crash", 2.0)]
+
+
+def test_read_spools_lists_the_events_a_spool_still_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.ingest.spool import Spool
+
+    monkeypatch.setattr(chaos, "REPO_ROOT", tmp_path)
+    e = _event("e" * 32, "tool_call", seq=4)
+    spool = Spool(tmp_path / "var" / "spool" / "chaos-t-agent@chaos-t.events")
+    spool.append([_wire(e), json.dumps({"outcome_id": "o1", "session_id": "e" * 32}).encode()])
+    spool.close()
+    counts, events = chaos.read_spools("chaos-t")
+    assert counts == {"chaos-t-agent@chaos-t.events": 2}, counts
+    assert [(x["event_id"], x["seq"], x["spool"]) for x in events] == [(e["event_id"], 4, "chaos-t-agent@chaos-t.events")]
+    assert chaos.spool_records("chaos-t") == counts
 
 
 # ---------------------------------------------------------------------------------------------
