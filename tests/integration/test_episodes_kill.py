@@ -43,7 +43,10 @@ PER_FILE = 10
 
 def build_lake(root: Path) -> int:
     """Write the lake; returns how many event copies it holds."""
-    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)
+    # 01:00 UTC two days back: the 24 files span 4 hours of one day. A start that lets them cross midnight splits a
+    # session's events into two date partitions, hence two files read in two passes (`--max-files-per-pass 1`), and
+    # the second part counts as late events: the test then failed when run between 20:00 and 24:00 UTC
+    start = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)).replace(hour=1, minute=0, second=0, microsecond=0)
     feed = synthetic.LakeFeeder(str(root))
     late: list[dict] = []
     written: list[list[dict]] = []
