@@ -379,8 +379,10 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
             learner.heartbeat("stopped")
         if learner.prom is not None:
             learner.prom.metrics.close()
-        dist.shutdown(world)
-    log.info("learner: stopped at step %d, policy_version %d", learner.state.step, learner.state.policy_version)
+        step, version = learner.state.step, learner.state.policy_version
+        del learner  # the model, optimizer and trainer hold the process group: gone before it is (dist.shutdown)
+        dist.shutdown(world, clean=status == "FINISHED")
+    log.info("learner: stopped at step %d, policy_version %d", step, version)
     return 0
 
 

@@ -246,8 +246,27 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def shutdown(world: World) -> None:
-    if world.distributed:
-        import torch.distributed as dist
+def shutdown(world: World, clean: bool = True) -> None:
+    """Leave the process group: after a clean run, every rank at once; after a failure, not at all.
 
-        dist.destroy_process_group()
+    A rank of a 2-rank FSDP2 run once died at exit after `destroy_process_group` ("terminate called without an
+    active exception", SIGABRT; issue 35, not reproduced here in 18 runs beside CPU hogs): a C++ object with a live
+    thread was destroyed during interpreter finalization. So the objects that hold the group (the sharded module,
+    its DTensors and mesh, the optimizer's sharded moments: the caller drops its references first) are collected
+    while the interpreter is whole, and a barrier keeps a rank from tearing the group down while its peer still
+    talks to it. After a failure the peer may be inside a collective: destroying then can hang (torchtitan#1342),
+    and torchrun ends the other ranks anyway.
+    """
+    if not world.distributed:
+        return
+    import gc
+
+    import torch.distributed as dist
+
+    if not clean:
+        log.warning("dist: rank %d failed; leaving the process group to torchrun", world.rank)
+        return
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()

@@ -27,7 +27,10 @@ from flywheel.demo import swarm
 from flywheel.demo.warm_start import WarmStartSettings
 from flywheel.ingest import lake
 
-pytestmark = pytest.mark.slow
+# Its budget, measured: 378 s on a quiet 2-core machine (a 300-step warm start of ~2 minutes, then the 3-minute run),
+# and past the suite's 900 s beside one CPU-bound job (issue 35). The bound is ~5x the quiet figure: only a hang
+# reaches it, not a busy machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewarded(
