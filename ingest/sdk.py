@@ -13,7 +13,7 @@ its sessions and their outcomes to Kafka, from inside its own process.
     OutcomeReporter(bootstrap="127.0.0.1:9092").report(s.session_id, kind="tests_passed", value=1.0)
 
 It runs in the agent's process, on its hot path, so it must never slow it down, block it, crash it, or lose
-what it was given (style.md rule 5, modelled on the Langfuse SDK):
+what it was given (modelled on the Langfuse SDK: a small public surface over background I/O that never hurts its host):
 
 * A call builds a dict and appends it to a bounded in-memory queue (no I/O, no JSON, no
   locks); a background thread does the rest: event id, redaction, size caps, JSON encoding,

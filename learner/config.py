@@ -1,6 +1,6 @@
 """The learner's one typed config (`flywheel learner --help` lists every field).
 
-Resolved by infra.config.load_config: defaults < TOML (--config) < FLYWHEEL_LEARNER_<FIELD>
+Resolved by flywheel.base.config.load_config: defaults < TOML (--config) < FLYWHEEL_LEARNER_<FIELD>
 (or the flat FLYWHEEL_<FIELD> of a shared field, flywheel.base.config) < flags.
 The resolved copy is written to <run_dir>/learner-config.toml at start-up.
 """

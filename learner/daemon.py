@@ -295,7 +295,7 @@ class Learner:
         }, var_dir=self.cfg.var_dir)
 
 
-# Policy lag in learner steps: 0 is on-policy; max_staleness_steps (default 4) is where rows stop being trained.
+# Policy lag in learner steps: 0 is on-policy; max_staleness_steps (LearnerConfig) is where rows stop being trained.
 LAG_BUCKETS_STEPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
