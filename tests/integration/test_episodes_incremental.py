@@ -30,7 +30,8 @@ NEW_FILES = 3
 
 
 def build(base: Path, n_files: int, rewards: config.RewardConfig) -> tuple[synthetic.LakeFeeder, episodes.EpisodesConfig]:
-    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=3)
+    # 01:00 UTC: the files never cross midnight, which would split a session over two date partitions
+    start = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=3)).replace(hour=1, minute=0, second=0, microsecond=0)
     feed = synthetic.LakeFeeder(str(base / "lake"))
     for i in range(n_files):
         ev, oc = synthetic.generate(PER_FILE, start + dt.timedelta(minutes=i), seed=i, spacing_s=1.0)
@@ -63,7 +64,7 @@ def test_incremental_pass_cost_does_not_grow_with_the_lake(tmp_path: Path) -> No
     rewards = config.parse(TOML)
     build(tmp_path / "x1", BASE_FILES, rewards)
     build(tmp_path / "x10", BASE_FILES * 10, rewards)
-    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=1)
+    start = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=1)).replace(hour=1, minute=0, second=0, microsecond=0)
     new = [synthetic.generate(PER_FILE, start + dt.timedelta(minutes=i), seed=1000 + i, spacing_s=1.0) for i in range(NEW_FILES)]
     times: dict[str, list[float]] = {"x1": [], "x10": []}
     for rep in range(5):
