@@ -135,6 +135,8 @@ class LakeWriterConfig:
     status_interval_s: float = setting(2.0, "how often the status heartbeat and lag are refreshed")
     join_timeout_s: float = setting(60.0, "a writer that holds no partitions and has not become a stable group member "
                                     "for this long starts a new consumer (doubling the wait each time, up to 16x)")
+    stall_timeout_s: float = setting(300.0, "a writer that holds partitions with records waiting yet publishes no file "
+                                     "for this long publishes what it holds and starts a new consumer (doubling, up to 16x)")
     connect_timeout_s: float = setting(600.0, "how long start-up waits for an unreachable broker (retrying, each "
                                        "attempt logged) before it exits")
     var_dir: str = setting(defaults.VAR_DIR, "local state directory (status heartbeat, resolved config)")
@@ -155,8 +157,8 @@ class LakeWriterConfig:
             raise ConfigError("dedup_window: must be >= 0 (0 turns de-duplication off)")
         if self.roll_max_age_s <= 0 or self.poll_timeout_s <= 0:
             raise ConfigError("roll_max_age_s, poll_timeout_s: must be > 0")
-        if self.join_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ConfigError("join_timeout_s, connect_timeout_s: must be > 0")
+        if self.join_timeout_s <= 0 or self.connect_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ConfigError("join_timeout_s, connect_timeout_s, stall_timeout_s: must be > 0")
         if self.session_timeout_s < 6:
             raise ConfigError("session_timeout_s: the broker refuses less than 6 s (group.min.session.timeout.ms)")
 
@@ -264,6 +266,7 @@ class Stats:
     rewound: int = 0  # partitions found with a log that no longer matches the lake (paused, see check_logs)
     rejoins: int = 0  # new consumers started because the group never became stable (_JoinWatch)
     lost_joins: int = 0  # group joins whose completion kafka-python dropped, restarted (recover_lost_join)
+    stalls: int = 0  # new consumers started because partitions with records waiting published nothing (_StallWatch)
 
 
 class IdWindow:
@@ -818,12 +821,13 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
     if decoder.worker is not None:
         log.info("setup: decode worker pid %d started", decoder.worker.process.pid)
     watch = _JoinWatch(cfg.join_timeout_s)
+    stall = _StallWatch(cfg.stall_timeout_s)
     try:
         with _rare_gc():
             log.info("setup: subscribed; entering the loop")
             while True:
                 try:
-                    _loop(cfg, consumer, writer, rebalance, status_name, stopped, decoder, watch)
+                    _loop(cfg, consumer, writer, rebalance, status_name, stopped, decoder, watch, stall)
                     break
                 except _NeverJoined as stuck:
                     consumer = _new_consumer(cfg, consumer, writer, rebalance, str(stuck))
@@ -899,11 +903,41 @@ class _JoinWatch:
         return f"no partitions and group state {state} for {waited:.0f} s"
 
 
+class _StallWatch:
+    """Notices a writer that holds partitions with records waiting and publishes nothing.
+
+    Once (issue 35) a writer ran at ~88% CPU for 10 minutes without publishing a file; the cause was not found.
+    Any record consumed is published within roll_max_age_s, so "records waiting (lag > 0) on partitions it holds,
+    none paused for a rewound log, and no file published for `timeout_s`" is a writer that is not working, whatever
+    the cause: it then publishes what it holds, gives its partitions up and starts a new consumer (nothing is
+    lost or written twice: its progress is the lake's). The next wait doubles, up to 16x, so a slow broker is not
+    churned."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.base_s = self.timeout_s = timeout_s
+        self.clock = clock
+        self.since = clock()
+        self.files = -1
+
+    def due(self, held: int, lag: int, files: int, paused: int) -> str | None:
+        """A reason to start a new consumer, or None; `files` is the writer's count of published files."""
+        now = self.clock()
+        if not held or lag <= 0 or paused or files != self.files:
+            self.since, self.files = now, files
+            return None
+        if now - self.since < self.timeout_s:
+            return None
+        waited = now - self.since
+        self.since = now
+        self.timeout_s = min(self.timeout_s * 2, self.base_s * 16)
+        return f"{lag} records waiting on {held} partitions and no file published for {waited:.0f} s"
+
+
 def _new_consumer(cfg: LakeWriterConfig, old: "KafkaConsumer", writer: LakeWriter, rebalance: "_Rebalance",
                   why: str) -> "KafkaConsumer":
     """Close a consumer stuck outside its group and subscribe a new one in its place; keep the old one when no
     new one can be made (the broker is away: the watch tries again after a longer wait)."""
-    log.error("group: %s; starting a new consumer (a stuck join; docs/reliability.md)", why)
+    log.error("group: %s; starting a new consumer (docs/reliability.md: a stuck join or a stalled writer)", why)
     try:
         consumer = _consumer(cfg)
         _wait_for_topics(consumer, sorted(cfg.tables()))
@@ -1000,9 +1034,10 @@ def _rare_gc() -> Iterator[None]:
 
 def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, rebalance: _Rebalance,
           status_name: str, stopped: Callable[[], bool], decoder: _Decoder | None = None,
-          watch: _JoinWatch | None = None) -> None:
+          watch: _JoinWatch | None = None, stall: _StallWatch | None = None) -> None:
     """Poll -> writer (publishing, with its commit hints) -> heartbeat, until `stopped()`; then publish
-    every open file. Raises _NeverJoined when `watch` gives up on the group join (no file is open then)."""
+    every open file. Raises _NeverJoined when `watch` gives up on the group join (no file is open then), or when
+    `stall` finds its partitions stuck (their open files published and the partitions given up first)."""
     decoder = decoder or _Decoder(writer, rebalance)
     last_status = time.monotonic()
     last_stats = Stats()
@@ -1029,6 +1064,14 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
             stuck = watch and watch.due(len(writer.next_offset), state)
             if stuck:
                 raise _NeverJoined(stuck)
+            stalled = stall and stall.due(len(writer.next_offset), writer.lag_records, writer.stats.files,
+                                          len(writer.rewound))
+            if stalled:
+                decoder.collect(wait=True)
+                writer.revoke(list(writer.next_offset))  # publish and forget: the new consumer's owners resume after it
+                writer.dlq.flush()
+                writer.stats.stalls += 1
+                raise _NeverJoined(stalled)
     decoder.collect(wait=True)
     writer.flush_all()
     writer.dlq.flush()
@@ -1211,6 +1254,7 @@ def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer
         "group_state": group_state.strip("<>"),
         "rejoins": s.rejoins,
         "lost_joins": s.lost_joins,
+        "stalls": s.stalls,
         "open_records": sum(b.count for b in writer.buffers.values() if not b.empty),
     }
     write_status(status_name, fields, var_dir=cfg.var_dir)
@@ -1239,6 +1283,8 @@ def writer_metrics(writer: LakeWriter) -> Metrics:
                     s.rejoins),
             Reading("counter", "group", "lost_joins", "group joins whose completion kafka-python dropped, restarted",
                     s.lost_joins),
+            Reading("counter", "group", "stalls", "new consumers started after partitions with records waiting "
+                    "published no file for stall_timeout_s", s.stalls),
         ]
 
     metrics.read(readings)

@@ -23,6 +23,7 @@ from flywheel.ingest.lake_writer import (
     Rejected,
     _commit_hint,
     _JoinWatch,
+    _StallWatch,
     _loop,
     _NeverJoined,
     _Rebalance,
@@ -771,6 +772,46 @@ def test_the_loop_hands_a_never_joined_consumer_back_with_nothing_open(tmp_path:
     with pytest.raises(_NeverJoined, match="no partitions and group state <unjoined>"):
         _loop(w.cfg, consumer, w, _Rebalance(w, consumer), "lake-writer-test", stopped, watch=watch)
     assert 5 <= now[0] <= 8 and not w.buffers, (now[0], w.buffers)
+
+
+# ---- a writer holding partitions with records waiting that publishes nothing gets a new consumer (_StallWatch) ---
+def test_the_stall_watch_fires_only_while_records_wait_and_no_file_is_published() -> None:
+    now = [0.0]
+    watch = _StallWatch(300.0, clock=lambda: now[0])
+    assert watch.due(2, 500, 7, 0) is None  # starts the clock
+    now[0] = 299.0
+    assert watch.due(2, 500, 7, 0) is None, "not before the timeout"
+    now[0] = 301.0
+    assert watch.due(2, 500, 7, 0) == "500 records waiting on 2 partitions and no file published for 301 s"
+    # progress of any kind, or nothing to do, resets the clock: a file published, no lag, no partitions held, or a
+    # partition paused on purpose (a rewound log waits for an operator)
+    for held, lag, files, paused in [(2, 500, 8, 0), (2, 0, 8, 0), (0, 500, 8, 0), (2, 500, 8, 1)]:
+        now[0] += 10_000.0
+        assert watch.due(held, lag, files, paused) is None, (held, lag, files, paused)
+        now[0] += watch.timeout_s - 1
+        assert watch.due(2, 500, 8, 0) is None
+    now[0] += 1e6
+    assert watch.due(2, 500, 8, 0) is not None and watch.timeout_s == 1200.0, "each wait doubles the next"
+
+
+def test_the_loop_publishes_what_a_stalled_writer_holds_and_gives_its_partitions_up(tmp_path: Path) -> None:
+    # one record polled into an open file, then nothing more, while the log holds 50: nothing is published
+    consumer = FakeConsumer([{tp(0): messages(range(0, 1))}], ends={(TOPIC, 0): 50})
+    w = make_writer(tmp_path, status_interval_s=0.001, roll_max_age_s=1000.0, var_dir=str(tmp_path / "var"))
+    rebalance = _Rebalance(w, consumer)
+    rebalance.on_partitions_assigned({tp(0)})
+    now = [0.0]
+    stall = _StallWatch(5.0, clock=lambda: now[0])
+
+    def stopped() -> bool:  # each pass of the loop is one second on the watch's clock and a heartbeat
+        time.sleep(0.002)
+        now[0] += 1.0
+        return now[0] > 100
+
+    with pytest.raises(_NeverJoined, match="50 records waiting on 1 partitions"):
+        _loop(w.cfg, consumer, w, rebalance, "lake-writer-test", stopped, stall=stall)
+    assert lake_rows(tmp_path) == [0], "the open file must be published before the consumer is replaced"
+    assert not w.next_offset and not w.buffers and w.stats.stalls == 1, (w.next_offset, w.stats)
 
 
 # ---- the Kafka record timestamp: only the date of an all-bad range, never a reason to stop ------------------
