@@ -872,7 +872,30 @@ class _NeverJoined(Exception):
     """Raised by the loop when _JoinWatch gives up on the consumer's group join."""
 
 
-class _JoinWatch:
+class _Watch:
+    """A condition that, unhealthy for `timeout_s` without a break, calls for a new consumer; each firing doubles the
+    next wait, up to 16x, so a group or broker slow for another reason is not churned."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.base_s = self.timeout_s = timeout_s
+        self.clock = clock
+        self.since = clock()
+
+    def _expired(self, healthy: bool) -> float | None:
+        """Seconds unhealthy when that reaches the timeout (and the clock restarts), else None."""
+        now = self.clock()
+        if healthy:
+            self.since = now
+            return None
+        if now - self.since < self.timeout_s:
+            return None
+        waited = now - self.since
+        self.since = now
+        self.timeout_s = min(self.timeout_s * 2, self.base_s * 16)
+        return waited
+
+
+class _JoinWatch(_Watch):
     """Notices a consumer that never becomes a stable group member.
 
     Twice in CI (2026-12-02 and -03, load ~4) one of two freshly started writers held no partition for 90 s
@@ -884,26 +907,13 @@ class _JoinWatch:
     nothing is lost), and the next wait doubles, up to 16x, so a group that is slow for another reason (a
     large group's rebalance) is not churned."""
 
-    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.base_s = self.timeout_s = timeout_s
-        self.clock = clock
-        self.since = clock()
-
     def due(self, held: int, state: str) -> str | None:
         """A reason to start a new consumer, or None; `state` is kafka-python's MemberState value."""
-        now = self.clock()
-        if held or state == "<stable>":
-            self.since = now
-            return None
-        if now - self.since < self.timeout_s:
-            return None
-        waited = now - self.since
-        self.since = now
-        self.timeout_s = min(self.timeout_s * 2, self.base_s * 16)
-        return f"no partitions and group state {state} for {waited:.0f} s"
+        waited = self._expired(bool(held) or state == "<stable>")
+        return None if waited is None else f"no partitions and group state {state} for {waited:.0f} s"
 
 
-class _StallWatch:
+class _StallWatch(_Watch):
     """Notices a writer that holds partitions with records waiting and publishes nothing.
 
     Once (issue 35) a writer ran at ~88% CPU for 10 minutes without publishing a file; the cause was not found.
@@ -914,22 +924,16 @@ class _StallWatch:
     churned."""
 
     def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.base_s = self.timeout_s = timeout_s
-        self.clock = clock
-        self.since = clock()
+        super().__init__(timeout_s, clock)
         self.files = -1
 
     def due(self, held: int, lag: int, files: int, paused: int) -> str | None:
         """A reason to start a new consumer, or None; `files` is the writer's count of published files."""
-        now = self.clock()
-        if not held or lag <= 0 or paused or files != self.files:
-            self.since, self.files = now, files
+        healthy = not held or lag <= 0 or bool(paused) or files != self.files
+        self.files = files
+        waited = self._expired(healthy)
+        if waited is None:
             return None
-        if now - self.since < self.timeout_s:
-            return None
-        waited = now - self.since
-        self.since = now
-        self.timeout_s = min(self.timeout_s * 2, self.base_s * 16)
         return f"{lag} records waiting on {held} partitions and no file published for {waited:.0f} s"
 
 
