@@ -7,6 +7,7 @@ import functools
 import json
 import time
 import uuid
+from typing import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -752,6 +753,15 @@ def test_the_join_watch_fires_only_for_a_member_holding_nothing_outside_a_stable
         assert watch.due(0, "<unjoined>") is None
 
 
+def _one_second_per_pass(now: list[float]) -> Callable[[], bool]:
+    """A loop's `stopped`: each pass is one second on the watches' clock `now` and a heartbeat; stops after 100."""
+    def stopped() -> bool:
+        time.sleep(0.002)
+        now[0] += 1.0
+        return now[0] > 100
+    return stopped
+
+
 def test_the_loop_hands_a_never_joined_consumer_back_with_nothing_open(tmp_path: Path) -> None:
     class NeverJoins(FakeConsumer):
         def group_metadata(self) -> object:
@@ -764,10 +774,7 @@ def test_the_loop_hands_a_never_joined_consumer_back_with_nothing_open(tmp_path:
     now = [0.0]
     watch = _JoinWatch(5.0, clock=lambda: now[0])
 
-    def stopped() -> bool:  # each pass of the loop is one second on the watch's clock and a heartbeat
-        time.sleep(0.002)
-        now[0] += 1.0
-        return now[0] > 100
+    stopped = _one_second_per_pass(now)
 
     with pytest.raises(_NeverJoined, match="no partitions and group state <unjoined>"):
         _loop(w.cfg, consumer, w, _Rebalance(w, consumer), "lake-writer-test", stopped, watch=watch)
@@ -803,10 +810,7 @@ def test_the_loop_publishes_what_a_stalled_writer_holds_and_gives_its_partitions
     now = [0.0]
     stall = _StallWatch(5.0, clock=lambda: now[0])
 
-    def stopped() -> bool:  # each pass of the loop is one second on the watch's clock and a heartbeat
-        time.sleep(0.002)
-        now[0] += 1.0
-        return now[0] > 100
+    stopped = _one_second_per_pass(now)
 
     with pytest.raises(_NeverJoined, match="50 records waiting on 1 partitions"):
         _loop(w.cfg, consumer, w, rebalance, "lake-writer-test", stopped, stall=stall)
