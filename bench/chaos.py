@@ -115,9 +115,12 @@ class ChaosPlan(RunPlan):
 def demo_config(args: argparse.Namespace, run_dir: Path, run_id: str) -> DemoConfig:
     """Small settings that fit a few minutes on 2 cores: the tiny base (no warm start), small learner batches,
     a gate that decides after a handful of sessions."""
+    tuned = DemoConfig()  # the tool_use recipe
+    learner = dataclasses.replace(tuned.learner, batch_size=args.learner_batch, min_batch=args.learner_batch,
+                                  micro_batch=min(32, args.learner_batch), publish_every_steps=2, publish_every_s=30.0)
     cfg = DemoConfig(minutes=args.minutes, var_dir=run_dir, base_model=_in_repo(args.base_model), warm_start=False,
-                     concurrency=args.concurrency, multi_share=0.2, learner_batch=args.learner_batch,
-                     publish_every_steps=2, publish_every_s=30.0, gate_interval_s=5.0, gate_min_sessions=5,
+                     concurrency=args.concurrency, multi_share=0.2, learner=learner,
+                     gate=dataclasses.replace(tuned.gate, min_sessions=5), gate_interval_s=5.0,
                      base_sessions=0, measure_s=0.0, live=False, run_id=run_id,
                      # two servers (champion and challenger), no control arm: the chaos run checks data, not lift
                      vllm_servers=2, control_share=0.0, challenger_share=0.5)

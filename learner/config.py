@@ -8,22 +8,27 @@ The resolved copy is written to <run_dir>/learner-config.toml at start-up.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from flywheel.base import defaults
-from flywheel.base.config import ConfigError, setting
+from flywheel.base.config import ConfigError, check_choices, setting
 
-LOSSES = ("tis", "ppo")
-AGGS = ("token", "sequence")
-MODES = ("lora", "full")
-BASELINES = ("batch", "running", "none")
-KL_ROWS = ("all", "trained")
-SHARDS = ("ddp", "fsdp2")
+Loss = Literal["tis", "ppo"]
+LossAgg = Literal["token", "sequence"]
+Mode = Literal["lora", "full"]
+Baseline = Literal["batch", "running", "none"]
+KlRows = Literal["all", "trained"]
+Shard = Literal["ddp", "fsdp2"]
+Dtype = Literal["float32", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @dataclass
 class LearnerConfig:
     """Continuous learner: trains the policy on matured episodes and publishes policy versions."""
+
+    RECIPE_SECTION: ClassVar[str] = "learner"  # `flywheel learner --recipe tool_use` reads the recipe's [learner]
 
     # -- data -------------------------------------------------------------------------------
     lake_root: str = setting(defaults.LAKE_ROOT, "trajectory lake root (path or pyarrow URI); episodes are read from its episodes table")
@@ -43,15 +48,15 @@ class LearnerConfig:
     max_seq_len: int = setting(2048, "episodes with more prompt+completion tokens are skipped as corrupt")
     poll_s: float = setting(2.0, "longest sleep between lake listings while waiting for episodes")
     # -- loss -------------------------------------------------------------------------------
-    loss: str = setting("tis", "importance correction: tis (truncated IS weight, detached) or ppo (clipped ratio)")
+    loss: Loss = setting("tis", "importance correction: tis (truncated IS weight, detached) or ppo (clipped ratio)")
     tis_cap: float = setting(2.0, "c: truncated-IS weight min(ratio, c)")
     ppo_eps: float = setting(0.2, "PPO clip range: ratio clipped to [1-eps, 1+eps]")
     epochs: int = setting(1, "optimizer passes over each batch (PPO-style reuse: a learner fed by live traffic gets more "
                              "out of each episode); > 1 needs loss=ppo, whose clipped ratio keeps later passes near the "
                              "behaviour policy")
-    loss_agg: str = setting("token", "token: sum over tokens / global token count; sequence: each row's token mean, averaged "
+    loss_agg: LossAgg = setting("token", "token: sum over tokens / global token count; sequence: each row's token mean, averaged "
                                      "over rows (every row weighs the same, however long)")
-    baseline: str = setting("batch", "reward baseline for rows without a group: batch (leave-one-out: the mean of the other rows "
+    baseline: Baseline = setting("batch", "reward baseline for rows without a group: batch (leave-one-out: the mean of the other rows "
                                       "of the task_type in the batch; a lone row the running mean, else the other rows of the "
                                       "batch), running (a per-task_type running mean; lags a changing policy), or none")
     baseline_momentum: float = setting(0.9, "running baseline b <- m*b + (1-m)*batch mean")
@@ -64,7 +69,7 @@ class LearnerConfig:
                                     "coefficient steers to, PPO's adaptive penalty (Schulman et al. 2017, sec. 4): after a step "
                                     "whose KL was above 1.5x the target the coefficient doubles, below target/1.5 it halves, "
                                     "within [kl_coef, kl_coef*1000]: kl_coef is the start and the floor. 0: the coefficient stays kl_coef")
-    kl_rows: str = setting("all", "rows the KL term is computed on: all (every row of the batch), or trained (only the "
+    kl_rows: KlRows = setting("all", "rows the KL term is computed on: all (every row of the batch), or trained (only the "
                                   "rows with a nonzero advantage: under --positive-only a step then costs what it costs "
                                   "without KL, and the anchor holds back exactly the rows being moved)")
     shaping_anneal_start_step: int = setting(0, "PARL shaping (the rows' r_parallel + r_finish) is trained at full weight up "
@@ -73,7 +78,7 @@ class LearnerConfig:
                                               "here, rows train with the reward the builder wrote)")
     # -- model and optimiser ---------------------------------------------------------------
     base_model: str = setting(defaults.BASE_MODEL_DIR, "base model directory (HF format); policy version 0")
-    mode: str = setting("lora", "lora (peft adapter) or full (all weights; untied models only)")
+    mode: Mode = setting("lora", "lora (peft adapter) or full (all weights; untied models only)")
     lora_rank: int = setting(16, "LoRA rank (vLLM --max-lora-rank bounds it)")
     lora_alpha: float = setting(32.0, "LoRA alpha (scale = alpha / rank)")
     lora_targets: list[str] = setting(DEFAULT_LORA_TARGETS, "modules LoRA adapts")
@@ -83,9 +88,9 @@ class LearnerConfig:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     grad_clip: float = setting(1.0, "global gradient-norm clip; 0 disables it")
     seed: int = setting(0, "seed of the LoRA initialisation (every rank uses the same)")
-    dtype: str = setting("float32", "training dtype: float32 (CPU, parity within 1e-3) or bfloat16 (GPU)")
-    device: str = setting("auto", "auto (cuda when present, else cpu), cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
-    shard: str = setting("ddp", "under torchrun: ddp (every rank holds all weights; gradients all-reduced) or fsdp2 "
+    dtype: Dtype = setting("float32", "training dtype: float32 (CPU, parity within 1e-3) or bfloat16 (GPU)")
+    device: Device = setting("auto", "auto (cuda when present, else cpu), cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    shard: Shard = setting("ddp", "under torchrun: ddp (every rank holds all weights; gradients all-reduced) or fsdp2 "
                                 "(fully_shard: each rank holds 1/N of each block's weights and Adam moments)")
     cpu_threads: int = setting(0, "torch intra-op threads on CPU (0: torch's default, one per core). On a CPU shared with "
                                   "the serving tier use 1: with 2 threads the learner ran 5-20x slower in the demo")
@@ -121,25 +126,12 @@ class LearnerConfig:
     metrics_port: int = setting(0, "Prometheus endpoint of rank 0, http://0.0.0.0:<port>/metrics (0: off; e.g. 9103)")
 
     def check(self) -> None:
-        if self.loss not in LOSSES:
-            raise ConfigError(f"loss: {self.loss!r} is not one of {LOSSES}")
-        if self.loss_agg not in AGGS:
-            raise ConfigError(f"loss_agg: {self.loss_agg!r} is not one of {AGGS}")
-        if self.mode not in MODES:
-            raise ConfigError(f"mode: {self.mode!r} is not one of {MODES}")
+        check_choices(self)
         self.check_kl()
         if not 0 <= self.opening_share <= 1:
             raise ConfigError(f"opening_share: must be in [0, 1], got {self.opening_share}")
-        if self.baseline not in BASELINES:
-            raise ConfigError(f"baseline: {self.baseline!r} is not one of {BASELINES}")
         if self.publish_supersede_s < 0:
             raise ConfigError(f"publish_supersede_s: must be >= 0, got {self.publish_supersede_s}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"dtype: {self.dtype!r} is not float32 or bfloat16")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device: {self.device!r} is not auto, cpu or cuda")
-        if self.shard not in SHARDS:
-            raise ConfigError(f"shard: {self.shard!r} is not one of {SHARDS}")
         if self.shard == "fsdp2" and self.publish and self.parity_samples > 0:
             # rank 0 scores the parity sample alone, and a sharded forward needs every rank's all-gather
             raise ConfigError(f"shard fsdp2 needs parity_samples 0 (got {self.parity_samples}) while publish is on: "
@@ -185,5 +177,3 @@ class LearnerConfig:
         if self.kl_target < 0 or (self.kl_target > 0 and self.kl_coef <= 0):
             raise ConfigError(f"kl_target ({self.kl_target}) must be >= 0, and > 0 only with kl_coef > 0 (the coefficient "
                               f"it starts from; got kl_coef {self.kl_coef})")
-        if self.kl_rows not in KL_ROWS:
-            raise ConfigError(f"kl_rows: {self.kl_rows!r} is not one of {KL_ROWS}")

@@ -50,12 +50,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import ClassVar, Iterable, Literal
 
-from flywheel.base.config import ConfigError, setting
+from flywheel.base.config import ConfigError, check_choices, setting
 from flywheel.serving.sessions import ERROR_STATUSES, SessionRecord, mature
 from flywheel.serving.stats import (
-    SPENDING,
     GroupSequentialLook,
     Moments,
     SequentialDecision,
@@ -64,12 +63,15 @@ from flywheel.serving.stats import (
     sequential_test,
 )
 
-TESTS = ("msprt", "group-sequential")
+Test = Literal["msprt", "group-sequential"]
+Spending = Literal["obf", "pocock"]  # serving/stats.py alpha_spent
 
 
 @dataclass
 class GateRule:
     """The gate's statistical rule (shared by `flywheel promote` and `flywheel bench gate`)."""
+
+    RECIPE_SECTION: ClassVar[str] = "gate"  # `flywheel promote --recipe tool_use` reads the recipe's [gate]
 
     alpha: float = setting(0.05, "error rate of each one-sided sequential test (false promotion, false rejection, false rollback)")
     tau: float = setting(0.1, "scale of the mSPRT's mixture over effect sizes, in outcome units: the test is most "
@@ -83,12 +85,15 @@ class GateRule:
     error_statuses: list[str] = setting(list(ERROR_STATUSES), "session_end statuses that mean an infrastructure error: excluded, counted apart")
     strata_weights: dict[str, float] = setting({}, "fixed task-type mix, e.g. tool_use.add=0.3,tool_use.weather=0.7 "
                                                    "(empty: each type's share of both arms' sessions)")
-    test: str = setting("msprt", "the promotion test: msprt (always valid at every look, no planned size) or "
+    test: Test = setting("msprt", "the promotion test: msprt (always valid at every look, no planned size) or "
                                  "group-sequential (looks planned at max_sessions * k / looks sessions a side, alpha "
                                  "spent across them: more power at the planned size; serving/decision.py says when)")
     looks: int = setting(3, "group-sequential: planned looks, equally spaced in sessions per side up to max_sessions")
-    spending: str = setting("obf", "group-sequential: the alpha-spending function, obf (O'Brien-Fleming type: most power "
+    spending: Spending = setting("obf", "group-sequential: the alpha-spending function, obf (O'Brien-Fleming type: most power "
                                    "at the last look) or pocock (stops sooner on large effects)")
+
+    def check(self) -> None:
+        self.check_rule()
 
     def check_rule(self) -> None:
         if not 0.0 < self.alpha < 0.5:
@@ -105,11 +110,8 @@ class GateRule:
             raise ConfigError(f"maturity_s: {self.maturity_s} must be >= 0")
         if any(w < 0 for w in self.strata_weights.values()):
             raise ConfigError(f"strata_weights: negative weight in {self.strata_weights}")
-        if self.test not in TESTS:
-            raise ConfigError(f"test: {self.test!r} is not one of {TESTS}")
+        check_choices(self)
         if self.test == "group-sequential":
-            if self.spending not in SPENDING:
-                raise ConfigError(f"spending: {self.spending!r} is not one of {SPENDING}")
             if self.looks < 1:
                 raise ConfigError(f"looks: {self.looks} must be >= 1")
             if self.look_sizes()[0] < self.min_sessions:

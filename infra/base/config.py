@@ -10,6 +10,16 @@ dataclass may define `check(self)` for cross-field rules and raise ConfigError n
 fields. `write_resolved(cfg, path)` stores the result as TOML so a run can be reproduced
 with `--config that-file`.
 
+A field whose type is itself a config dataclass is a *section* (the demo's `learner: LearnerConfig`,
+`gate: GateRule`): a TOML table `[learner]`, flags `--learner.lr`, and no environment variables
+(a section is set by the process that owns it, which renders it into its child's flags with
+`to_flags`). Choices are `Literal[...]` fields: a value outside them is an error naming the choices.
+
+A *recipe* is a TOML file of tuned values (infra/recipes/<name>.toml, or any path): `--recipe NAME`
+layers it between the field defaults and `--config`. A process whose config declares
+`RECIPE_SECTION = "learner"` reads that table of the recipe; the demo (section "") reads all of it.
+A recipe may name the one it builds on with `inherit = "<name>"`.
+
 The environment rule, chosen so that one variable can never mean two things:
 
 * `FLYWHEEL_<PROCESS>_<FIELD>` sets one process's field; PROCESS is the sub-command after
@@ -38,8 +48,9 @@ import sys
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from flywheel.base.atomic import Durability, write_text
 
@@ -61,6 +72,8 @@ SHARED_FIELDS: frozenset[str] = frozenset({
 # FLYWHEEL_<name...> owned by other readers than load_config (the Kafka client settings, the SDK,
 # the test fixtures); a process field never claims these names flat.
 FOREIGN_PREFIXES: tuple[str, ...] = ("KAFKA_", "ENABLED", "SAMPLE_RATE", "SPOOL_DIR", "KEEP_STACK")
+# The tuned recipes the repository keeps (package data of flywheel: infra/recipes/<name>.toml).
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 class ConfigError(ValueError):
@@ -91,6 +104,12 @@ def _convert(name: str, tp: Any, value: Any) -> Any:
             return None
         raise ConfigError(f"{name}: a value is required")
     origin = typing.get_origin(base)
+    if origin is Literal:
+        choices = typing.get_args(base)
+        for choice in choices:  # "1" from a flag is the choice 1, "tis" the choice "tis"
+            if value == choice or str(value) == str(choice):
+                return choice
+        raise ConfigError(f"{name}: {value!r} is not one of {choices}")
     try:
         if base is bool:
             if isinstance(value, bool):
@@ -130,6 +149,26 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def section_type(tp: Any) -> type | None:
+    """The config dataclass of a section field (`learner: LearnerConfig`), else None."""
+    base, _ = _base_type(tp)
+    return base if isinstance(base, type) and dataclasses.is_dataclass(base) else None
+
+
+def check_choices(cfg: Any) -> None:
+    """Every Literal field of `cfg` holds one of its choices (resolve checks what it reads; this covers an
+    instance built in code, so a config's check() calls it first)."""
+    for name, tp in _hints(type(cfg)).items():
+        base, optional = _base_type(tp)
+        value = getattr(cfg, name, None)
+        if typing.get_origin(base) is Literal and not (optional and value is None) and value not in typing.get_args(base):
+            raise ConfigError(f"{name}: {value!r} is not one of {typing.get_args(base)}")
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
 def process_env_name(prog: str) -> str:
     """The PROCESS of FLYWHEEL_<PROCESS>_<FIELD> for a prog: "flywheel lake-writer" -> "LAKE_WRITER"."""
     words = prog.split()
@@ -146,21 +185,38 @@ def env_keys(name: str, process: str | None) -> list[str]:
     return flat + ([f"{ENV_PREFIX}{process}_{name.upper()}"] if process else [])
 
 
-def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
+def _add_flags(parser: argparse.ArgumentParser, cls: type, shown: Any, process: str | None, prefix: str = "") -> None:
+    """One flag per field (`--learner.lr` inside a section), its help ending in the default it resolves to."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        default = getattr(shown, f.name) if shown is not None else _default(f)
+        sub = section_type(hints[f.name])
+        if sub is not None:
+            _add_flags(parser, sub, default, None, f"{prefix}{f.name}.")
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        base, _ = _base_type(hints[f.name])
+        env = f"env {' or '.join(reversed(env_keys(f.name, process)))}" if not prefix else "no env: a section"
+        choices = f"; one of {', '.join(map(str, typing.get_args(base)))}" if typing.get_origin(base) is Literal else ""
+        help_text = f"{f.metadata.get('help', '')} (default: {default!r}{choices}; {env})"
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help: "60% of traffic" broke `flywheel demo --help`
+        dest = prefix + f.name
+        if base is bool:
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=dest, default=None, help=help_text)
+
+
+def build_parser(cls: type, prog: str, description: str, shown: Any = None) -> argparse.ArgumentParser:
+    """The process's argparse parser; `shown` (an instance) gives the defaults the help prints (a recipe's)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", type=Path, default=None, help="TOML file with settings (flags and FLYWHEEL_* win over it)")
-    hints = _hints(cls)
-    process = process_env_name(prog)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        base, _ = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_text = f"{f.metadata.get('help', '')} (default: {default!r}; env {' or '.join(reversed(env_keys(f.name, process)))})"
-        help_text = help_text.replace("%", "%%")  # argparse %-formats help: "60% of traffic" broke `flywheel demo --help`
-        if base is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag, dest=f.name, default=None, help=help_text)
+    if hasattr(cls, "RECIPE_SECTION"):
+        where = f"its [{cls.RECIPE_SECTION}] table" if cls.RECIPE_SECTION else "all of it"
+        parser.add_argument("--recipe", default=None,
+                            help=f"tuned values, below --config: a name in infra/recipes ({', '.join(recipe_names())}) "
+                                 f"or a TOML path; this process reads {where}. With --help: the defaults shown are the recipe's")
+    _add_flags(parser, cls, shown, process_env_name(prog))
     return parser
 
 
@@ -180,21 +236,33 @@ def check_env(names: set[str], env: typing.Mapping[str, str], process: str | Non
         raise ConfigError(f"{flat}: not a shared setting, so a flat FLYWHEEL_<FIELD> would reach every process; {hint}")
 
 
-def resolve(cls: type[T], toml_values: dict[str, Any], env: typing.Mapping[str, str], flags: dict[str, Any],
-            process: str | None = None) -> T:
+def resolve(cls: type[T], toml_values: Mapping[str, Any], env: typing.Mapping[str, str], flags: Mapping[str, Any],
+            process: str | None = None, base: T | None = None) -> T:
     """Merge defaults < TOML < environment < flags into a checked instance of `cls`.
 
     `process` is the PROCESS of FLYWHEEL_<PROCESS>_<FIELD> (process_env_name); None reads only the
-    shared flat variables, as a part built inside another process does.
+    shared flat variables, as a part built inside another process does. `base` (an instance)
+    replaces the field defaults. A section field is resolved from its TOML table and its dotted
+    flags ("learner.lr") onto its own default.
     """
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    names = {f.name for f in fields}
+    sections = {f.name: sub for f in fields if (sub := section_type(hints[f.name])) is not None}
     unknown = sorted(set(toml_values) - names)
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown} for {cls.__name__}; known: {sorted(names)}")
-    check_env(names, env, process)
+    check_env(names - set(sections), env, process)
     values: dict[str, Any] = {}
     for name in names:
+        start = getattr(base, name) if base is not None else _default(next(f for f in fields if f.name == name))
+        if name in sections:
+            table = toml_values.get(name, {})
+            if not isinstance(table, Mapping):
+                raise ConfigError(f"{name}: expected a table [{name}], got {table!r}")
+            own = {k[len(name) + 1:]: v for k, v in flags.items() if k.startswith(name + ".")}
+            values[name] = resolve(sections[name], table, {}, own, None, base=start)
+            continue
         raw: Any = dataclasses.MISSING
         if name in toml_values:
             raw = toml_values[name]
@@ -203,8 +271,7 @@ def resolve(cls: type[T], toml_values: dict[str, Any], env: typing.Mapping[str, 
                 raw = env[env_key]
         if flags.get(name) is not None:
             raw = flags[name]
-        if raw is not dataclasses.MISSING:
-            values[name] = _convert(name, hints[name], raw)
+        values[name] = _convert(name, hints[name], raw) if raw is not dataclasses.MISSING else start
     cfg = cls(**values)
     check = getattr(cfg, "check", None)
     if callable(check):
@@ -212,14 +279,91 @@ def resolve(cls: type[T], toml_values: dict[str, Any], env: typing.Mapping[str, 
     return cfg
 
 
+# ---------------------------------------------------------------------------------------------
+# recipes
+# ---------------------------------------------------------------------------------------------
+def recipe_names() -> list[str]:
+    """The recipes the repository keeps (infra/recipes/*.toml)."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+
+
+def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
+    """`high` over `low`, table by table."""
+    out = dict(low)
+    for key, value in high.items():
+        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+    return out
+
+
+def recipe_values(recipe: str | Path, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A recipe's tables, with the recipe it inherits from (`inherit = "<name>"`) beneath it."""
+    path = Path(recipe)
+    if path.suffix != ".toml":
+        path = RECIPES_DIR / f"{recipe}.toml"
+    if not path.is_file():
+        raise ConfigError(f"recipe {str(recipe)!r}: no file {path}; the repository's recipes: {recipe_names()}")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"recipe {path}: {exc}") from exc
+    parent = values.pop("inherit", None)
+    if parent is None:
+        return values
+    if str(parent) in _seen:
+        raise ConfigError(f"recipe {path}: inherit forms a cycle through {list(_seen)}")
+    return _merge(recipe_values(str(parent), (*_seen, str(parent))), values)
+
+
+def recipe_section(cls: type, values: Mapping[str, Any], section: str | None = None) -> dict[str, Any]:
+    """The part of a recipe that config `cls` reads: its RECIPE_SECTION table ("" for the whole recipe)."""
+    section = getattr(cls, "RECIPE_SECTION", None) if section is None else section
+    if section is None:
+        raise ConfigError(f"{cls.__name__} reads no recipe")
+    table = values.get(section, {}) if section else values
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"recipe: [{section}] is not a table")
+    return dict(table)
+
+
+def from_recipe(cls: type[T], recipe: str | Path, section: str | None = None, **changes: Any) -> T:
+    """An instance of `cls` with a recipe's values over the field defaults (no environment), then `changes`."""
+    cfg = resolve(cls, recipe_section(cls, recipe_values(recipe), section), {}, {})
+    if not changes:
+        return cfg
+    cfg = dataclasses.replace(cfg, **changes)  # type: ignore[type-var]
+    check = getattr(cfg, "check", None)
+    if callable(check):
+        check()
+    return cfg
+
+
+def process_parser(cls: type, argv: list[str], prog: str,
+                   description: str = "") -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+    """The parser a process parses `argv` with, and the recipe values `argv` names (--recipe: read first, so
+    that `--recipe X --help` prints the recipe's values as the defaults)."""
+    description = description or (cls.__doc__ or "").strip().splitlines()[0]
+    if not hasattr(cls, "RECIPE_SECTION"):
+        return build_parser(cls, prog, description), {}
+    early = argparse.ArgumentParser(prog=prog, add_help=False)
+    early.add_argument("--recipe", default=None)
+    name = early.parse_known_args(argv)[0].recipe
+    try:
+        recipe = recipe_section(cls, recipe_values(name)) if name else {}
+        shown = resolve(cls, recipe, {}, {}) if recipe else None
+    except ConfigError as exc:
+        early.error(f"--recipe {name}: {exc}")
+    return build_parser(cls, prog, description, shown), recipe
+
+
 def load_config(cls: type[T], argv: list[str] | None, prog: str, description: str = "") -> T:
-    """Parse flags, read --config and the environment, and return the resolved config.
+    """Parse flags, read --recipe, --config and the environment, and return the resolved config.
 
     A ConfigError ends the process with one clear line (exit status 2), as argparse does.
     """
-    parser = build_parser(cls, prog, description or (cls.__doc__ or "").strip().splitlines()[0])
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    flags = {k: v for k, v in vars(args).items() if k != "config"}
+    argv = sys.argv[1:] if argv is None else argv
+    parser, recipe = process_parser(cls, argv, prog, description)
+    args = parser.parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "recipe")}
     toml_values: dict[str, Any] = {}
     if args.config is not None:
         try:
@@ -227,10 +371,33 @@ def load_config(cls: type[T], argv: list[str] | None, prog: str, description: st
         except (OSError, tomllib.TOMLDecodeError) as exc:
             parser.error(f"--config {args.config}: {exc}")
     try:
-        return resolve(cls, toml_values, os.environ, flags, process_env_name(prog))
+        return resolve(cls, _merge(recipe, toml_values), os.environ, flags, process_env_name(prog))
     except ConfigError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+def to_flags(cfg: Any, prefix: str = "") -> list[str]:
+    """Every field of `cfg` as the flags its process's parser reads back to the same values (a section's
+    as --section.field). How a parent renders a child's command from the child's own config."""
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        name = prefix + f.name.replace("_", "-")
+        flag = "--" + name
+        if dataclasses.is_dataclass(value):
+            out += to_flags(value, f"{prefix}{f.name}.")
+        elif isinstance(value, bool):
+            out.append(flag if value else "--no-" + name)
+        elif value is None:
+            out += [flag, "none"]
+        elif isinstance(value, (list, tuple)):
+            out += [flag, ",".join(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, ",".join(f"{k}={v}" for k, v in value.items())]
+        else:
+            out += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return out
 
 
 def _toml_value(value: Any) -> str:
@@ -246,17 +413,25 @@ def _toml_value(value: Any) -> str:
     return f'"{text}"'
 
 
-def to_toml(cfg: Any) -> str:
-    """The config as TOML that `--config` reads back (None values are written as comments)."""
-    lines = [f"# resolved {type(cfg).__name__}"]
+def _toml_lines(cfg: Any) -> tuple[list[str], list[tuple[str, Any]]]:
+    lines, sections = [], []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         help_text = f.metadata.get("help", "")
-        if value is None:
+        if dataclasses.is_dataclass(value):
+            sections.append((f.name, value))
+        elif value is None:
             lines.append(f"# {f.name} = (unset)  # {help_text}")
         else:
             lines.append(f"{f.name} = {_toml_value(value)}  # {help_text}")
-    return "\n".join(lines) + "\n"
+    return lines, sections
+
+
+def to_toml(cfg: Any, header: str = "") -> str:
+    """The config as TOML that `--config` reads back (None values are written as comments; a section as its table)."""
+    lines, sections = _toml_lines(cfg)
+    text = "\n".join([f"# resolved {type(cfg).__name__}" if not header else f"\n[{header}]", *lines]) + "\n"
+    return text + "".join(to_toml(value, f"{header}.{name}" if header else name) for name, value in sections)
 
 
 def write_resolved(cfg: Any, path: Path) -> Path:

@@ -57,7 +57,6 @@ from flywheel.demo.plan import (
     outcome_sim_command,
     plan_run,
     policy_v0,
-    for_scenario,
     promote_command,
     proxy_command,
     scenario_flags,
@@ -246,7 +245,7 @@ class Traffic:
         return time.time() - self.traffic_start
 
     def start_training(self) -> None:
-        self.procs.start("learner", learner_command(self.cfg, self.plan, self.ends) + scenario_flags(self.cfg, "learner"),
+        self.procs.start("learner", learner_command(self.cfg, self.plan, self.ends),
                          env=tier_env(self.cfg, self.plan, self.ends))
         self.procs.start("promote", promote_command(self.cfg, self.plan, self.ends))
         self.training = True
@@ -454,7 +453,6 @@ def run(cfg: DemoConfig) -> int:
 
     console = Console()
     t_setup = time.time()
-    cfg = for_scenario(cfg)
     plan = set_up(cfg, t_setup)
     warm = ready_models(cfg)
     scfg, stack_started, ends = start_stack(cfg, plan)

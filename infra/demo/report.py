@@ -811,11 +811,11 @@ def write_run_report(out_dir: str | Path, cfg: Any, plan: Any, tracking_uri: str
                      final_since: float | None, since: float = 0.0) -> dict[str, Any]:
     """write_report for one demo run: its DemoConfig and RunPlan say where everything is and what the gate's
     rule and shares were (the demo at its end and `flywheel report --run-dir` both call this)."""
-    from flywheel.demo.plan import CONTROL_VERSION, gate_rule
+    from flywheel.demo.plan import CONTROL_VERSION
 
     return write_report(out_dir, str(plan.lake_root), since, str(plan.learner_dir), str(plan.policies_dir), tracking_uri,
                         plan.registered_model, context=context, final_since=final_since, control_version=CONTROL_VERSION,
-                        gate_rule=gate_rule(cfg), gate_interval_s=cfg.gate_interval_s,
+                        gate_rule=cfg.gate, gate_interval_s=cfg.gate_interval_s,
                         shares={"control": cfg.control_share, "challenger": cfg.challenger_share})
 
 

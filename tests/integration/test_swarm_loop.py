@@ -14,6 +14,7 @@ run's ~200 multi-part sessions miss both with negligible probability. It costs a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import pytest
 
 from flywheel import stack as stack_mod
+from flywheel.base.config import from_recipe
 from flywheel.demo import closed_loop as demo
 from flywheel.demo import swarm
 from flywheel.demo.warm_start import WarmStartSettings
@@ -38,12 +40,14 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
     warm = tmp_path / "swarm-warm"
     swarm.warm_start_model(base_model_dir, warm, WarmStartSettings(max_steps=300, eval_every=300, patience=1, loss_parts=8,
                                                                    eval_parts=8, batch_size=16), tool_share=0.5)
-    cfg = demo.DemoConfig(scenario="swarm", minutes=3.0, var_dir=tmp_path / "var", report_dir=tmp_path / "report",
-                          base_model=base_model_dir, warm_model=warm, load_policy_v0_weights=True, concurrency=6,
-                          learner_batch=16, publish_every_steps=2, publish_every_s=30.0, vllm_servers=2,
-                          gate_interval_s=10.0, gate_min_sessions=5, base_sessions=30, measure_s=40.0, drain_s=20.0,
-                          shaping_anneal_end_step=4, keep_stack=True, live=False,
-                          run_id=f"swarm-test-{uuid.uuid4().hex[:8]}")
+    tuned = from_recipe(demo.DemoConfig, "swarm")  # with small batches, an early anneal, a gate that looks after 5
+    learner = dataclasses.replace(tuned.learner, batch_size=16, min_batch=16, micro_batch=16, publish_every_steps=2,
+                                  publish_every_s=30.0, shaping_anneal_end_step=4)
+    cfg = dataclasses.replace(tuned, minutes=3.0, var_dir=tmp_path / "var", report_dir=tmp_path / "report",
+                              base_model=base_model_dir, warm_model=warm, load_policy_v0_weights=True, concurrency=6,
+                              learner=learner, gate=dataclasses.replace(tuned.gate, min_sessions=5), vllm_servers=2,
+                              gate_interval_s=10.0, base_sessions=30, measure_s=40.0, drain_s=20.0,
+                              keep_stack=True, live=False, run_id=f"swarm-test-{uuid.uuid4().hex[:8]}")
     cfg.check()
     assert run_demo(cfg) == 0
     run_dir = tmp_path / "var" / "demo" / cfg.run_id

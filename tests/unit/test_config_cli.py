@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tomllib
@@ -28,7 +29,8 @@ def test_report_rewrites_a_run_from_its_folder_with_the_inputs_the_demo_used(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "var" / "demo" / "demo-x"
     run_dir.mkdir(parents=True)
-    cfg = DemoConfig(var_dir=tmp_path / "var", control_share=0.15, challenger_share=0.35, gate_alpha=0.01,
+    cfg = DemoConfig(var_dir=tmp_path / "var", control_share=0.15, challenger_share=0.35,
+                     gate=dataclasses.replace(DemoConfig().gate, alpha=0.01),
                      gate_interval_s=7.0, minutes=3.0, measure_s=60.0, warm_start=False)
     write_resolved(cfg, run_dir / "demo.toml")
     (run_dir / "final_window.json").write_text(json.dumps({"since": 1234.5}))

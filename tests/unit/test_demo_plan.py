@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import calendar
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from flywheel.base.config import SHARED_FIELDS, ConfigError, build_parser, resolve
+from flywheel.base.config import SHARED_FIELDS, ConfigError, build_parser, from_recipe, process_parser, resolve
 from flywheel.cli import COMMANDS
 from flywheel.demo import plan as demo_plan
 from flywheel.demo.agent_sim import AgentSimConfig
@@ -33,12 +34,16 @@ ENDS = Endpoints(kafka_bootstrap="127.0.0.1:19092", vllm_url=SERVERS[0], trackin
 def _parse(cls: type, argv: list[str]) -> Any:
     """argv as the sub-command's own config reads it (an unknown flag exits, as the process would)."""
     args = build_parser(cls, "test", "test").parse_args(argv)
-    return resolve(cls, {}, {}, {k: v for k, v in vars(args).items() if k != "config"})
+    return resolve(cls, {}, {}, {k: v for k, v in vars(args).items() if k not in ("config", "recipe")})
 
 
-def _plan(tmp_path: Path, **changes: Any) -> tuple[DemoConfig, RunPlan]:
+def _plan(tmp_path: Path, learner: dict[str, Any] | None = None, gate: dict[str, Any] | None = None,
+          **changes: Any) -> tuple[DemoConfig, RunPlan]:
+    """The default demo (the tool_use recipe) with `changes`, and `learner` / `gate` changes in those sections."""
+    tuned = DemoConfig()
     cfg = DemoConfig(var_dir=tmp_path / "var", base_model=tmp_path / "base", warm_model=tmp_path / "warm",
-                     run_id="demo-t", **changes)
+                     run_id="demo-t", learner=dataclasses.replace(tuned.learner, **(learner or {})),
+                     gate=dataclasses.replace(tuned.gate, **(gate or {})), **changes)
     return cfg, demo_plan.plan_run(cfg, time.time())
 
 
@@ -138,10 +143,9 @@ def test_the_learner_and_gate_carry_the_demos_measured_defaults(tmp_path: Path) 
 
 
 def test_the_gate_runs_exactly_the_demos_rule(tmp_path: Path) -> None:
-    cfg, run = _plan(tmp_path, gate_alpha=0.01, gate_tau=0.2, gate_margin=0.02, gate_min_sessions=40,
-                     gate_max_sessions=700, gate_maturity_s=15.0, gate_test="msprt", gate_looks=5,
-                     gate_spending="pocock")
-    rule = demo_plan.gate_rule(cfg)
+    cfg, run = _plan(tmp_path, gate=dict(alpha=0.01, tau=0.2, margin=0.02, min_sessions=40, max_sessions=700,
+                                         maturity_s=15.0, test="msprt", looks=5, spending="pocock"))
+    rule = cfg.gate
     gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
     differ = {f.name: (getattr(gate, f.name), getattr(rule, f.name)) for f in dataclasses.fields(GateRule)
               if getattr(gate, f.name) != getattr(rule, f.name)}
@@ -152,9 +156,10 @@ def test_the_gate_runs_exactly_the_demos_rule(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("changes, field", [({"vllm_servers": 1}, "vllm_servers"), ({"control_share": 0.7}, "control_share"),
-                                            ({"gate_alpha": 0.7}, "alpha"), ({"gate_max_sessions": 10}, "max_sessions"),
-                                            ({"gate_test": "t-test"}, "test"), ({"gate_spending": "x"}, "spending"),
-                                            ({"gate_looks": 9}, "looks")])
+                                            ({"gate": {"alpha": 0.7}}, "alpha"), ({"gate": {"max_sessions": 10}}, "max_sessions"),
+                                            ({"gate": {"test": "t-test"}}, "test"), ({"gate": {"spending": "x"}}, "spending"),
+                                            ({"gate": {"looks": 9}}, "looks"), ({"learner": {"loss": "x"}}, "loss"),
+                                            ({"scenario": "swarm"}, "--recipe swarm")])
 def test_a_demo_config_that_cannot_run_is_refused_naming_the_field(tmp_path: Path, changes: dict[str, Any],
                                                                    field: str) -> None:
     cfg, _ = _plan(tmp_path, **changes)
@@ -171,8 +176,59 @@ def test_endpoints_list_every_server_with_the_first_as_vllm_url() -> None:
 
 @pytest.mark.parametrize("epochs, loss", [(1, "tis"), (2, "ppo")])
 def test_learner_switches_toggles_and_loss_with_the_config(tmp_path: Path, epochs: int, loss: str) -> None:
-    cfg, run = _plan(tmp_path, learner_epochs=epochs, learner_positive_only=False, publish_wait_for_gate=False,
-                     learner_batch=16, warm_start=False)
+    cfg, run = _plan(tmp_path, learner=dict(epochs=epochs, loss=loss, positive_only=False, publish_wait_for_gate=False,
+                                            batch_size=16, min_batch=16, micro_batch=16), warm_start=False)
     learner = _parse(LearnerConfig, demo_plan.learner_command(cfg, run, ENDS)[1:])
     assert (learner.epochs, learner.loss, learner.positive_only, learner.publish_wait_for_gate) == (epochs, loss, False, False)
     assert (learner.batch_size, learner.micro_batch, learner.base_model) == (16, 16, str((tmp_path / "base").resolve()))
+
+
+def test_the_demo_renders_the_learner_and_the_gate_from_their_own_configs(tmp_path: Path) -> None:
+    """Every field of the learner's and the gate's config reaches the process as the demo holds it: the command
+    is rendered from the config (to_flags), not written out flag by flag, so no knob can be left behind."""
+    for recipe in ("tool_use", "swarm"):
+        cfg = dataclasses.replace(from_recipe(DemoConfig, recipe), var_dir=tmp_path / "var", run_id="demo-t")
+        run = demo_plan.plan_run(cfg, time.time())
+        learner = _parse(LearnerConfig, demo_plan.learner_command(cfg, run, ENDS)[1:])
+        own = {"lake_root", "base_model", "run_dir", "policies_dir", "vllm_url", "registered_model",
+               "mlflow_tracking_uri", "experiment", "var_dir"}  # this run's paths and endpoints
+        differ = {f.name: (getattr(learner, f.name), getattr(cfg.learner, f.name))
+                  for f in dataclasses.fields(LearnerConfig) if f.name not in own
+                  and getattr(learner, f.name) != getattr(cfg.learner, f.name)}
+        assert not differ, f"{recipe}: the learner's command differs from the demo's learner config: {differ}"
+        assert learner == from_recipe(LearnerConfig, recipe, **{k: getattr(learner, k) for k in own}), recipe
+        gate = _parse(PromoteConfig, demo_plan.promote_command(cfg, run, ENDS)[1:])
+        assert all(getattr(gate, f.name) == getattr(cfg.gate, f.name) for f in dataclasses.fields(GateRule)), recipe
+        assert GateRule(**{f.name: getattr(gate, f.name) for f in dataclasses.fields(GateRule)}) == \
+            from_recipe(GateRule, recipe), recipe
+
+
+def _help_defaults(cls: type, argv: list[str], prefix: str = "") -> dict[str, str]:
+    """field -> the default its `--help` line prints (from the parser the process parses argv with)."""
+    parser, _ = process_parser(cls, argv, "flywheel test")
+    found = {}
+    for action in parser._actions:
+        default = re.search(r"\(default: (.*?)(?:; one of|; env|; no env)", action.help or "")
+        if default and action.dest.startswith(prefix) and action.dest not in ("config", "recipe"):
+            found[action.dest[len(prefix):]] = default.group(1)
+    return found
+
+
+def test_learner_help_with_a_recipe_shows_the_demos_defaults_for_every_knob() -> None:
+    """`flywheel learner --recipe R --help` and `flywheel demo --recipe R --help` print the same default for each
+    learner knob (and the gate's for promote): one declaration, one recipe."""
+    for recipe in ("tool_use", "swarm"):
+        demo_learner = _help_defaults(DemoConfig, ["--recipe", recipe], "learner.")
+        learner = _help_defaults(LearnerConfig, ["--recipe", recipe])
+        assert demo_learner and demo_learner == {k: v for k, v in learner.items() if k in demo_learner}, recipe
+        assert set(learner) == set(demo_learner) == {f.name for f in dataclasses.fields(LearnerConfig)}, recipe
+        assert demo_learner["lr"] == "0.0004" and demo_learner["positive_only"] == "True", recipe
+        demo_gate = _help_defaults(DemoConfig, ["--recipe", recipe], "gate.")
+        promote = _help_defaults(PromoteConfig, ["--recipe", recipe])
+        assert demo_gate and demo_gate == {k: promote[k] for k in demo_gate}, recipe
+    assert _help_defaults(LearnerConfig, [])["lr"] == "0.0001", "without a recipe the learner keeps its own defaults"
+
+
+def test_the_default_demo_is_its_recipe() -> None:
+    """`flywheel demo` and `flywheel demo --recipe tool_use` run the same config: the recipe is the default."""
+    assert DemoConfig() == from_recipe(DemoConfig, demo_plan.DEFAULT_RECIPE)

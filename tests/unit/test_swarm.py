@@ -254,7 +254,7 @@ def test_the_swarm_judges_every_row_by_its_agents_outcome_not_by_per_turn_credit
     (a sub-agent's rows by its own part), so a right serial call in a session that got nothing right earns 0."""
     from flywheel.demo import plan
     from flywheel.rewards import outcome_rewards
-    from flywheel.rewards.turns import Turn, call_outcomes, credit
+    from flywheel.rewards.turns import ToolTurn, call_outcomes, credit
 
     rules = config.load(plan.SWARM_REWARDS)
     task = rules.task("tool_use.swarm_multi")
@@ -262,7 +262,7 @@ def test_the_swarm_judges_every_row_by_its_agents_outcome_not_by_per_turn_credit
                 synthetic.outcome("s1", "parts_correct", 0.0, T0) | {"ts": T0},
                 synthetic.outcome("s1", "parts_correct", 1.0, T0, agent_id="sub0") | {"ts": T0},
                 synthetic.outcome("s1", "task_success", 0.0, T0) | {"ts": T0}]
-    assert credit(rules, task, Turn(("c1",)), call_outcomes(outcomes, task.turn_kinds)).r_turn is None
+    assert credit(rules, task, ToolTurn(("c1",)), call_outcomes(outcomes, task.turn_kinds)).r_turn is None
     main = outcome_rewards.score_for_agent(rules, task, outcomes, "main", window_closed=True)
     sub = outcome_rewards.score_for_agent(rules, task, outcomes, "sub0", window_closed=True)
     assert (main.r_outcome, sub.r_outcome) == (0.0, 1.0), (main, sub)
@@ -400,12 +400,12 @@ def test_a_harmful_prune_costs_the_row_that_decided_it() -> None:
 def test_report_compares_the_final_window_and_finds_when_shaping_reached_zero() -> None:
     from flywheel.demo import swarm_report as sr
 
-    def s(arm: str, version: int, spawned: int, steps: int, ok: bool, kind: str = "multi") -> sr.SwarmSession:
-        return sr.SwarmSession(kind, version, arm, 100.0, ok, spawned, 0, steps, 0)
+    def s(arm: str, version: int, spawned: int, steps: int, ok: bool, kind: str = "multi") -> sr.SwarmSessionStats:
+        return sr.SwarmSessionStats(kind, version, arm, 100.0, ok, spawned, 0, steps, 0)
 
     window = ([s("control", 0, 0, 4, True)] * 30 + [s("control", 0, 2, 3, True)] * 10
               + [s("champion", 3, 3, 3, True)] * 36 + [s("champion", 3, 0, 5, False)] * 4 + [s("champion", 3, 0, 9, True, "long")])
-    out = sr.compare(window + [sr.SwarmSession("multi", 3, "champion", 50.0, True, 0, 0, 9, 0)], since=90.0, champion=3)
+    out = sr.compare(window + [sr.SwarmSessionStats("multi", 3, "champion", 50.0, True, 0, 0, 9, 0)], since=90.0, champion=3)
     assert (out["parallel_share_control"], out["parallel_share_champion"]) == (0.25, 0.9)
     assert out["p_value_parallel"] < 0.01 and out["n_multi_champion"] == 40, out
     assert out["critical_steps_champion"] == pytest.approx(3.2) and out["critical_steps_control"] == pytest.approx(3.75)
@@ -425,53 +425,50 @@ def test_a_prune_never_drops_the_request_being_answered() -> None:
     assert out[0] == history[0] and not main.log[-1][0] == "context_edit", "the request stays; the prune is refused"
 
 
-def test_the_swarm_scenario_flags_are_ones_each_sub_command_accepts() -> None:
+def test_the_swarm_recipe_and_flags_reach_each_sub_command() -> None:
+    import dataclasses
     from pathlib import Path
 
-    from flywheel.base.config import load_config
+    from flywheel.base.config import ConfigError, from_recipe, load_config
     from flywheel.demo import plan
     from flywheel.demo.agent_sim import AgentSimConfig
     from flywheel.learner.config import LearnerConfig
     from flywheel.rewards.builder import EpisodesConfig
+    from flywheel.serving.promote import PromoteConfig
 
-    cfg = plan.DemoConfig(scenario="swarm", shaping_anneal_end_step=7)
+    cfg = from_recipe(plan.DemoConfig, "swarm")
+    cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, shaping_anneal_end_step=7))
     cfg.check()
-    assert plan.for_scenario(cfg).warm_model == plan.SWARM_WARM_MODEL
-    assert plan.for_scenario(plan.DemoConfig(scenario="swarm", warm_model=Path("x"))).warm_model == Path("x")
+    assert (cfg.scenario, cfg.warm_model) == ("swarm", Path("var/models/tiny-swarm-warm")), "its own policy-v0"
+    with pytest.raises(ConfigError, match="--recipe swarm"):
+        plan.DemoConfig(scenario="swarm").check()  # the tool-use values under the swarm's name: refused
     agent = load_config(AgentSimConfig, plan.scenario_flags(cfg, "agent-sim"), prog="agent-sim")
     assert (agent.scenario, agent.max_tokens) == ("swarm", plan.SWARM_MAX_TOKENS)
-    learner = load_config(LearnerConfig, plan.scenario_flags(cfg, "learner"), prog="learner")
-    assert (learner.shaping_anneal_start_step, learner.shaping_anneal_end_step) == (0, 7)
     episodes = load_config(EpisodesConfig, ["--rewards-toml", "other.toml", *plan.scenario_flags(cfg, "episodes")],
                            prog="episodes")
     assert episodes.rewards_toml == str(plan.SWARM_REWARDS), "the scenario's rules win over the command's own"
     assert config.load(plan.SWARM_REWARDS).parl.anneal_clock == "learner_step"
-    from flywheel.serving.promote import PromoteConfig
+    ends = plan.Endpoints(kafka_bootstrap="127.0.0.1:9092", vllm_url="http://v0", tracking_uri="file:///m", proxy_port=1)
 
     def gate_of(demo: plan.DemoConfig) -> PromoteConfig:
-        ends = plan.Endpoints(kafka_bootstrap="127.0.0.1:9092", vllm_url="http://v0", tracking_uri="file:///m", proxy_port=1)
-        argv = plan.promote_command(plan.for_scenario(demo), plan.plan_run(demo, 0.0), ends)
+        argv = plan.promote_command(demo, plan.plan_run(demo, 0.0), ends)
         return load_config(PromoteConfig, argv[1:], prog="promote")
 
-    gate = gate_of(cfg)
-    assert gate.outcome_kind == swarm.PARTS_CORRECT == plan.SWARM_GATE_OUTCOME
-    assert gate.margin == cfg.swarm_gate_margin > 0, "the swarm gates on non-inferiority"
-    assert plan.gate_rule(plan.for_scenario(cfg)).outcome_kind == swarm.PARTS_CORRECT, "the report reads the same rule"
-    assert plan.for_scenario(cfg).learner_kl == cfg.swarm_learner_kl > 0
-    assert plan.for_scenario(plan.DemoConfig()).learner_kl == plan.DemoConfig().learner_kl
-
     def learner_of(demo: plan.DemoConfig) -> LearnerConfig:
-        ends = plan.Endpoints(kafka_bootstrap="127.0.0.1:9092", vllm_url="http://v0", tracking_uri="file:///m", proxy_port=1)
-        run = plan.plan_run(demo, 0.0)
-        argv = plan.learner_command(plan.for_scenario(demo), run, ends) + plan.scenario_flags(demo, "learner")
-        return load_config(LearnerConfig, argv[1:], prog="learner")
+        return load_config(LearnerConfig, plan.learner_command(demo, plan.plan_run(demo, 0.0), ends)[1:], prog="learner")
 
-    swarm_learner, default_learner = learner_of(cfg), learner_of(plan.DemoConfig())
-    assert (swarm_learner.kl_coef, swarm_learner.kl_target, swarm_learner.opening_share) == \
-        (cfg.swarm_learner_kl, cfg.swarm_learner_kl_target, cfg.swarm_opening_share)
-    assert (default_learner.kl_target, default_learner.opening_share) == (0.0, 0.0), "the default demo's learner is unchanged"
+    gate = gate_of(cfg)
+    assert gate.outcome_kind == swarm.PARTS_CORRECT == cfg.gate.outcome_kind, "the report reads the same rule"
+    assert gate.margin == cfg.gate.margin > 0, "the swarm gates on non-inferiority"
+    learner = learner_of(cfg)
+    assert (learner.shaping_anneal_start_step, learner.shaping_anneal_end_step) == (0, 7)
+    assert (learner.kl_coef, learner.kl_target, learner.opening_share, learner.kl_rows) == (0.1, 0.1, 0.5, "trained")
+    default_learner = learner_of(plan.DemoConfig())
+    assert (default_learner.kl_coef, default_learner.kl_target, default_learner.opening_share) == (0.0, 0.0, 0.0), \
+        "the default demo's learner is unchanged"
+    assert default_learner.shaping_anneal_end_step == 0, "the default demo does not anneal"
     default = gate_of(plan.DemoConfig())
     assert (default.outcome_kind, default.margin) == ("task_success", 0.0), "the default demo's gate is unchanged"
     rules = config.load(plan.SWARM_REWARDS)
     assert rules.outcomes["parts_correct"].weight == 1.0 and rules.outcomes["task_success"].weight == 0.0
-    assert plan.scenario_flags(plan.DemoConfig(), "learner") == [], "the default demo is unchanged"
+    assert plan.scenario_flags(plan.DemoConfig(), "agent-sim") == [], "the default demo is unchanged"
