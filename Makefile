@@ -23,10 +23,10 @@ test: model
 test-unit: model
 	@$(PYTEST) tests/unit
 
-test-integration: setup
+test-integration: model
 	@$(PYTEST) tests/integration
 
-up: setup
+up: model
 	@$(FLYWHEEL) infra up
 
 down:

@@ -27,5 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, text in BENCHMARKS.items():
             print(f"  {name:<9} {text}")
         return 0 if not args or args[0] in ("-h", "--help") else 2
+    from flywheel.demo.model_init import ensure_base_model
+
+    ensure_base_model()  # the stack a benchmark starts serves the tiny base, which the stack does not build
     module = importlib.import_module(f"bench.{args[0]}")
     return int(module.main(args[1:]) or 0)

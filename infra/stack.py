@@ -92,7 +92,7 @@ class StackConfig:
     vllm_port: int = setting(8000, "vLLM port (of the first server; server i listens on vllm_port + i)")
     vllm_servers: int = setting(1, "how many vLLM servers to run, each its own process on the base model "
                                    "(a full-weight tier serves each live version on a server of its own)")
-    base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "model directory vLLM serves (built by `flywheel model init` when it is the default)")
+    base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "model directory vLLM serves (the default is built by `flywheel model init`)")
     served_model_name: str = setting(version_name(0), "name vLLM serves the base model under")
     vllm_max_model_len: int = setting(2048, "context length vLLM allocates for")
     vllm_max_loras: int = setting(4, "LoRA adapters resident at once (--max-loras)")
@@ -774,14 +774,12 @@ def vllm_serves_base(cfg: StackConfig) -> bool:
 
 
 def _vllm_base(cfg: StackConfig) -> Path:
-    """The model directory the servers load (the default tiny base is built when missing)."""
+    """The model directory the servers load. The stack builds no model (the tiny one is the demo's:
+    `flywheel model init`, which `make up`, `make test`, the demo and the benchmarks run first)."""
     base = Path(cfg.base_model)
-    if base.resolve() == (REPO_ROOT / defaults.BASE_MODEL_DIR).resolve() or base == Path(defaults.BASE_MODEL_DIR):
-        from flywheel.demo.model_init import ensure_base_model
-
-        ensure_base_model(base)
     if not (base / "config.json").exists():
-        raise StackError(f"vllm: {base} is not a model directory (no config.json); pass --base-model or run `flywheel model init`")
+        raise StackError(f"vllm: {base} is not a model directory (no config.json); pass --base-model or run "
+                         "`flywheel model init`")
     return base.resolve()
 
 

@@ -26,15 +26,13 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+# a tied model's two names for its one matrix: the hand-off's, which serving reads too (flywheel.base.versions)
+from flywheel.base.versions import EMBED_KEY, HEAD_KEY
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.data import Episode
 from flywheel.learner.dist import Sharded, local_device, shard_module
 
 log = logging.getLogger(__name__)
-
-# a tied model's two names for its one matrix, as Qwen2, Llama and Mistral checkpoints spell them
-EMBED_KEY = "model.embed_tokens.weight"
-HEAD_KEY = "lm_head.weight"
 
 
 def write_tied_head(model_dir: Path) -> bool:

@@ -46,14 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.base.config import setting
-from flywheel.base.versions import parse_version, version_name
+from flywheel.base.versions import EMBED_KEY, FULL_FILES, HEAD_KEY, LORA_FILES, parse_version, version_name
 from flywheel.serving import vllm_client
 from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
 
-LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
-FULL_FILES = ("config.json", "model.safetensors")
 
 
 class PublishError(RuntimeError):
@@ -185,8 +183,6 @@ def tied_head_problem(path: Path, equal: bool = True) -> str | None:
     re-processes only the layers the file feeds, so without it the server's output head keeps the old weights.
     equal: also check the two are bitwise equal (reads both tensors; off: the header only).
     """
-    from flywheel.learner.model import EMBED_KEY, HEAD_KEY
-
     if not tied_config(_read_json(path / "config.json")):
         return None
     shapes = _tensor_shapes(path / "model.safetensors", check_finite=False)
@@ -213,8 +209,6 @@ def _check_full(path: Path, tier: TierConfig) -> None:
     if base_weights.is_file():
         base_shapes = _tensor_shapes(base_weights, check_finite=False)
         if tied_config(_read_json(path / "config.json")):
-            from flywheel.learner.model import HEAD_KEY
-
             # a tied base saved by transformers has no lm_head.weight; the version must (tied_head_problem)
             base_shapes.setdefault(HEAD_KEY, shapes.get(HEAD_KEY, ()))
         missing = sorted(set(base_shapes) - set(shapes))

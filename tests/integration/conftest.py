@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 import pytest
 
 from flywheel import stack as stack_mod
+from flywheel.demo.model_init import ensure_base_model
 
 
 # The test session's own MLflow store, beside the demo's (var/mlflow): the registered models and experiments
@@ -37,6 +38,7 @@ def stack() -> Iterator[stack_mod.StackConfig]:
     os.environ["FLYWHEEL_MLFLOW_TRACKING_URI"] = uri
     cfg = stack_mod.replace_config(stack_mod.load_stack_config([]), vllm_servers=2, mlflow_tracking_uri=uri,
                                    mlflow_artifacts_dir=TEST_MLFLOW_DIR / "artifacts")
+    ensure_base_model(cfg.base_model)  # make test built it; a bare `pytest tests/integration` builds it here
     started = stack_mod.ensure_up(cfg)
     yield cfg
     if os.environ.get("FLYWHEEL_KEEP_STACK") != "1":

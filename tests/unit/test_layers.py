@@ -7,6 +7,9 @@ Import directions (every import counts, the lazy ones inside functions too):
   through the hand-off interfaces (the publish function, the registry's version records, the tier's
   description of the servers);
 - within ingest, the SDK an agent imports (schema, sdk, spool, journal, redact) does not import the lake side;
+- serving reads the learner's output only through the hand-off in flywheel.base.versions (names and
+  layout), never by importing flywheel.learner (torch, the trainer): the gate and router run without it;
+- the stack, topics and status (infrastructure) never import flywheel.demo;
 - no module of the package imports flywheel.demo, flywheel.stack, flywheel.status, flywheel.cli
   (the top) unless it is one of them, and none imports bench or tests;
 - no import cycles between modules.
@@ -26,6 +29,8 @@ STAGES = ["flywheel.base", "flywheel.ingest", "flywheel.rewards", "flywheel.lear
 HANDOFFS = {"flywheel.learner": {"flywheel.serving.publisher", "flywheel.serving.registry", "flywheel.serving.tier"}}
 SDK = {"flywheel.ingest.schema", "flywheel.ingest.sdk", "flywheel.ingest.spool", "flywheel.ingest.journal", "flywheel.ingest.redact", "flywheel.ingest.wire"}
 TOP = ["flywheel.demo", "flywheel.stack", "flywheel.status", "flywheel.cli", "flywheel.topics"]
+# the local stack is infrastructure: it serves a model it is given and builds none (the tiny one is the demo's)
+INFRA_TOP = {"flywheel.stack", "flywheel.topics", "flywheel.status"}
 MAX_FUNCTION_LINES = 60
 
 
@@ -77,6 +82,8 @@ def _allowed(module: str, target: str) -> bool:
         return False  # bench, tests, or a bare folder name (ingest.x): never from the package
     if target == "flywheel":
         return not _within(module, "flywheel.base")
+    if module in INFRA_TOP and _within(target, "flywheel.demo"):
+        return False
     if any(_within(module, top) for top in TOP) or module == "flywheel":
         return True  # the top layer (and the public facade) may import any stage
     if any(_within(target, top) for top in TOP):
@@ -84,6 +91,8 @@ def _allowed(module: str, target: str) -> bool:
     stage = next(s for s in STAGES if _within(module, s))
     if module in SDK and _within(target, "flywheel.ingest"):
         return target in SDK or target == "flywheel.ingest"
+    if stage == "flywheel.serving" and _within(target, "flywheel.learner"):
+        return False
     upstream = STAGES[: STAGES.index(stage) + 1]
     if any(_within(target, s) for s in upstream):
         return True
@@ -104,6 +113,8 @@ def test_the_rules_themselves_refuse_what_they_should() -> None:
     assert not _allowed("flywheel.serving.promote", "flywheel.status")
     assert not _allowed("flywheel.ingest.sdk", "flywheel.ingest.lake")
     assert not _allowed("flywheel.learner.daemon", "flywheel.serving.promote")
+    assert not _allowed("flywheel.serving.publisher", "flywheel.learner.model")
+    assert not _allowed("flywheel.stack", "flywheel.demo.model_init")
     assert not _allowed("flywheel.rewards.builder", "bench.fixtures.sessions")
     assert not _allowed("flywheel.rewards.builder", "ingest.lake")
     assert _allowed("flywheel.learner.daemon", "flywheel.serving.publisher")
