@@ -42,7 +42,7 @@ from flywheel.learner.versions import Versions
 if TYPE_CHECKING:  # torch-backed: loaded in Learner(), after the config is parsed and checked
     from flywheel.learner.checkpoint import TrainerState
     from flywheel.learner.data import Episode
-    from flywheel.learner.trainer import Plan, StepResult
+    from flywheel.learner.trainer import BatchPlan, StepResult
 
 log = logging.getLogger("learner")
 
@@ -114,7 +114,7 @@ class Learner:
         return state
 
     # -- every rank ---------------------------------------------------------------------------
-    def train_step(self, plan: Plan) -> StepResult:
+    def train_step(self, plan: BatchPlan) -> StepResult:
         """One optimizer step on the global batch `plan` [(episode, advantage)] (learner/trainer.py)."""
         return self.trainer.step(plan)
 
@@ -128,7 +128,7 @@ class Learner:
         self.versions.adopt(version)  # the champion's weights get their own steps before the next version
 
     # -- rank 0: data -------------------------------------------------------------------------
-    def plan(self, batch: list[Episode]) -> Plan:
+    def plan(self, batch: list[Episode]) -> BatchPlan:
         """Advantages over the whole global batch (so every rank trains the same objective)."""
         from flywheel.learner.loss import advantages
 

@@ -29,7 +29,7 @@ from flywheel.learner.model import (
     token_logprobs_and_raw,
 )
 
-Plan = list[tuple[Episode, float]]  # the global batch: (episode, advantage)
+BatchPlan = list[tuple[Episode, float]]  # the global batch: (episode, advantage)
 
 
 @dataclass
@@ -106,7 +106,7 @@ def adapt_kl_coef(coef: float, kl: float, target: float, start: float) -> float:
     return min(max(coef, start), start * 1000.0)
 
 
-def rows_worth_running(plan: Plan, kl_coef: float, world_size: int) -> Plan:
+def rows_worth_running(plan: BatchPlan, kl_coef: float, world_size: int) -> BatchPlan:
     """The rows worth a forward/backward: without a KL term a row of advantage 0 adds exactly 0 to the gradient.
     (With --kl-rows trained the trainer passes kl_coef 0 here: the KL term is then computed on these rows only.)
 
@@ -142,7 +142,7 @@ class Trainer:
         """lr multiplier of the coming step."""
         return warmup_factor_at(self.state.step, self.cfg.warmup_steps)
 
-    def rows_to_run(self, plan: Plan) -> Plan:
+    def rows_to_run(self, plan: BatchPlan) -> BatchPlan:
         return rows_worth_running(plan, self.cfg.kl_coef if self.cfg.kl_rows == "all" else 0.0, self.world.size)
 
     @property
@@ -150,7 +150,7 @@ class Trainer:
         """The KL coefficient of the coming step: kl_coef, or where kl_target steered it (state.kl_coef)."""
         return self.state.kl_coef or self.cfg.kl_coef
 
-    def step(self, plan: Plan) -> StepResult:
+    def step(self, plan: BatchPlan) -> StepResult:
         """Train on the global batch `plan` [(episode, advantage)]; this rank takes its shard."""
         cfg, world = self.cfg, self.world
         start = time.perf_counter()
@@ -197,7 +197,7 @@ class Trainer:
             behaviour_gap_max=maxes[1] if gap_n else None,
         )
 
-    def micro_batches(self, rows: Plan) -> list[MicroBatch]:
+    def micro_batches(self, rows: BatchPlan) -> list[MicroBatch]:
         """This rank's shard of `rows`, packed in micro-batches (with base-model logprobs for the KL term)."""
         cfg, device = self.cfg, self.policy.device
         # sorted by length: a micro-batch is padded to its longest row, and demo rows run from 30 to 120

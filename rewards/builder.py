@@ -79,7 +79,7 @@ from flywheel.rewards import config as reward_config
 from flywheel.rewards import judge as judge_mod
 from flywheel.rewards import judge_pass
 from flywheel.rewards import outcome_rewards, parl, turns
-from flywheel.rewards.session import Session, assemble, opening_call
+from flywheel.rewards.session import SessionEvents, assemble, opening_call
 from flywheel.rewards.state import (
     ALL_PARTITIONS,
     BuilderState,
@@ -397,7 +397,7 @@ def merge_outcomes(held: list[dict[str, Any]], new: list[dict[str, Any]], clock:
 class Due:
     """A session whose label 1 is due this pass."""
 
-    session: Session
+    session: SessionEvents
     outcomes: list[dict[str, Any]]  # every outcome of the session so far, agent-level ones included
     end_ts: dt.datetime  # the session_end's ts, or the last event's + the idle timeout
     end_how: str  # "session_end" or "idle_timeout"
@@ -418,7 +418,7 @@ class Routing:
     expired: list[dict[str, Any]]  # outcomes of never-seen sessions past their hold (unknown_session)
 
 
-def session_end(s: Session, clock: dt.datetime, join: reward_config.JoinSettings) -> tuple[dt.datetime, str] | None:
+def session_end(s: SessionEvents, clock: dt.datetime, join: reward_config.JoinSettings) -> tuple[dt.datetime, str] | None:
     """(when, how) a session ended, or None while it may still get events."""
     if s.ended:
         assert s.end_ts is not None, f"session {s.session_id} ended without an end ts"
@@ -430,7 +430,7 @@ def session_end(s: Session, clock: dt.datetime, join: reward_config.JoinSettings
     return None
 
 
-def label_1_due(s: Session, outcomes: list[dict[str, Any]], clock: dt.datetime,
+def label_1_due(s: SessionEvents, outcomes: list[dict[str, Any]], clock: dt.datetime,
                 rewards: reward_config.RewardConfig) -> Due | None:
     """Label 1 of a session if it is due at `clock`; None while it is open or waiting for outcomes."""
     end = session_end(s, clock, rewards.join)
@@ -583,7 +583,7 @@ def lifetime_counters(previous: dict[str, int], drops: Counter[str], res: "PassR
 # The builder
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Plan:
+class PassPlan:
     """What one pass reads and the clock it decides by."""
 
     intent: Intent
@@ -734,13 +734,13 @@ class Builder:
         return res
 
     # -- plan -------------------------------------------------------------------------------------
-    def _plan(self, now: dt.datetime | None) -> Plan:
+    def _plan(self, now: dt.datetime | None) -> PassPlan:
         """The next files past each cursor and the clock (`now` or the wall clock), or the plan of a pass that did not commit."""
         st = self.state
         intent = self.store.load_intent()
         if intent is not None and intent.base_pass == st.pass_no:
             log.info("pass %d: resuming the plan of a pass that did not commit (same input, same clock)", st.pass_no + 1)
-            return Plan(intent, resumed=True, files={"events": None, "outcomes": None})
+            return PassPlan(intent, resumed=True, files={"events": None, "outcomes": None})
         clock = now or dt.datetime.now(dt.timezone.utc)
         max_files = self.cfg.max_files_per_pass
         owns = self.assignment.owns
@@ -761,9 +761,9 @@ class Builder:
             outcomes_until=outcomes_until,
             first_seq=st.next_seq,
         )
-        return Plan(intent, resumed=False, files={"events": event_files, "outcomes": outcome_files})
+        return PassPlan(intent, resumed=False, files={"events": event_files, "outcomes": outcome_files})
 
-    def _read(self, plan: Plan) -> tuple["pa.Table", "pa.Table"]:
+    def _read(self, plan: PassPlan) -> tuple["pa.Table", "pa.Table"]:
         """The event and outcome rows between the committed cursors and the plan's."""
         st, root = self.state, self.cfg.lake_root
         events = read_range(root, "events", st.events_cursor, plan.intent.events_until, self.event_schema,
@@ -887,7 +887,7 @@ class Builder:
             parts = {"malformed": malformed.get(e["event_id"], 0.0), "harmful_prune": harmful.get(e["event_id"], 0.0)}
             r_penalty = parts["malformed"] + parts["harmful_prune"]
             mine = scores[e["agent_id"]]
-            made_here = made.get(e["event_id"], turns.Turn())
+            made_here = made.get(e["event_id"], turns.ToolTurn())
             turn = turns.credit(self.rewards, task, made_here, checked, mine.r_outcome if e["event_id"] in finals else None)
             decided = shaping.get(e["event_id"])
             # a row penalised only for malformed calls that said where they broke trains from there on: its
@@ -906,7 +906,7 @@ class Builder:
                                   outcomes=due.outcomes, r_turn=turn.r_turn, judge_score=None if judged is None else judged.score, shaping=decided))
         return rows, index_row
 
-    def _row(self, s: Session, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
+    def _row(self, s: SessionEvents, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
              r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]],
              r_turn: float | None = None, shaping: parl.RowShaping | None = None,
              judge_score: int | None = None, trained_from: int | None = None) -> dict[str, Any]:

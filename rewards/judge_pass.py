@@ -25,7 +25,7 @@ from flywheel.ingest import schema
 from flywheel.rewards import transcript as transcript_mod
 from flywheel.rewards.config import RewardConfig, Rubric, TaskType
 from flywheel.rewards.judge import Judge, JudgeResult, cache_key, judge_version
-from flywheel.rewards.session import Session
+from flywheel.rewards.session import SessionEvents
 
 log = logging.getLogger(__name__)
 Memo = dict[str, tuple[int | None, str]]  # cache key -> (score, status) of this pass's answers
@@ -74,7 +74,7 @@ def _queue_entry(rec: dict[str, Any], attempts: int, status: str, clock: dt.date
     return rec | {"attempts": attempts, "status": status, "retry_ts": retry.isoformat()}
 
 
-def judge_pass(sessions: list[Session], queue: list[dict[str, Any]], rewards: RewardConfig, judge: Judge,
+def judge_pass(sessions: list[SessionEvents], queue: list[dict[str, Any]], rewards: RewardConfig, judge: Judge,
                memo: Memo, clock: dt.datetime) -> JudgedPass:
     """Score `sessions` (those labelled now) and the queued retries due at `clock`; `memo` gets every answer
     (pre-filled on a re-run)."""

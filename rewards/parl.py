@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from flywheel.rewards.config import ParlSettings, PenaltySettings
-from flywheel.rewards.session import Session
-from flywheel.rewards.turns import Turn, turns
+from flywheel.rewards.session import SessionEvents
+from flywheel.rewards.turns import ToolTurn, turns
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def anneal(lambda0: float, t: int, start: int, end: int) -> float:
     return lambda0 * (end - t) / (end - start)
 
 
-def spawned_children(s: Session) -> dict[str, bool]:
+def spawned_children(s: SessionEvents) -> dict[str, bool]:
     """Every spawned child (any depth) -> whether it reported a successful finish (the latest finish wins)."""
     children: dict[str, bool] = {}
     for evs in s.agents.values():
@@ -82,7 +82,7 @@ def spawned_children(s: Session) -> dict[str, bool]:
     return children
 
 
-def critical_steps(s: Session, agent_id: str | None = None, _seen: frozenset[str] = frozenset()) -> int:
+def critical_steps(s: SessionEvents, agent_id: str | None = None, _seen: frozenset[str] = frozenset()) -> int:
     """Longest chain of llm_call steps from `agent_id` (default: the main agent) through its sub-agents."""
     agent_id = agent_id or s.main_agent
     if agent_id in _seen or agent_id not in s.agents and agent_id not in s.parent:
@@ -108,7 +108,7 @@ def critical_steps(s: Session, agent_id: str | None = None, _seen: frozenset[str
     return steps
 
 
-def spawn_decisions(s: Session) -> dict[str, list[dict[str, Any]]]:
+def spawn_decisions(s: SessionEvents) -> dict[str, list[dict[str, Any]]]:
     """event_id of each llm_call that decided a spawn -> the subagent_spawn events it decided (in order).
 
     The decision is the spawning agent's latest llm_call before the spawn: the model's reply that asked
@@ -158,7 +158,7 @@ class RowShaping:
     r_finish: float
 
 
-def row_shaping(s: Session, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]] = ()) -> dict[str, RowShaping]:
+def row_shaping(s: SessionEvents, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]] = ()) -> dict[str, RowShaping]:
     """event_id of each spawn-decision row -> its terms; rows not in the map get no shaping."""
     outcomes = list(outcomes)
     version = max((int(e["policy_version"]) for e in s.llm_calls), default=0)
@@ -186,7 +186,7 @@ def verified_children(children: Iterable[str], outcomes: Iterable[dict[str, Any]
     return {a for a, o in latest.items() if float(o["value"]) >= cfg.finish_threshold}
 
 
-def parl_stats(s: Session, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]] = ()) -> ParlStats:
+def parl_stats(s: SessionEvents, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]] = ()) -> ParlStats:
     """The session's PARL counts and lambdas (the terms a row is paid are row_shaping's); with `enabled` false
     both lambdas are 0 (the counts are still reported)."""
     children = spawned_children(s)
@@ -205,7 +205,7 @@ def parl_stats(s: Session, cfg: ParlSettings, outcomes: Iterable[dict[str, Any]]
     )
 
 
-def malformed_penalties(s: Session, penalty: float, made: dict[str, Turn] | None = None) -> tuple[dict[str, float], int]:
+def malformed_penalties(s: SessionEvents, penalty: float, made: dict[str, ToolTurn] | None = None) -> tuple[dict[str, float], int]:
     """event_id of an llm_call -> its penalty (<= 0), and the number of malformed tool calls.
 
     A malformed tool call is charged to the llm_call that produced it, as turns.turns assigns calls
@@ -223,7 +223,7 @@ def malformed_penalties(s: Session, penalty: float, made: dict[str, Turn] | None
     return out, count
 
 
-def harmful_prune_penalties(made: dict[str, Turn], outcomes: Iterable[dict[str, Any]],
+def harmful_prune_penalties(made: dict[str, ToolTurn], outcomes: Iterable[dict[str, Any]],
                             penalties: PenaltySettings) -> dict[str, float]:
     """event_id of an llm_call whose prune the checker found harmful -> penalties.harmful_prune (<= 0).
 

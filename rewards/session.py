@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 
 @dataclass
-class Session:
+class SessionEvents:
     session_id: str
     task_type: str | None
     main_agent: str
@@ -32,7 +32,7 @@ class Session:
         return self.end_ts or self.last_ts
 
 
-def opening_call(s: Session) -> str | None:
+def opening_call(s: SessionEvents) -> str | None:
     """event_id of the session's opening llm_call: the main agent's first (where the agent decides how to go about
     the request: answer, call a tool, spawn sub-agents); None when the main agent made no call."""
     mine = [e for e in s.llm_calls if e["agent_id"] == s.main_agent]
@@ -53,8 +53,8 @@ def order_key(e: dict[str, Any]) -> tuple[Any, ...]:
     return (e["ts"], e["seq"], e["event_id"])
 
 
-def assemble(session_id: str, events: Iterable[dict[str, Any]]) -> Session:
-    """Build a Session from its de-duplicated events (any order; ts as datetimes or integer microseconds)."""
+def assemble(session_id: str, events: Iterable[dict[str, Any]]) -> SessionEvents:
+    """Build a SessionEvents from its de-duplicated events (any order; ts as datetimes or integer microseconds)."""
     agents: dict[str, list[dict[str, Any]]] = {}
     parent: dict[str, str | None] = {}
     task_type = None
@@ -82,7 +82,7 @@ def assemble(session_id: str, events: Iterable[dict[str, Any]]) -> Session:
         # no session_start seen (yet): the root agent is the one without a parent, earliest first
         roots = sorted((a for a, p in parent.items() if p is None), key=lambda a: order_key(agents[a][0]))
         main = roots[0] if roots else min(agents, key=lambda a: order_key(agents[a][0]))
-    s = Session(session_id, task_type, main, agents, parent, end_ts is not None, status,
+    s = SessionEvents(session_id, task_type, main, agents, parent, end_ts is not None, status,
                 None if end_ts is None else as_datetime(end_ts), as_datetime(last_ts))
     for agent_id in agent_order(s):
         for e in s.agents[agent_id]:
@@ -94,7 +94,7 @@ def assemble(session_id: str, events: Iterable[dict[str, Any]]) -> Session:
     return s
 
 
-def agent_order(s: Session) -> list[str]:
+def agent_order(s: SessionEvents) -> list[str]:
     """Main agent first, then the others by their first event (a stable order for output rows)."""
     others = sorted((a for a in s.agents if a != s.main_agent), key=lambda a: (order_key(s.agents[a][0]), a))
     return [s.main_agent] + others

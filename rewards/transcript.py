@@ -24,14 +24,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from flywheel.rewards.session import Session, agent_order
+from flywheel.rewards.session import SessionEvents, agent_order
 
 HEADER_CHARS = 120  # a header line is cut to this many characters
 MARKER = "[... {} turns left out ...]"  # where rule 3 left turns out (tool results keep their headers)
 
 
 @dataclass(frozen=True)
-class Turn:
+class TranscriptStep:
     """One rendered step: a header line and its text (either may be empty)."""
 
     header: str
@@ -52,42 +52,42 @@ def _short(value: Any) -> str:
     return text if len(text) <= HEADER_CHARS else text[: HEADER_CHARS - 3] + "..."
 
 
-def _event_turn(e: dict[str, Any]) -> Turn | None:
+def _event_turn(e: dict[str, Any]) -> TranscriptStep | None:
     kind = e["type"]
     if kind == "llm_call":
         text = e.get("completion_text")
-        return Turn("[assistant]", text if text is not None else f"(text not logged: {len(e.get('completion_token_ids') or [])} tokens)")
+        return TranscriptStep("[assistant]", text if text is not None else f"(text not logged: {len(e.get('completion_token_ids') or [])} tokens)")
     if kind == "tool_call":
         bad = " MALFORMED" if e.get("malformed") else ""
-        return Turn(f"[tool call{bad}] {_short(e.get('name') or '?')}({_short(e.get('arguments') or '')})")
+        return TranscriptStep(f"[tool call{bad}] {_short(e.get('name') or '?')}({_short(e.get('arguments') or '')})")
     if kind == "tool_result":
-        return Turn(f"[tool result] {_short(e.get('name') or e.get('call_id') or '?')} ok={e.get('ok')}",
+        return TranscriptStep(f"[tool result] {_short(e.get('name') or e.get('call_id') or '?')} ok={e.get('ok')}",
                     e.get("output") or "", tool_result=True)
     if kind == "subagent_spawn":
-        return Turn(f"[spawned sub-agent {e.get('child_agent_id')}] {_short(e.get('subtask') or '')}")
+        return TranscriptStep(f"[spawned sub-agent {e.get('child_agent_id')}] {_short(e.get('subtask') or '')}")
     if kind == "subagent_finish":
-        return Turn(f"[sub-agent {e.get('child_agent_id')} finished] ok={e.get('ok')}")
+        return TranscriptStep(f"[sub-agent {e.get('child_agent_id')} finished] ok={e.get('ok')}")
     if kind == "context_edit":
-        return Turn(f"[context {e.get('edit_kind')}: {e.get('tokens_removed')} tokens removed]")
+        return TranscriptStep(f"[context {e.get('edit_kind')}: {e.get('tokens_removed')} tokens removed]")
     if kind == "session_end":
-        return Turn(f"[session end] status={e.get('status')}")
+        return TranscriptStep(f"[session end] status={e.get('status')}")
     return None
 
 
-def render(s: Session) -> tuple[Turn, list[Turn]]:
+def render(s: SessionEvents) -> tuple[TranscriptStep, list[TranscriptStep]]:
     """(the request, every other turn in order) of a session."""
     main_calls = [e for e in s.agents.get(s.main_agent, []) if e["type"] == "llm_call"]
     first = main_calls[0] if main_calls else None
     if first is None:
-        request = Turn("[request]", "(no llm_call)")
+        request = TranscriptStep("[request]", "(no llm_call)")
     elif first.get("prompt_text") is not None:
-        request = Turn("[request]", first["prompt_text"])
+        request = TranscriptStep("[request]", first["prompt_text"])
     else:
-        request = Turn("[request]", f"(prompt not logged: {len(first.get('prompt_token_ids') or [])} tokens)")
-    turns: list[Turn] = []
+        request = TranscriptStep("[request]", f"(prompt not logged: {len(first.get('prompt_token_ids') or [])} tokens)")
+    turns: list[TranscriptStep] = []
     for agent in agent_order(s):
         if agent != s.main_agent:
-            turns.append(Turn(f"== sub-agent {agent} (of {s.parent.get(agent)}) =="))
+            turns.append(TranscriptStep(f"== sub-agent {agent} (of {s.parent.get(agent)}) =="))
         turns.extend(t for t in map(_event_turn, s.agents[agent]) if t is not None)
     return request, turns
 
@@ -101,9 +101,9 @@ def _tail(text: str, budget_tokens: int, chars_per_token: float) -> str:
     return "[...cut...]" + cut
 
 
-def fit(request: Turn, turns: list[Turn], max_tokens: int, chars_per_token: float) -> str:
+def fit(request: TranscriptStep, turns: list[TranscriptStep], max_tokens: int, chars_per_token: float) -> str:
     """The transcript under `max_tokens` by the module's rule."""
-    req = Turn(request.header, _tail(request.body, max_tokens // 3, chars_per_token)).text()
+    req = TranscriptStep(request.header, _tail(request.body, max_tokens // 3, chars_per_token)).text()
     left = max_tokens - tokens(req, chars_per_token)
     # rule 2: tool result headers, newest first, leaving a quarter of the budget for the last turns
     header_cost = {i: tokens(t.header, chars_per_token) + 1 for i, t in enumerate(turns) if t.tool_result}
@@ -137,7 +137,7 @@ def fit(request: Turn, turns: list[Turn], max_tokens: int, chars_per_token: floa
     return "\n".join(out)
 
 
-def transcript(s: Session, max_tokens: int, chars_per_token: float) -> str:
+def transcript(s: SessionEvents, max_tokens: int, chars_per_token: float) -> str:
     """The judge's view of a session (see the module docstring)."""
     request, turns = render(s)
     return fit(request, turns, max_tokens, chars_per_token)

@@ -18,7 +18,7 @@ the task type lists that kind in rewards.toml's `turn_kinds`. Then:
   outcome, so a session that never answers is never paid for its calls alone.
 
 A call is charged to the llm_call of the same agent that came just before it, as the malformed
-penalty is (rewards/parl.py). Pure functions over a Session and outcome dicts.
+penalty is (rewards/parl.py). Pure functions over a SessionEvents and outcome dicts.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Any, Iterable
 
 from flywheel.rewards.config import RewardConfig, TaskType
 from flywheel.rewards.outcome_rewards import latest_per_kind
-from flywheel.rewards.session import Session
+from flywheel.rewards.session import SessionEvents
 
 
 @dataclass(frozen=True)
-class Turn:
+class ToolTurn:
     """What one llm_call did with tools: the call_ids it produced and how many of them were malformed.
 
     malformed_token: the earliest completion token a malformed call of this turn was charged from (the
@@ -50,16 +50,16 @@ class TurnCredit:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def turns(s: Session) -> dict[str, Turn]:
+def turns(s: SessionEvents) -> dict[str, ToolTurn]:
     """event_id of each llm_call -> the tool calls it produced (the calls its agent logged after it, before its next call)."""
-    out: dict[str, Turn] = {}
+    out: dict[str, ToolTurn] = {}
     for evs in s.agents.values():
         last: str | None = None
         early: list[dict[str, Any]] = []  # calls logged before the agent's first llm_call: charged to that call
         for e in evs:
             if e["type"] == "llm_call":
                 last = e["event_id"]
-                out[last] = Turn()
+                out[last] = ToolTurn()
                 for c in early:
                     out[last] = _add(out[last], c)
                 early = []
@@ -71,7 +71,7 @@ def turns(s: Session) -> dict[str, Turn]:
     return out
 
 
-def _add(t: Turn, call: dict[str, Any]) -> Turn:
+def _add(t: ToolTurn, call: dict[str, Any]) -> ToolTurn:
     if call.get("malformed"):
         at = call.get("malformed_token")
         at = at if isinstance(at, int) and at >= 0 else None
@@ -79,13 +79,13 @@ def _add(t: Turn, call: dict[str, Any]) -> Turn:
             at = None  # one call of the turn charges the whole reply: so does the turn
         elif t.malformed:
             at = min(at, t.malformed_token)
-        return Turn(t.calls, t.malformed + 1, at)
+        return ToolTurn(t.calls, t.malformed + 1, at)
     if not call.get("call_id"):
         return t  # nothing can name it, so nothing can verify it
-    return Turn((*t.calls, str(call["call_id"])), t.malformed, t.malformed_token)
+    return ToolTurn((*t.calls, str(call["call_id"])), t.malformed, t.malformed_token)
 
 
-def final_calls(s: Session) -> set[str]:
+def final_calls(s: SessionEvents) -> set[str]:
     """The event_id of each agent's last llm_call."""
     out: set[str] = set()
     for evs in s.agents.values():
@@ -104,7 +104,7 @@ def call_outcomes(outcomes: Iterable[dict[str, Any]], kinds: tuple[str, ...]) ->
     return {c: latest_per_kind(os) for c, os in by_call.items()}
 
 
-def credit(cfg: RewardConfig, task: TaskType, turn: Turn, checked: dict[str, dict[str, dict[str, Any]]],
+def credit(cfg: RewardConfig, task: TaskType, turn: ToolTurn, checked: dict[str, dict[str, dict[str, Any]]],
            final_outcome: float | None = None) -> TurnCredit:
     """r_turn of one llm_call from its calls' checks (`checked` as call_outcomes returns it); final_outcome:
     the agent's outcome when this is its last llm_call (r_turn is then at most that)."""
@@ -134,6 +134,6 @@ def recredit(cfg: RewardConfig, task: TaskType, previous_detail: dict[str, Any],
     """r_turn again for a relabel, from the calls label 1 recorded in its detail and every outcome so far
     (r_outcome: the row's agent outcome now, the cap when label 1 found it was the agent's last call)."""
     turn_detail = previous_detail.get("turn") or {}
-    turn = Turn(tuple(turn_detail.get("calls") or ()), int(turn_detail.get("malformed") or 0))
+    turn = ToolTurn(tuple(turn_detail.get("calls") or ()), int(turn_detail.get("malformed") or 0))
     return credit(cfg, task, turn, call_outcomes(outcomes, task.turn_kinds),
                   r_outcome if turn_detail.get("final") else None)

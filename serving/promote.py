@@ -165,7 +165,7 @@ def _offline_veto(offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str |
     return None
 
 
-def decide(champion: int, challenger: int | None, records: list[SessionRecord],
+def gate_round(champion: int, challenger: int | None, records: list[SessionRecord],
            offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig,
            now: float | None = None, champion_since: float | None = None) -> Decision:
     """The gate as a pure function of the sessions: `offline` is (champion score, challenger score), or why there is
@@ -183,7 +183,7 @@ def decide(champion: int, challenger: int | None, records: list[SessionRecord],
     return Decision(verdict.action, verdict.reason, champion, challenger, numbers)
 
 
-def decide_rollback(champion: int, records: list[SessionRecord], cfg: PromoteConfig, champion_since: float | None,
+def rollback_round(champion: int, records: list[SessionRecord], cfg: PromoteConfig, champion_since: float | None,
                     now: float | None = None) -> Decision:
     """Roll back a champion significantly worse than the concurrent control arm (sessions since its promotion)."""
     if cfg.control_share <= 0:
@@ -370,12 +370,12 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
     if challenger is not None and not missing and len(scores) == 2:
         offline = (scores[champion], scores[challenger.policy_version])
     since = _champion_since(registry, champion)
-    decision = decide(champion, challenger.policy_version if challenger else None, records, offline, cfg, now, since)
+    decision = gate_round(champion, challenger.policy_version if challenger else None, records, offline, cfg, now, since)
     apply(decision, registry, cfg)
     record(decision, cfg, registry)
     decisions = [decision]
     if cfg.auto_rollback and decision.action != "promote" and CHAMPION in slots:
-        back = decide_rollback(champion, records, cfg, since, now)
+        back = rollback_round(champion, records, cfg, since, now)
         if back.action == "rollback":
             apply(back, registry, cfg)
             record(back, cfg, registry)

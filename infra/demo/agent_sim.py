@@ -312,7 +312,7 @@ class AgentSim:
         pending: dict[str, str] = {}
         calls: list[dict[str, Any]] = []
 
-        def on_turn(turn: tasks.Turn) -> None:
+        def on_turn(turn: tasks.TaskTurn) -> None:
             if turn.parsed.kind == "answer":
                 return
             malformed = turn.parsed.kind == "malformed_call"

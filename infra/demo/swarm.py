@@ -377,7 +377,7 @@ class SwarmSession:
                 last[:] = [self.generate(child, messages)]
                 return last[0].text
 
-            def on_turn(turn: tasks.Turn) -> None:
+            def on_turn(turn: tasks.TaskTurn) -> None:
                 if turn.parsed.kind == "answer":
                     return
                 malformed = turn.parsed.kind == "malformed_call"

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class SwarmSession:
+class SwarmSessionStats:
     """One swarm session as the report counts it."""
 
     kind: str
@@ -46,10 +46,10 @@ class SwarmSession:
 class Group:
     """Counts of a set of sessions (one version, or one arm in the final window)."""
 
-    multi: list[SwarmSession] = field(default_factory=list)
-    long: list[SwarmSession] = field(default_factory=list)
+    multi: list[SwarmSessionStats] = field(default_factory=list)
+    long: list[SwarmSessionStats] = field(default_factory=list)
 
-    def add(self, s: SwarmSession) -> None:
+    def add(self, s: SwarmSessionStats) -> None:
         (self.multi if s.kind == "multi" else self.long).append(s)
 
     @property
@@ -99,7 +99,7 @@ def spurious(record: dict[str, Any]) -> int:
     return n + max(0, len(texts) - len(record["task"]["parts"]))
 
 
-def sessions_of(handoff: Path, lake_root: str) -> list[SwarmSession]:
+def sessions_of(handoff: Path, lake_root: str) -> list[SwarmSessionStats]:
     """The swarm sessions of the hand-off file, each with the version and arm the lake says served it."""
     from flywheel.serving.sessions import read_sessions
 
@@ -117,7 +117,7 @@ def sessions_of(handoff: Path, lake_root: str) -> list[SwarmSession]:
             log.warning("swarm report: hand-off line skipped (%s)", exc)
             continue
         r = served.get(rec["session_id"])
-        out.append(SwarmSession(rec.get("kind", "multi"), r.version if r else None, r.arm if r else None,
+        out.append(SwarmSessionStats(rec.get("kind", "multi"), r.version if r else None, r.arm if r else None,
                                 r.started if r else float(rec.get("ended") or 0.0), ok, int(rec.get("spawned") or 0),
                                 spurious(rec), int(rec.get("critical_steps") or 0), len(rec.get("edits") or []), parts))
     return out
@@ -145,7 +145,7 @@ def zero_from(curve: list[dict[str, float]], start: float) -> float | None:
     return round((min(after) - start) / 60.0, 2) if after else None
 
 
-def compare(sessions: list[SwarmSession], since: float | None, champion: int | None, control_version: int = 0) -> dict[str, Any]:
+def compare(sessions: list[SwarmSessionStats], since: float | None, champion: int | None, control_version: int = 0) -> dict[str, Any]:
     """The final window: the champion against the concurrent control (the summary.json keys of issue 23)."""
     from flywheel.serving.stats import p_better, wilson
 

@@ -367,7 +367,7 @@ Generate = Callable[[list[Message]], str]
 
 
 @dataclass
-class Turn:
+class TaskTurn:
     """One exchange: what the model said and what the agent did with it (for logging)."""
 
     reply: str
@@ -420,22 +420,22 @@ def compact(messages: list[Message], budget_chars: int) -> tuple[list[Message], 
 
 
 def solve_part(part: Part, generate: Generate, max_turns: int = 3, budget_chars: int = 400,
-               on_turn: Callable[[Turn], None] | None = None,
-               on_compact: Callable[[list[Message], Message], None] | None = None) -> tuple[str | None, list[Turn]]:
+               on_turn: Callable[[TaskTurn], None] | None = None,
+               on_compact: Callable[[list[Message], Message], None] | None = None) -> tuple[str | None, list[TaskTurn]]:
     """Run the tool-use dialogue for one part; returns (final answer or None, the turns).
 
     The model gets at most max_turns replies; a malformed or failed call is answered with the
     tool's error text so the model can retry, as a production harness would.
     """
     messages: list[Message] = [user_message(part)]
-    turns: list[Turn] = []
+    turns: list[TaskTurn] = []
     for i in range(max_turns):
         messages, removed, note = compact(messages, budget_chars)
         if note is not None and on_compact is not None:
             on_compact(removed, note)
         reply = generate(messages)
         parsed = parse_reply(reply)
-        turn = Turn(reply, parsed)
+        turn = TaskTurn(reply, parsed)
         turns.append(turn)
         messages.append({"role": "assistant", "content": reply})
         if parsed.kind == "answer":

@@ -10,7 +10,7 @@ import pytest
 
 from bench.fixtures.sessions import LakeFeeder, SessionBuilder, outcome
 from flywheel.serving.evaluate import EvalScore, arithmetic_tasks
-from flywheel.serving.promote import PromoteConfig, decide, decide_rollback
+from flywheel.serving.promote import PromoteConfig, gate_round, rollback_round
 from flywheel.serving.sessions import SessionRecord, mature, read_sessions
 
 CFG = PromoteConfig(min_sessions=30, max_sessions=2000, alpha=0.05, maturity_s=10.0, control_share=0.2)
@@ -34,7 +34,7 @@ def _scores(champ: int, chal: int, n: int = 64) -> tuple[EvalScore, EvalScore]:
 
 def test_clearly_better_challenger_is_promoted_with_its_statistic_and_threshold() -> None:
     records = _sessions(1, "champion", 0.3, 300, 1) + _sessions(2, "challenger", 0.7, 300, 2)
-    d = decide(1, 2, records, _scores(20, 30), CFG, NOW)
+    d = gate_round(1, 2, records, _scores(20, 30), CFG, NOW)
     assert d.action == "promote", d.reason
     assert d.numbers["online_log_lr_better"] >= d.numbers["online_threshold_log_lr"], d.numbers
     assert (d.numbers["online_n_a"], d.numbers["online_n_b"]) == (300, 300)
@@ -42,15 +42,15 @@ def test_clearly_better_challenger_is_promoted_with_its_statistic_and_threshold(
 
 def test_worse_challenger_is_rejected_online() -> None:
     records = _sessions(1, "champion", 0.7, 300, 3) + _sessions(2, "challenger", 0.3, 300, 4)
-    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    d = gate_round(1, 2, records, _scores(30, 30), CFG, NOW)
     assert d.action == "reject" and "worse" in d.reason, d.reason
 
 
 def test_equal_versions_hold_then_expire_at_the_sample_cap() -> None:
     records = _sessions(1, "champion", 0.3, 200, 5) + _sessions(2, "challenger", 0.3, 200, 6)
-    assert decide(1, 2, records, _scores(30, 30), CFG, NOW).action == "hold"
+    assert gate_round(1, 2, records, _scores(30, 30), CFG, NOW).action == "hold"
     capped = PromoteConfig(min_sessions=30, max_sessions=150, maturity_s=10.0)
-    d = decide(1, 2, records, _scores(30, 30), capped, NOW)
+    d = gate_round(1, 2, records, _scores(30, 30), capped, NOW)
     assert d.action == "expire", d.reason
 
 
@@ -58,7 +58,7 @@ def test_only_concurrent_sessions_count_for_the_champion() -> None:
     # the champion served 500 sessions before the challenger existed: none of them may count
     early = _sessions(1, "champion", 0.9, 500, 7, start=0.0)
     records = early + _sessions(1, "champion", 0.3, 100, 8, start=1000.0) + _sessions(2, "challenger", 0.3, 100, 9, start=1000.0)
-    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    d = gate_round(1, 2, records, _scores(30, 30), CFG, NOW)
     assert d.numbers["online_n_a"] == 100, d.numbers
     assert d.action == "hold", "with the early 90% sessions the challenger would look worse and be rejected"
 
@@ -66,10 +66,10 @@ def test_only_concurrent_sessions_count_for_the_champion() -> None:
 def test_sessions_must_be_mature_and_infra_errors_are_excluded_and_counted() -> None:
     records = (_sessions(1, "champion", 0.5, 100, 10) + _sessions(2, "challenger", 0.5, 100, 11)
                + _sessions(2, "challenger", 0.0, 40, 12, start=1200.0, status="error"))
-    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    d = gate_round(1, 2, records, _scores(30, 30), CFG, NOW)
     assert d.numbers["online_n_b"] == 100 and d.numbers["online_errored_b"] == 40, d.numbers
     # at `now` = just after the sessions ended, their outcome windows are still open
-    young = decide(1, 2, records, _scores(30, 30), CFG, 1000.0 + 60)
+    young = gate_round(1, 2, records, _scores(30, 30), CFG, 1000.0 + 60)
     assert young.numbers["online_n_b"] < 60 and young.numbers["online_open_b"] > 0, young.numbers
 
 
@@ -88,7 +88,7 @@ def test_stratification_removes_a_task_mix_difference_between_arms() -> None:
                 + _sessions(version, name, 0.1, hard, seed + 1, start=1500.0, task_types=("hard",)))
 
     records = arm(1, "champion", 100, 400, 13) + arm(2, "challenger", 400, 100, 15)
-    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    d = gate_round(1, 2, records, _scores(30, 30), CFG, NOW)
     assert d.action == "hold", d.reason
     assert abs(d.numbers["online_diff"]) < 0.06, d.numbers
     raw = (0.8 * 400 + 0.1 * 100) / 500 - (0.8 * 100 + 0.1 * 400) / 500
@@ -97,28 +97,28 @@ def test_stratification_removes_a_task_mix_difference_between_arms() -> None:
 
 def test_offline_regression_vetoes_a_promotion_and_missing_score_holds() -> None:
     records = _sessions(1, "champion", 0.3, 300, 17) + _sessions(2, "challenger", 0.7, 300, 18)
-    assert decide(1, 2, records, _scores(50, 20), CFG, NOW).action == "reject"
-    assert decide(1, 2, records, "no score", CFG, NOW).action == "hold"
+    assert gate_round(1, 2, records, _scores(50, 20), CFG, NOW).action == "reject"
+    assert gate_round(1, 2, records, "no score", CFG, NOW).action == "hold"
     lax = PromoteConfig(min_sessions=30, maturity_s=10.0, require_offline_eval=False)
-    assert decide(1, 2, records, "no score", lax, NOW).action == "promote"
+    assert gate_round(1, 2, records, "no score", lax, NOW).action == "promote"
 
 
 def test_no_challenger_and_too_few_sessions() -> None:
-    assert decide(1, None, [], None, CFG, NOW).action == "none"
+    assert gate_round(1, None, [], None, CFG, NOW).action == "none"
     records = _sessions(1, "champion", 0.3, 10, 19) + _sessions(2, "challenger", 0.7, 10, 20)
-    assert decide(1, 2, records, _scores(30, 30), CFG, NOW).action == "hold"
+    assert gate_round(1, 2, records, _scores(30, 30), CFG, NOW).action == "hold"
 
 
 def test_rollback_against_the_concurrent_control_since_the_promotion() -> None:
     control = _sessions(0, "control", 0.5, 300, 21)
-    assert decide_rollback(2, control + _sessions(2, "champion", 0.2, 300, 22), CFG, None, NOW).action == "rollback"
-    assert decide_rollback(2, control + _sessions(2, "champion", 0.5, 300, 23), CFG, None, NOW).action == "keep"
+    assert rollback_round(2, control + _sessions(2, "champion", 0.2, 300, 22), CFG, None, NOW).action == "rollback"
+    assert rollback_round(2, control + _sessions(2, "champion", 0.5, 300, 23), CFG, None, NOW).action == "keep"
     # the bad sessions came before its promotion: they are the gate's old evidence, not the champion's record
     bad_then_good = _sessions(2, "champion", 0.1, 300, 24, start=0.0) + _sessions(2, "champion", 0.5, 300, 25)
-    assert decide_rollback(2, control + bad_then_good, CFG, 1000.0, NOW).action == "keep"
-    assert decide_rollback(0, control, CFG, None, NOW).action == "keep"
+    assert rollback_round(2, control + bad_then_good, CFG, 1000.0, NOW).action == "keep"
+    assert rollback_round(0, control, CFG, None, NOW).action == "keep"
     no_control = PromoteConfig(min_sessions=30, maturity_s=10.0, control_share=0.0)
-    assert "no control arm" in decide_rollback(2, control, no_control, None, NOW).reason
+    assert "no control arm" in rollback_round(2, control, no_control, None, NOW).reason
 
 
 def test_read_sessions_takes_version_arm_end_and_latest_outcome(tmp_path: Path) -> None:
@@ -174,21 +174,21 @@ def test_a_challenger_that_ends_more_sessions_in_errors_is_rejected() -> None:
     # on the sessions that did not error it looks as good; it broke 30% of its sessions
     records = (_sessions(1, "champion", 0.3, 300, 31) + _sessions(2, "challenger", 0.3, 300, 32)
                + _sessions(2, "challenger", 0.0, 130, 33, start=1400.0, status="error"))
-    d = decide(1, 2, records, _scores(30, 30), CFG, NOW)
+    d = gate_round(1, 2, records, _scores(30, 30), CFG, NOW)
     assert d.action == "reject" and "error" in d.reason, d.reason
 
 
 def test_a_capped_challenger_expires_even_without_concurrent_champion_sessions() -> None:
     capped = PromoteConfig(min_sessions=30, max_sessions=100, maturity_s=10.0)
     records = _sessions(1, "champion", 0.3, 300, 34, start=0.0) + _sessions(2, "challenger", 0.3, 120, 35, start=2000.0)
-    assert decide(1, 2, records, _scores(30, 30), capped, NOW).action == "expire"
+    assert gate_round(1, 2, records, _scores(30, 30), capped, NOW).action == "expire"
 
 
 def test_the_window_starts_when_the_champion_became_champion() -> None:
     # the challenger's first sessions ran while another version was champion (before a rollback)
     records = (_sessions(2, "challenger", 0.9, 200, 36, start=0.0) + _sessions(2, "challenger", 0.3, 200, 37, start=1000.0)
                + _sessions(1, "champion", 0.3, 200, 38, start=1000.0))
-    d = decide(1, 2, records, _scores(30, 30), CFG, NOW, champion_since=1000.0)
+    d = gate_round(1, 2, records, _scores(30, 30), CFG, NOW, champion_since=1000.0)
     assert d.numbers["online_n_b"] == 200 and d.action == "hold", (d.action, d.numbers)
 
 

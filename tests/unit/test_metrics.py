@@ -275,7 +275,7 @@ def test_gate_counts_decisions_by_action_and_the_sessions_it_compared() -> None:
         Decision,
         GateMetrics,
         PromoteConfig,
-        decide,
+        gate_round,
     )
     from flywheel.serving.sessions import SessionRecord
 
@@ -287,7 +287,7 @@ def test_gate_counts_decisions_by_action_and_the_sessions_it_compared() -> None:
 
     cfg = PromoteConfig(min_sessions=30, max_sessions=2000, maturity_s=10.0)
     records = arm(1, "champion", 0.3, 300) + arm(2, "challenger", 0.7, 250)
-    promoted = decide(1, 2, records, (EvalScore("t", 64, 20), EvalScore("t", 64, 30)), cfg, 10_000.0)
+    promoted = gate_round(1, 2, records, (EvalScore("t", 64, 20), EvalScore("t", 64, 30)), cfg, 10_000.0)
     assert promoted.action == "promote", promoted.reason
     metrics = GateMetrics()
     metrics.observe_round([promoted], 0.5, failed=False)

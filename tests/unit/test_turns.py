@@ -37,14 +37,14 @@ def retry_session() -> tuple[synthetic.SessionBuilder, dict[str, str], dt.dateti
 def test_each_llm_call_owns_the_calls_logged_after_it() -> None:
     b, ids, _ = retry_session()
     made = turns.turns(assemble("s1", [e | {"ts": schema.parse_ts(e["ts"])} for e in b.events]))
-    assert made[ids["wrong"]] == turns.Turn((ids["wrong_call"],), 0)
-    assert made[ids["malformed"]] == turns.Turn((), 1)
-    assert made[ids["answer"]] == turns.Turn(), "the answer turn made no call: nothing but the verifier checks it"
+    assert made[ids["wrong"]] == turns.ToolTurn((ids["wrong_call"],), 0)
+    assert made[ids["malformed"]] == turns.ToolTurn((), 1)
+    assert made[ids["answer"]] == turns.ToolTurn(), "the answer turn made no call: nothing but the verifier checks it"
 
 
 def test_without_turn_kinds_nothing_is_turn_credited() -> None:
     cfg = config.parse("[outcomes.call_correct]\nlo = 0.0\nhi = 1.0\n[task_types.x]\n")
-    assert turns.credit(cfg, cfg.task("x"), turns.Turn(("c1",), 1), {}).r_turn is None
+    assert turns.credit(cfg, cfg.task("x"), turns.ToolTurn(("c1",), 1), {}).r_turn is None
 
 
 @pytest.fixture
