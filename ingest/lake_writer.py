@@ -68,6 +68,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from flywheel.base import defaults
@@ -83,7 +84,6 @@ from flywheel.base.kafka import client_kwargs, connect_with_retry, load_kafka_co
 from flywheel.base.metrics import Metrics, Reading, nan_if_negative
 from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
-from flywheel.ingest.decode_worker import DecodeWorker, WorkerDied
 from flywheel.ingest.decode import (  # noqa: F401 - the decode path's public names, also imported from here by tests
     _ID_COLUMN,
     DLQ_REASONS,
@@ -95,6 +95,7 @@ from flywheel.ingest.decode import (  # noqa: F401 - the decode path's public na
     rows_to_table,
     warm_up,
 )
+from flywheel.ingest.decode_worker import DecodeWorker, WorkerDied
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -116,7 +117,8 @@ class LakeWriterConfig:
     outcomes_topic: str = setting(schema.OUTCOMES_TOPIC, "topic of outcomes (lake table outcomes); empty to skip")
     dlq_topic: str = setting(schema.DLQ_TOPIC, "dead-letter topic for records that fail decoding or validation")
     group_id: str = setting("flywheel-lake-writer", "consumer group; writers in one group share the partitions")
-    instance_id: str | None = setting(None, "static group membership id: a restart with the same id gets its partitions back at once")
+    instance_id: str | None = setting(None, "static group membership id: a restart with the same id gets its "
+                                            "partitions back at once")
     writer_id: str | None = setting(None, "name in status and logs (default: instance_id or host-pid)")
     lake_root: str = setting(defaults.LAKE_ROOT, "lake root: a local path or a pyarrow filesystem URI (s3://...)")
     roll_max_records: int = setting(100_000, "publish a file once it holds this many records")
@@ -128,7 +130,8 @@ class LakeWriterConfig:
     session_timeout_s: float = setting(10.0, "group session timeout: how soon a dead writer's partitions move")
     poll_timeout_s: float = setting(0.2, "longest wait in one consumer poll")
     max_poll_records: int = setting(1000, "records returned by one poll")
-    fetch_partition_bytes: int = setting(1024 * 1024, "bytes fetched per partition per request (a larger record still comes whole)")
+    fetch_partition_bytes: int = setting(1024 * 1024, "bytes fetched per partition per request (a larger record still "
+                                                      "comes whole)")
     decode_worker: bool = setting(False, "decode polled records in a child process while the next poll fetches "
                                   "(on 2 cores it did not pay: docs/lake.md)")
     decode_depth: int = setting(4, "polled runs of records the decode worker may hold before the writer waits for it")
@@ -136,7 +139,8 @@ class LakeWriterConfig:
     join_timeout_s: float = setting(60.0, "a writer that holds no partitions and has not become a stable group member "
                                     "for this long starts a new consumer (doubling the wait each time, up to 16x)")
     stall_timeout_s: float = setting(300.0, "a writer that holds partitions with records waiting yet publishes no file "
-                                     "for this long publishes what it holds and starts a new consumer (doubling, up to 16x)")
+                                     "for this long publishes what it holds and starts a new consumer "
+                                     "(doubling, up to 16x)")
     connect_timeout_s: float = setting(600.0, "how long start-up waits for an unreachable broker (retrying, each "
                                        "attempt logged) before it exits")
     var_dir: str = setting(defaults.VAR_DIR, "local state directory (status heartbeat, resolved config)")
@@ -267,6 +271,7 @@ class Stats:
     rejoins: int = 0  # new consumers started because the group never became stable (_JoinWatch)
     lost_joins: int = 0  # group joins whose completion kafka-python dropped, restarted (recover_lost_join)
     stalls: int = 0  # new consumers started because partitions with records waiting published nothing (_StallWatch)
+    poll_errors: int = 0  # polls that raised a retriable broker error, retried (_poll)
 
 
 class IdWindow:
@@ -353,7 +358,8 @@ class LakeWriter:
         for topic, partition in list(partitions):
             tp = (topic, partition)
             if topic not in listings:
-                listings[topic] = [f for f in lake.list_files(self.cfg.lake_root, self.tables[topic]) if f.source == topic]
+                listings[topic] = [f for f in lake.list_files(self.cfg.lake_root, self.tables[topic])
+                                   if f.source == topic]
             files = [f for f in listings[topic] if f.partition == partition]
             start = lake.offsets_after(files, topic).get(partition)
             starts[tp] = start
@@ -538,6 +544,7 @@ class LakeWriter:
         else:
             if buf.rows:
                 self._convert(buf)
+            assert isinstance(row, tuple), row  # (table, row j) of a decoded batch
             buf.take(*row)
         if buf.date is None and rejected is None:
             buf.date = date
@@ -792,7 +799,7 @@ def run(cfg: LakeWriterConfig, stop: Callable[[LakeWriter], bool] | None = None)
 
     name = cfg.name
     log.info("setup: lake writer %s, group %s, topics %s -> lake %s", name, cfg.group_id, cfg.tables(), cfg.lake_root)
-    write_resolved(cfg, os.path.join(cfg.var_dir, "run", f"lake-writer-{name}.toml"))
+    write_resolved(cfg, Path(cfg.var_dir, "run", f"lake-writer-{name}.toml"))
     fs, base = lake.filesystem(cfg.lake_root)
     fs.create_dir(base, recursive=True)
     stopping = stop_on_signals("publishing open files and leaving the group")
@@ -853,7 +860,8 @@ def _connect(cfg: LakeWriterConfig, stopping: threading.Event) -> tuple["KafkaCo
         producer.partitions_for(cfg.dlq_topic)
     except Exception as exc:
         producer.close()
-        log.error("setup: dead-letter topic %s is not available (%s); create it or pass --dlq-topic", cfg.dlq_topic, exc)
+        log.error("setup: dead-letter topic %s is not available (%s); create it or pass --dlq-topic",
+                  cfg.dlq_topic, exc)
         return None
     log.info("setup: DLQ producer connected (%s)", cfg.dlq_topic)
     try:
@@ -987,7 +995,8 @@ class _Rebalance:
 
     def on_partitions_revoked(self, revoked: set["TopicPartition"]) -> None:
         if revoked:
-            log.info("rebalance: revoked %s; publishing their open files", sorted((t.topic, t.partition) for t in revoked))
+            log.info("rebalance: revoked %s; publishing their open files",
+                     sorted((t.topic, t.partition) for t in revoked))
         self.writer.revoke([(t.topic, t.partition) for t in revoked])
 
     def on_partitions_lost(self, lost: set["TopicPartition"]) -> None:
@@ -1047,7 +1056,7 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
     last_stats = Stats()
     failed_checks = 0
     while not stopped():
-        batches = consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
+        batches = _poll(consumer, cfg, writer)
         rebalance.raise_failure()
         if recover_lost_join(consumer):
             writer.stats.lost_joins += 1
@@ -1079,6 +1088,28 @@ def _loop(cfg: LakeWriterConfig, consumer: "KafkaConsumer", writer: LakeWriter, 
     decoder.collect(wait=True)
     writer.flush_all()
     writer.dlq.flush()
+
+
+def _poll(consumer: "KafkaConsumer", cfg: LakeWriterConfig, writer: LakeWriter) -> dict["TopicPartition", list[Any]]:
+    """consumer.poll, with a retriable broker error taken as an empty poll (counted, said, retried at the next).
+
+    Why: kafka-python raises a connection error out of poll while a broker of the cluster is down and the
+    coordinator lookup awaits a metadata refresh that failed on it (the 3-broker test's killed controller: the
+    writer exited and its lake stopped). Nothing of the writer's state is touched by a failed poll; anything not
+    retriable still ends the process."""
+    from kafka.errors import KafkaError
+
+    try:
+        return consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000), max_records=cfg.max_poll_records)
+    except KafkaError as exc:
+        if not getattr(exc, "retriable", False):
+            raise
+        writer.stats.poll_errors += 1
+        if writer.stats.poll_errors % 20 == 1:  # the first, then every 20th: an outage can fail polls for minutes
+            log.warning("poll failed (%s: %s); polling again (%d failed polls so far)", type(exc).__name__, exc,
+                        writer.stats.poll_errors)
+        time.sleep(min(cfg.poll_timeout_s, 0.5))  # a failing poll returns at once: do not spin on it
+        return {}
 
 
 def _take(consumer: "KafkaConsumer", writer: LakeWriter, batches: dict["TopicPartition", list[Any]],
@@ -1259,13 +1290,15 @@ def _heartbeat(cfg: LakeWriterConfig, status_name: str, consumer: "KafkaConsumer
         "rejoins": s.rejoins,
         "lost_joins": s.lost_joins,
         "stalls": s.stalls,
+        "poll_errors": s.poll_errors,
         "open_records": sum(b.count for b in writer.buffers.values() if not b.empty),
     }
     write_status(status_name, fields, var_dir=cfg.var_dir)
 
 
 def writer_metrics(writer: LakeWriter) -> Metrics:
-    """flywheel_lake_writer_*: the writer's Stats, its dead letters by reason and the heartbeat's lag, read at scrape."""
+    """flywheel_lake_writer_*: the writer's Stats, its dead letters by reason and the heartbeat's lag,
+    read at scrape."""
     metrics = Metrics("lake_writer")
 
     def readings() -> list[Reading]:
@@ -1289,6 +1322,7 @@ def writer_metrics(writer: LakeWriter) -> Metrics:
                     s.lost_joins),
             Reading("counter", "group", "stalls", "new consumers started after partitions with records waiting "
                     "published no file for stall_timeout_s", s.stalls),
+            Reading("counter", "poll", "errors", "polls that raised a retriable broker error, retried", s.poll_errors),
         ]
 
     metrics.read(readings)

@@ -7,9 +7,9 @@ import functools
 import json
 import time
 import uuid
-from typing import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pyarrow.parquet as pq
 import pytest
@@ -24,10 +24,10 @@ from flywheel.ingest.lake_writer import (
     Rejected,
     _commit_hint,
     _JoinWatch,
-    _StallWatch,
     _loop,
     _NeverJoined,
     _Rebalance,
+    _StallWatch,
     compact,
     decode_record,
     plan_compaction,
@@ -873,3 +873,34 @@ def test_a_writer_that_rebuilt_its_window_decides_like_the_one_that_kept_it(tmp_
     kept = {name: [r for r in ids_in_lake(tmp_path / name) if r[0] >= 5] for name in ("live", "rebuilt")}
     assert kept["live"] == kept["rebuilt"] == [(6, "e00000002"), (7, "e00000005")], kept
     assert (live.stats.duplicates, rebuilt.stats.duplicates) == (2, 2), (live.stats, rebuilt.stats)
+
+
+def test_a_broker_error_out_of_poll_is_retried_not_fatal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """kafka-python's poll can raise a connection error while a broker of the cluster is down (its coordinator
+    lookup awaits a metadata refresh that failed: the 3-broker test's victim). The writer kept nothing wrong,
+    so the loop counts it, says so, and polls again; a non-retriable error still ends the process."""
+    from kafka.errors import KafkaConnectionError, UnsupportedVersionError
+
+    class FlakyBroker(FakeConsumer):
+        def __init__(self, errors: list[Exception], batches: list[dict]) -> None:
+            super().__init__(batches, ends={(TOPIC, 0): 4})
+            self.errors = errors
+
+        def poll(self, timeout_ms: int, max_records: int) -> dict:
+            if self.errors:
+                raise self.errors.pop(0)
+            return super().poll(timeout_ms, max_records)
+
+    consumer = FlakyBroker([KafkaConnectionError("111 ECONNREFUSED")] * 2, [{tp(0): messages(range(0, 4))}])
+    w = make_writer(tmp_path, status_interval_s=3600.0)
+    rebalance = _Rebalance(w, consumer)
+    rebalance.on_partitions_assigned({tp(0)})
+    polls = iter(range(4))
+    _loop(w.cfg, consumer, w, rebalance, "lake-writer-test", lambda: next(polls, None) is None)
+    assert lake_rows(tmp_path) == [0, 1, 2, 3], f"the records after the errors land: {lake_rows(tmp_path)}"
+    assert w.stats.poll_errors == 2, w.stats
+    assert any("poll failed" in r.getMessage() for r in caplog.records), "the error is said, not swallowed"
+    fatal = FlakyBroker([UnsupportedVersionError("no")], [])
+    w2 = make_writer(tmp_path / "b")
+    with pytest.raises(UnsupportedVersionError):
+        _loop(w2.cfg, fatal, w2, _Rebalance(w2, fatal), "lake-writer-test", lambda: False)
