@@ -4,7 +4,7 @@ FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST := $(VENV)/bin/python -m pytest
 DEMO_MINUTES ?= 20
 
-.PHONY: setup demo test test-unit test-integration up down status model clean
+.PHONY: setup demo test lint test-unit test-integration up down status model clean
 
 setup:
 	@bash infra/setup.sh
@@ -15,10 +15,14 @@ model: setup
 demo: setup
 	@$(FLYWHEEL) demo --minutes $(DEMO_MINUTES)
 
-# The test command CI runs. Integration tests start the real Kafka, MLflow and vLLM themselves
-# (once per session, through infra/) and stop what they started.
-test: model
+# The test command CI runs: lint and types first (zero findings), then the tests. Integration tests start
+# the real Kafka, MLflow and vLLM themselves (once per session, through infra/) and stop what they started.
+test: model lint
 	@$(PYTEST) tests/unit tests/integration tests/gpu
+
+lint: setup
+	@$(VENV)/bin/ruff check infra ingest learner serving rewards tests bench
+	@$(VENV)/bin/python -m mypy -p flywheel
 
 test-unit: model
 	@$(PYTEST) tests/unit

@@ -425,7 +425,7 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 60.0) -> tuple[lis
         ends = consumer.end_offsets(tps)
         records: list[tuple[int, int, bytes | None]] = []
         while time.time() < deadline and any(consumer.position(tp) < ends[tp] for tp in tps):
-            for tp, batch in consumer.poll(timeout_ms=1000, max_records=5000).items():
+            for batch in consumer.poll(timeout_ms=1000, max_records=5000).values():
                 records.extend((r.partition, r.offset, r.value) for r in batch)
         return records, {tp.partition: int(ends[tp]) for tp in tps}
     finally:

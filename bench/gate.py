@@ -22,6 +22,7 @@ prints as its last line one JSON object. Pure CPU, a few minutes at 2,000 challe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ def run_all(cfg: GateBenchConfig) -> tuple[list[Row], list[Row]]:
                 continue
             task = progress.add_task(f"{name}, lift {lift * 100:+.0f} pt", total=cfg.challengers)
             scenario = _scenario(cfg, name, lift)
-            result = simulate(rule, scenario, cfg.challengers, cfg.seed, lambda: progress.advance(task))
+            result = simulate(rule, scenario, cfg.challengers, cfg.seed, functools.partial(progress.advance, task))
             done[(name, lift)] = Row(name, scenario, result)
     n_null = len(NULL_SCENARIOS)
     return [done[k] for k in wanted[:n_null]], [done[k] for k in wanted[n_null:]]
@@ -146,7 +147,7 @@ def run_other(cfg: GateBenchConfig) -> list[Row]:
             task = progress.add_task(f"{rule.test}: {DEMO_LIKE}, lift {pt:+d} pt", total=cfg.challengers)
             scenario = at_null(rule, _scenario(cfg, DEMO_LIKE, 0.0)) if pt == 0 else _scenario(cfg, DEMO_LIKE, pt / 100.0)
             rows.append(Row(f"{rule.test}: {DEMO_LIKE}", scenario,
-                            simulate(rule, scenario, cfg.challengers, cfg.seed, lambda: progress.advance(task))))
+                            simulate(rule, scenario, cfg.challengers, cfg.seed, functools.partial(progress.advance, task))))
     return rows
 
 

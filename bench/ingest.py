@@ -259,7 +259,6 @@ def profile_writer(fmts: list[str], n: int = 4000, seed: int = 5, top: int = 15)
     import cProfile
     import io
     import pstats
-
     from types import SimpleNamespace
 
     from flywheel.ingest.decode import decode_batch

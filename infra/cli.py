@@ -18,7 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lake-writer": ("flywheel.ingest.lake_writer:main", "Kafka -> exactly-once Parquet lake daemon"),
     "compact": ("flywheel.ingest.lake_writer:compact_main", "merge small files of closed lake partitions"),
     "episodes": ("flywheel.rewards.builder:main", "build episodes (outcome join + rewards) from the lake"),
-    "judge": ("flywheel.rewards.calibrate:main", "calibrate: the LLM judge's agreement with verified outcomes over a lake"),
+    "judge": ("flywheel.rewards.calibrate:main", "calibrate: the LLM judge's agreement with verified "
+                                                 "outcomes over a lake"),
     "learner": ("flywheel.learner.daemon:main", "continuous training daemon"),
     "publish": ("flywheel.serving.publisher:main", "push a policy version directory to the vLLM tier"),
     "promote": ("flywheel.serving.promote:main", "champion/challenger gate"),
@@ -28,8 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent-sim": ("flywheel.demo.agent_sim:main", "simulated production agent"),
     "outcome-sim": ("flywheel.demo.outcome_sim:main", "simulated outcome sources (verifier, user)"),
     "demo": ("flywheel.demo.closed_loop:main", "the whole closed loop with a live view and a report"),
-    "report": ("flywheel.demo.report:main", "rewrite a demo run's report.md and summary.json from its folder (--run-dir)"),
-    "experiments": ("flywheel.demo.experiments:main", "regenerate (or --check) docs/experiments.md's table of run files"),
+    "report": ("flywheel.demo.report:main", "rewrite a demo run's report.md and summary.json from its "
+                                            "folder (--run-dir)"),
+    "experiments": ("flywheel.demo.experiments:main", "regenerate (or --check) docs/experiments.md's table "
+                                                      "of run files"),
 }
 
 
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        print(f"flywheel {name}: cannot import {module_name} ({exc}); run `make setup` to install the extras", file=sys.stderr)
+        print(f"flywheel {name}: cannot import {module_name} ({exc}); run `make setup` to install the extras",
+              file=sys.stderr)
         return 2
     code = getattr(module, func_name)(rest)
     return int(code or 0)

@@ -45,11 +45,23 @@ if ! stamp_ok vllm "$key"; then
   stamp_set vllm "$key"
 fi
 
+# Editable in setuptools' strict mode: a folder of links (build/__editable__.*) on a static .pth, which editors
+# and type checkers resolve (the default mode's import hook maps flywheel -> infra/ where they cannot follow).
+# Its cost: a module added later needs a link, so the file list is part of the stamp and a new file re-links.
+EDITABLE=(--config-settings editable_mode=strict)
+package_files() { find infra ingest learner serving rewards -type f ! -path '*/__pycache__/*' | sort; }
 key=$(hash_of pyproject.toml)
 if ! stamp_ok project "$key"; then
   say "installing agent-flywheel[all] (editable)"
-  $PIP install -q -e ".[all]" "torch==$TORCH_VERSION"
+  $PIP install -q -e ".[all]" "torch==$TORCH_VERSION" "${EDITABLE[@]}"
   stamp_set project "$key"
+  stamp_set links "$(package_files | sha256sum | cut -c1-16)"
+fi
+key=$(package_files | sha256sum | cut -c1-16)
+if ! stamp_ok links "$key"; then
+  say "linking the package's files (a file was added or removed)"
+  $PIP install -q --no-deps --no-build-isolation -e . "${EDITABLE[@]}"
+  stamp_set links "$key"
 fi
 
 key=$(hash_of infra/pom.xml)

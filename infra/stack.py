@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -79,12 +80,16 @@ class StackConfig:
     kafka_heap: str = setting("512m", "broker JVM heap (-Xmx)")
     kafka_libs: Path = setting(REPO_ROOT / "var" / "kafka" / "libs", "Kafka broker jars (fetched by make setup)")
     kafka_timeout_s: float = setting(90.0, "how long to wait for the broker to answer")
-    kafka_sasl: bool = setting(False, "listen with SASL_PLAINTEXT SCRAM-SHA-256 instead of PLAINTEXT; the user and password "
-                                      "are FLYWHEEL_KAFKA_SASL_USERNAME/PASSWORD, the same settings every client reads")
-    kafka_brokers: int = setting(1, "Kafka nodes: 1 (one broker) or a KRaft cluster of >= 3 combined broker+controller nodes, "
-                                    "node i on kafka_port + 2i and kafka_controller_port + 2i, topics on 3 replicas")
-    mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "tracking store every process uses (sqlite file by default)")
-    mlflow_artifacts_dir: Path = setting(Path(defaults.MLFLOW_ARTIFACTS_DIR), "local artifact folder of the embedded store")
+    kafka_sasl: bool = setting(False, "listen with SASL_PLAINTEXT SCRAM-SHA-256 instead of PLAINTEXT; the user and "
+                                      "password are FLYWHEEL_KAFKA_SASL_USERNAME/PASSWORD, the same settings every "
+                                      "client reads")
+    kafka_brokers: int = setting(1, "Kafka nodes: 1 (one broker) or a KRaft cluster of >= 3 combined broker+controller "
+                                    "nodes, node i on kafka_port + 2i and kafka_controller_port + 2i, topics "
+                                    "on 3 replicas")
+    mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "tracking store every process uses (sqlite "
+                                                                     "file by default)")
+    mlflow_artifacts_dir: Path = setting(Path(defaults.MLFLOW_ARTIFACTS_DIR),
+                                         "local artifact folder of the embedded store")
     mlflow_host: str = setting("127.0.0.1", "address of the MLflow UI server")
     mlflow_port: int = setting(defaults.MLFLOW_PORT, "port of the MLflow UI server")
     mlflow_timeout_s: float = setting(120.0, "how long to wait for the MLflow server")
@@ -92,7 +97,8 @@ class StackConfig:
     vllm_port: int = setting(8000, "vLLM port (of the first server; server i listens on vllm_port + i)")
     vllm_servers: int = setting(1, "how many vLLM servers to run, each its own process on the base model "
                                    "(a full-weight tier serves each live version on a server of its own)")
-    base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "model directory vLLM serves (the default is built by `flywheel model init`)")
+    base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "model directory vLLM serves (the default is built by "
+                                                              "`flywheel model init`)")
     served_model_name: str = setting(version_name(0), "name vLLM serves the base model under")
     vllm_max_model_len: int = setting(2048, "context length vLLM allocates for")
     vllm_max_loras: int = setting(4, "LoRA adapters resident at once (--max-loras)")
@@ -125,7 +131,8 @@ class StackConfig:
             raise ConfigError(f"kafka_port, kafka_controller_port and mlflow_port must differ: {ports}")
         clash = {name: port for name, port in ports.items() if port in self.vllm_ports}
         if clash:
-            raise ConfigError(f"vllm_port and vllm_servers: the vLLM servers' ports {self.vllm_ports} collide with {clash}")
+            raise ConfigError(f"vllm_port and vllm_servers: the vLLM servers' ports {self.vllm_ports} collide "
+                              f"with {clash}")
         if self.kafka_brokers > 1:
             self._check_kafka_cluster(ports)
 
@@ -138,8 +145,9 @@ class StackConfig:
         taken |= {f"vllm server {i}": port for i, port in enumerate(self.vllm_ports)}
         clash = {name: port for name, port in taken.items() if port in node_ports}
         if len(set(node_ports)) != len(node_ports) or clash:
-            raise ConfigError(f"kafka_brokers, kafka_port and kafka_controller_port: the {self.kafka_brokers} nodes' ports "
-                              f"{node_ports} (client, controller per node) must differ from each other and from {clash or taken}")
+            raise ConfigError(f"kafka_brokers, kafka_port and kafka_controller_port: the {self.kafka_brokers} nodes' "
+                              f"ports {node_ports} (client, controller per node) must differ from each other and from "
+                              f"{clash or taken}")
 
     @property
     def kafka_nodes(self) -> list[tuple[int, int, int]]:
@@ -297,13 +305,22 @@ def _http_get(url: str, timeout: float = 3.0) -> tuple[int, str]:
         return 0, ""
 
 
+def _alive_twice(record: dict[str, Any]) -> bool:
+    """Whether the process is alive and ours; /proc/PID/cmdline reads empty for a few ms while the child is
+    still in exec(), so a first miss is looked at again."""
+    if _alive_and_ours(record):
+        return True
+    time.sleep(0.2)
+    return _alive_and_ours(record)
+
+
 def _wait(what: str, check: Callable[[], bool], timeout_s: float, record: dict[str, Any], log_path: Path) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if check():
             return
         # /proc/PID/cmdline reads empty for a few ms while the child is still in exec(): look twice.
-        if not _alive_and_ours(record) and (time.sleep(0.2) or not _alive_and_ours(record)):
+        if not _alive_twice(record):
             tail = _tail(log_path)
             raise StackError(f"{what} exited during start-up; last lines of {log_path}:\n{tail}")
         time.sleep(0.5)
@@ -349,8 +366,9 @@ def _kafka_client(cfg: StackConfig) -> KafkaClientConfig:
     wanted = ("SASL_PLAINTEXT", "SCRAM-SHA-256") if cfg.kafka_sasl else ("PLAINTEXT", None)
     if (client.security_protocol, client.sasl_mechanism) != wanted:
         raise StackError(f"kafka: the local broker {'with' if cfg.kafka_sasl else 'without'} --kafka-sasl takes "
-                         f"FLYWHEEL_KAFKA_SECURITY_PROTOCOL={wanted[0]}" + (f" and FLYWHEEL_KAFKA_SASL_MECHANISM={wanted[1]}"
-                                                                             " (and a user name and password)" if wanted[1] else "")
+                         f"FLYWHEEL_KAFKA_SECURITY_PROTOCOL={wanted[0]}"
+                         + (f" and FLYWHEEL_KAFKA_SASL_MECHANISM={wanted[1]}"
+                            " (and a user name and password)" if wanted[1] else "")
                          + f", not {client.describe()}")
     return client
 
@@ -376,7 +394,8 @@ def _listener_props(cfg: StackConfig, node_id: int = 1) -> str:
             "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-256\n"
             # the broker's own client on the inter-broker listener logs in as the same SCRAM user
             "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram."
-            f'ScramLoginModule required username="{quote(client.sasl_username)}" password="{quote(client.sasl_password)}";\n')
+            f'ScramLoginModule required username="{quote(client.sasl_username)}" '
+            f'password="{quote(client.sasl_password)}";\n')
 
 
 def _replication_props(cfg: StackConfig) -> str:
@@ -436,14 +455,16 @@ log.retention.hours=168
 def _kafka_classpath(cfg: StackConfig) -> str:
     libs = Path(cfg.kafka_libs)
     if not (libs / ".complete").exists() and not any(libs.glob("kafka_2.13-*.jar")):
-        raise StackError(f"Kafka jars missing in {libs}; run `make setup` (it fetches them from Maven Central with Maven)")
+        raise StackError(f"Kafka jars missing in {libs}; run `make setup` (it fetches them from Maven "
+                         "Central with Maven)")
     return f"{libs}/*"
 
 
 def _java() -> str:
     java = shutil.which("java")
     if java is None:
-        raise StackError("java not found; install a JDK 17+ (apt-get install openjdk-17-jre-headless): the Kafka broker needs it")
+        raise StackError("java not found; install a JDK 17+ (apt-get install openjdk-17-jre-headless): the Kafka "
+                         "broker needs it")
     return java
 
 
@@ -502,7 +523,8 @@ def ensure_topics(cfg: StackConfig, retry_s: float = 30.0) -> None:
             return _create_topics(cfg)
         except KafkaConnectionError as exc:
             if time.monotonic() >= deadline:
-                raise StackError(f"kafka: creating topics at {cfg.kafka_bootstrap} failed for {retry_s:.0f}s: {exc}") from exc
+                raise StackError(f"kafka: creating topics at {cfg.kafka_bootstrap} failed for "
+                                 f"{retry_s:.0f}s: {exc}") from exc
             log.info("kafka: creating topics refused (%s); retrying", exc)
             time.sleep(1.0)
 
@@ -511,7 +533,8 @@ def _create_topics(cfg: StackConfig) -> None:
     from kafka import KafkaAdminClient
     from kafka.errors import TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap, **client_kwargs(_kafka_client(cfg), "flywheel-infra"))
+    admin = KafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap,
+                             **client_kwargs(_kafka_client(cfg), "flywheel-infra"))
     try:
         try:
             missing = create_missing_topics(admin, list(cfg.kafka_topics), cfg.kafka_partitions, cfg.kafka_replication)
@@ -574,10 +597,10 @@ def start_kafka(cfg: StackConfig) -> dict[str, Any]:
 def _cluster_up(cfg: StackConfig, records: list[dict[str, Any]]) -> bool:
     """Every node lists every node as a broker; a node that exited fails the start at once, naming its log."""
     for (node_id, _, _), record in zip(cfg.kafka_nodes, records):
-        # /proc/PID/cmdline reads empty for a few ms while the child is still in exec(): look twice.
-        if not _alive_and_ours(record) and (time.sleep(0.2) or not _alive_and_ours(record)):
+        if not _alive_twice(record):
             log_path = _log_path(cfg, kafka_node_name(cfg, node_id))
-            raise StackError(f"kafka node {node_id} exited during start-up; last lines of {log_path}:\n{_tail(log_path)}")
+            raise StackError(f"kafka node {node_id} exited during start-up; last lines of "
+                             f"{log_path}:\n{_tail(log_path)}")
     # A KRaft broker is unfenced (listed as live) before its listeners accept connections: a create-topics request
     # sent to it in that window was refused (ECONNREFUSED, CI of b692c01). Every listener open, then the metadata.
     if not all(_port_open(cfg.kafka_host, port) for _, port, _ in cfg.kafka_nodes):
@@ -612,7 +635,8 @@ def _format_storage(cfg: StackConfig, java: str, classpath: str, props: Path, no
     bootstrap the SCRAM-SHA-256 user in the metadata log."""
     kdir, data = _kafka_dir(cfg), _node_dir(cfg, node_id) / "data"
     cluster_id = _kafka_cluster_id(kdir)
-    cmd = [java, "-cp", classpath, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",  # "=": an id may start with "-"
+    cmd = [java, "-cp", classpath, "kafka.tools.StorageTool", "format",
+           f"--cluster-id={cluster_id}",  # "=": an id may start with "-"
            "-c", str(props), "--ignore-formatted"]
     if cfg.kafka_sasl:
         client = _kafka_client(cfg)
@@ -662,7 +686,8 @@ def start_mlflow(cfg: StackConfig) -> dict[str, Any]:
     init_mlflow_store(cfg)
     marker = "mlflow"  # with the pid, enough to tell our server from a reused pid
     artifacts = Path(cfg.mlflow_artifacts_dir).resolve()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking.absolute_uri(cfg.mlflow_tracking_uri),
+    cmd = [sys.executable, "-m", "mlflow", "server",
+           "--backend-store-uri", tracking.absolute_uri(cfg.mlflow_tracking_uri),
            "--default-artifact-root", artifacts.as_uri(), "--host", cfg.mlflow_host, "--port", str(cfg.mlflow_port),
            "--workers", "1"]
     record = _spawn(cfg, "mlflow", cmd, dict(os.environ), marker)
@@ -823,7 +848,7 @@ def start_vllm(cfg: StackConfig, servers: list[int] | None = None) -> list[dict[
                                   VLLM_MARKER, port=cfg.vllm_ports[i]))
         for i, record in zip(indices, records):
             url = cfg.vllm_urls[i]
-            _wait(f"vllm server {url}", lambda url=url: _serves_name(cfg, url), cfg.vllm_timeout_s, record,
+            _wait(f"vllm server {url}", functools.partial(_serves_name, cfg, url), cfg.vllm_timeout_s, record,
                   _log_path(cfg, vllm_name(i)))
     except BaseException:
         for i, record in zip(indices, records):
@@ -868,9 +893,10 @@ def ensure_vllm(cfg: StackConfig) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # the stack as a whole
 # ---------------------------------------------------------------------------------------------
-_HEALTH: dict[str, Callable[[StackConfig], bool]] = {"kafka": kafka_healthy, "mlflow": mlflow_healthy, "vllm": vllm_healthy,
-                                                     "s3": s3_healthy}
-_START: dict[str, Callable[[StackConfig], dict[str, Any]]] = {"kafka": start_kafka, "mlflow": start_mlflow, "s3": start_s3}
+_HEALTH: dict[str, Callable[[StackConfig], bool]] = {"kafka": kafka_healthy, "mlflow": mlflow_healthy,
+                                                     "vllm": vllm_healthy, "s3": s3_healthy}
+_START: dict[str, Callable[[StackConfig], dict[str, Any]]] = {"kafka": start_kafka, "mlflow": start_mlflow,
+                                                              "s3": start_s3}
 
 
 def _processes(cfg: StackConfig, part: str) -> list[str]:
@@ -1017,10 +1043,12 @@ def status_table(cfg: StackConfig) -> Any:
         detail = ""
         if part == "vllm" and ok:
             names = sorted({str(m.get("id")) for url in cfg.vllm_urls for m in vllm_models(cfg, url) or []})
-            detail = f" serving {', '.join(names)}" + (f" on {cfg.vllm_servers} servers" if cfg.vllm_servers > 1 else "")
+            detail = (f" serving {', '.join(names)}"
+                      + (f" on {cfg.vllm_servers} servers" if cfg.vllm_servers > 1 else ""))
         if part == "kafka" and cfg.kafka_brokers > 1:  # a cluster that lost a node still serves: say how many are left
             detail = f" ({kafka_live_brokers(cfg)} of {cfg.kafka_brokers} brokers live)"
-        table.add_row(part, cfg.address_of(part), ("[green]healthy[/green]" if ok else "[red]down[/red]") + detail, owner)
+        table.add_row(part, cfg.address_of(part), ("[green]healthy[/green]" if ok else "[red]down[/red]") + detail,
+                      owner)
     return table
 
 

@@ -36,7 +36,8 @@ def plain_table(title: str, columns: list[str], rows: list[list[str]]) -> str:
 
 def print_plain(stack_health: dict[str, tuple[bool, str]], addresses: dict[str, str],
                 rows: list[tuple[str, bool, str, str]]) -> None:
-    stack_rows = [[part, addresses[part], "healthy" if ok else "down", owner] for part, (ok, owner) in stack_health.items()]
+    stack_rows = [[part, addresses[part], "healthy" if ok else "down", owner]
+                  for part, (ok, owner) in stack_health.items()]
     print(plain_table("flywheel stack", ["part", "address", "health", "process"], stack_rows))
     print()
     print(plain_table("processes", ["process", "state", "details"], [[n, s, d] for n, _, s, d in rows]))

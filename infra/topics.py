@@ -50,7 +50,8 @@ class TopicsConfig:
     dlq_topic: str = setting(schema.DLQ_TOPIC, "dead-letter topic")
     partitions: int = setting(12, "partitions per topic (at least the number of lake writers you will run)")
     replication_factor: int = setting(3, "replicas per partition")
-    min_insync_replicas: int = setting(2, "min.insync.replicas: replicas that must have a record before acks=all succeeds")
+    min_insync_replicas: int = setting(2, "min.insync.replicas: replicas that must have a record before "
+                                          "acks=all succeeds")
     retention_ms: int = setting(7 * 24 * 3600 * 1000, "retention.ms: how long a lake writer may be down without loss")
     max_message_bytes: int = setting(8 * 1024 * 1024, "max.message.bytes: largest record batch a topic accepts")
     timeout_s: float = setting(30.0, "how long an admin request may take")
@@ -61,7 +62,8 @@ class TopicsConfig:
             raise ConfigError(f"action: {self.action!r} is not create or check")
         for name in ("partitions", "replication_factor", "min_insync_replicas", "retention_ms", "max_message_bytes"):
             if getattr(self, name) < 1 and not (name == "retention_ms" and getattr(self, name) == -1):
-                raise ConfigError(f"{name}: must be >= 1" + (" (or -1: keep forever)" if name == "retention_ms" else ""))
+                raise ConfigError(f"{name}: must be >= 1"
+                                  + (" (or -1: keep forever)" if name == "retention_ms" else ""))
         if self.min_insync_replicas > self.replication_factor:
             raise ConfigError(f"min_insync_replicas, replication_factor: {self.min_insync_replicas} in-sync replicas "
                               f"cannot be required of {self.replication_factor} replicas")
@@ -95,7 +97,8 @@ def mismatches(cfg: TopicsConfig, topic: str, live: LiveTopic | None, largest_re
     if live.partitions < cfg.partitions:
         out.append(f"{topic}: {live.partitions} partitions < --partitions {cfg.partitions}")
     if live.replication_factor < cfg.replication_factor:
-        out.append(f"{topic}: replication factor {live.replication_factor} < --replication-factor {cfg.replication_factor}")
+        out.append(f"{topic}: replication factor {live.replication_factor} < --replication-factor "
+                   f"{cfg.replication_factor}")
     isr = _int(live.configs.get("min.insync.replicas"))
     if isr is not None and isr < cfg.min_insync_replicas:
         out.append(f"{topic}: min.insync.replicas {isr} < --min-insync-replicas {cfg.min_insync_replicas}")
@@ -109,7 +112,8 @@ def mismatches(cfg: TopicsConfig, topic: str, live: LiveTopic | None, largest_re
     if size is not None and size < cfg.max_message_bytes:
         out.append(f"{topic}: max.message.bytes {size} < --max-message-bytes {cfg.max_message_bytes}")
     if size is not None and size < largest_record:
-        who = "a dead letter of the largest SDK record" if largest_record == DLQ_LARGEST_RECORD else "the SDK's largest record"
+        who = ("a dead letter of the largest SDK record" if largest_record == DLQ_LARGEST_RECORD
+               else "the SDK's largest record")
         out.append(f"{topic}: max.message.bytes {size} < {who} ({largest_record} bytes)")
     return out
 
@@ -159,7 +163,8 @@ def create(cfg: TopicsConfig, admin: Any) -> list[str]:
 def check(cfg: TopicsConfig, admin: Any) -> list[str]:
     """Every mismatch between the live topics and cfg (empty: all fit)."""
     live = live_topics(admin, list(cfg.topics()))
-    return [line for topic, largest in cfg.topics().items() for line in mismatches(cfg, topic, live.get(topic), largest)]
+    return [line for topic, largest in cfg.topics().items()
+            for line in mismatches(cfg, topic, live.get(topic), largest)]
 
 
 def run(cfg: TopicsConfig) -> int:

@@ -49,13 +49,13 @@ _KIND_FIELDS = {t: _converters(t) for t in _COLUMNS}
 try:  # decoding is most of the writer's work per record; orjson (the lake extra) is 3-5x the stdlib
     import orjson
 
-    _loads = orjson.loads
+    _loads: Callable[[bytes | str], Any] = orjson.loads
 
     def _dumps_sorted(value: Any) -> str:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 except ImportError:  # pragma: no cover - the lake extra installs orjson
-    _loads = json.loads
+    _loads = json.loads  # the same call, without orjson's speed
 
     def _dumps_sorted(value: Any) -> str:
         return json.dumps(value, sort_keys=True, separators=(",", ":"))
@@ -110,11 +110,13 @@ def _decode(table: str, value: bytes | None, parsed: Any = _UNPARSED) -> tuple[d
     # `parsed`: decode_batch's orjson.loads of these very bytes (JSON, not a binary envelope), left untouched
     record = _parse(value) if parsed is _UNPARSED else parsed
     if isinstance(record, dict) and not schema.supported_version(record.get("schema_version")):
-        raise Rejected("unsupported_schema_version", f"schema_version {schema.short_repr(record.get('schema_version'))} "
+        raise Rejected("unsupported_schema_version",
+                       f"schema_version {schema.short_repr(record.get('schema_version'))} "
                        f"not in {sorted(schema.SUPPORTED_SCHEMA_VERSIONS)}")
     try:
         if isinstance(record, dict) and wire.is_packed_version(record["schema_version"]) and not wire.is_binary(value):
-            wire.unpack_fields(record, _b64decode)  # base64 -> memoryviews of int32 / float32 items, no Python int per item
+            # base64 -> memoryviews of int32 / float32 items, no Python int per item
+            wire.unpack_fields(record, _b64decode)
     except wire.WireError as exc:
         raise Rejected("malformed_packed", str(exc)) from None
     try:
@@ -352,7 +354,7 @@ class _Bad(Exception):
 
 
 _NONE = type(None)
-_ALLOWED = {"str": {str, _NONE}, "json": {str, _NONE}, "ts": {str, _NONE}, "int": {int, _NONE},
+_ALLOWED: dict[str, set[type]] = {"str": {str, _NONE}, "json": {str, _NONE}, "ts": {str, _NONE}, "int": {int, _NONE},
             "float": {float, int, _NONE}, "bool": {bool, _NONE}, "ints": {bytes, _NONE}, "floats": {bytes, _NONE},
             "strs": {_NONE}}
 # the timestamps whose parse Arrow and the reference (datetime.fromisoformat) agree on; others go the reference way
@@ -403,7 +405,8 @@ def _ts_array(col: list[Any]) -> "pa.Array":
         ts = pc.cast(text, pa.timestamp("us", tz="UTC"))
     except (pa.ArrowInvalid, ValueError):  # a day the month does not have, hour 24 ...: let the reference name it
         raise _Bad(range(len(col))) from None
-    inside = pc.and_(pc.greater_equal(ts, pa.scalar(schema.MIN_TS, ts.type)), pc.less(ts, pa.scalar(schema.MAX_TS, ts.type)))
+    inside = pc.and_(pc.greater_equal(ts, pa.scalar(schema.MIN_TS, ts.type)),
+                     pc.less(ts, pa.scalar(schema.MAX_TS, ts.type)))
     if not pc.all(inside).as_py():
         raise _Bad(k for k, ok in enumerate(inside.to_pylist()) if not ok)
     return ts

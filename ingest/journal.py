@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable

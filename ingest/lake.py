@@ -254,13 +254,13 @@ def _follow(fs: "pafs.FileSystem", base: str, table: str, source: str, partition
             claim = _parse_claim(first, fh.read().decode())
         path = f"{base}/{table}/date={claim.date}/{file_name(source, partition, first, claim.last)}"
         if fs.get_file_info(path).type == pafs.FileType.File:
-            f = LakeFile(table, claim.date, source, partition, first, claim.last, path)
+            found: LakeFile | None = LakeFile(table, claim.date, source, partition, first, claim.last, path)
         else:
-            f = _covering(fs, base, table, claim, source, partition)
-            if f is None:
-                break
-        out.append(f)
-        first = f.last + 1
+            found = _covering(fs, base, table, claim, source, partition)
+        if found is None:
+            break
+        out.append(found)
+        first = found.last + 1
     return out
 
 

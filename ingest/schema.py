@@ -66,7 +66,8 @@ MAX_STRING_CHARS = MAX_TEXT_CHARS  # any one string of a record, keys and string
 MAX_TOKENS = 262_144  # items in one list field (prompt/completion/summary token ids, logprobs, truncated)
 MIN_TS = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)  # every ts field lies in [MIN_TS, MAX_TS)
 MAX_TS = _dt.datetime(2100, 1, 1, tzinfo=_dt.timezone.utc)
-MIN_INT, MAX_INT = -(2**63), 2**63 - 1  # int fields (int64 columns); token ids are int32, checked by the lake's Arrow conversion
+# int fields (int64 columns); token ids are int32, checked by the lake's Arrow conversion
+MIN_INT, MAX_INT = -(2**63), 2**63 - 1
 MAX_FLOAT32 = 3.4028234663852886e38  # |item| of a floats field (float32 column)
 LIMIT_REASONS = ("too_deep", "string_too_long", "too_many_tokens", "ts_out_of_range", "int_out_of_range",
                  "float_out_of_range")
@@ -151,9 +152,9 @@ EVENT_FIELDS: dict[str, tuple[Col, ...]] = {
         Col("name", "str", True, "tool name"),
         Col("arguments", "json", False, "tool arguments as given by the model"),
         Col("malformed", "bool", False, "the model's tool call did not parse or did not match the tool's signature"),
-        Col("malformed_token", "int", False, "v4: of a malformed call, the index in its llm_call's completion_token_ids "
-            "of the first token past the part that still read as a call; the malformed-call penalty is charged "
-            "from there (absent: the whole completion)"),
+        Col("malformed_token", "int", False, "v4: of a malformed call, the index in its llm_call's "
+            "completion_token_ids of the first token past the part that still read as a call; the malformed-call "
+            "penalty is charged from there (absent: the whole completion)"),
     ),
     "tool_result": (
         Col("call_id", "str", True, "the tool_call this answers"),
@@ -200,7 +201,8 @@ OUTCOME_COLUMNS: tuple[Col, ...] = (
     Col("session_id", "str", True, "the session this outcome is about"),
     Col("agent_id", "str", False, "the agent it is about, when narrower than the session"),
     Col("kind", "str", True, "outcome kind, e.g. task_success, tests_passed, accepted; rewards map kinds to values"),
-    Col("call_id", "str", False, "v2: the tool_call this outcome verifies (a turn-level check), narrower than agent_id"),
+    Col("call_id", "str", False, "v2: the tool_call this outcome verifies (a turn-level check), narrower "
+                                 "than agent_id"),
     Col("value", "float", True, "the signal, e.g. 1.0 / 0.0"),
     Col("ts", "ts", True, "when the outcome was observed, UTC"),
     Col("source", "str", False, "who reported it (verifier, user, ci ...)"),
@@ -239,11 +241,13 @@ EPISODE_COLUMNS: tuple[Col, ...] = (
     Col("r_parallel", "float", True, "PARL parallelism shaping (already multiplied by its lambda)"),
     Col("r_finish", "float", True, "PARL sub-agent finish shaping (already multiplied by its lambda)"),
     Col("r_penalty", "float", True, "penalties, e.g. malformed tool calls (<= 0)"),
-    Col("r_turn", "float", False, "this turn's own verified reward (replaces r_outcome in reward); null: nothing verified the turn"),
-    Col("judge_score", "int", False, "the LLM judge's score of the session, 1..5 (null: not judged); stored in shadow mode "
-                                     "(judge weight 0) too, where it is not in reward; reward_detail.judge names its version"),
-    Col("sampling", "json", False, "the llm_call's sampling parameters (temperature, top_p, top_k ...): the learner scores "
-                                   "its tokens under the same distribution"),
+    Col("r_turn", "float", False, "this turn's own verified reward (replaces r_outcome in reward); null: nothing "
+                                  "verified the turn"),
+    Col("judge_score", "int", False, "the LLM judge's score of the session, 1..5 (null: not judged); stored in shadow "
+                                     "mode (judge weight 0) too, where it is not in reward; reward_detail.judge "
+                                     "names its version"),
+    Col("sampling", "json", False, "the llm_call's sampling parameters (temperature, top_p, top_k ...): the learner "
+                                   "scores its tokens under the same distribution"),
     Col("reward_detail", "json", False, "per outcome kind values, judge status, lambdas in force"),
     Col("critical_steps", "int", True, "longest chain of steps through the session's sub-agents"),
     Col("call_ts", "ts", True, "when the llm_call happened"),
@@ -354,7 +358,8 @@ def _check(record: Mapping[str, Any], cols: tuple[Col, ...], what: str) -> None:
             raise SchemaError(f"{what}: field {name!r} should be {kind}, got {got}")
     if not known.issuperset(record):
         unknown = [k for k in record if k not in known]
-        raise SchemaError(f"{what}: unknown field(s) {sorted(unknown)} (schema v{record.get('schema_version')} is closed; add fields in a new version)")
+        raise SchemaError(f"{what}: unknown field(s) {sorted(unknown)} (schema v{record.get('schema_version')} is "
+                          "closed; add fields in a new version)")
 
 
 def supported_version(version: Any) -> bool:
@@ -365,7 +370,8 @@ def supported_version(version: Any) -> bool:
 def _check_version(record: Mapping[str, Any]) -> None:
     version = record.get("schema_version")
     if not supported_version(version):
-        raise SchemaError(f"unsupported schema_version {short_repr(version)} (supported: {sorted(SUPPORTED_SCHEMA_VERSIONS)})")
+        raise SchemaError(f"unsupported schema_version {short_repr(version)} (supported: "
+                          f"{sorted(SUPPORTED_SCHEMA_VERSIONS)})")
 
 
 # reprlib stops at a few levels and items: repr() of a value nested 1,000 deep raises RecursionError
@@ -515,7 +521,8 @@ def _check_json(name: str, value: Any, depth: int) -> None:
         raise LimitError("float_out_of_range", f"field {name!r}: {value} is not a finite number")
     elif isinstance(value, (dict, list)):
         if depth + 1 > MAX_JSON_DEPTH:
-            raise LimitError("too_deep", f"field {name!r}: JSON nested deeper than schema.MAX_JSON_DEPTH={MAX_JSON_DEPTH}")
+            raise LimitError("too_deep", f"field {name!r}: JSON nested deeper than "
+                                         f"schema.MAX_JSON_DEPTH={MAX_JSON_DEPTH}")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(key, str):

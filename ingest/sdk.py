@@ -143,7 +143,8 @@ def default_spool_root() -> Path:
     if configured:
         return Path(configured).expanduser()
     state = os.environ.get("XDG_STATE_HOME")
-    base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"  # XDG: relative = unset
+    # XDG: relative = unset
+    base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
     return base / "flywheel" / "spool"
 
 
@@ -297,9 +298,19 @@ def _install_process_hooks() -> None:
     if _HOOKS_INSTALLED:
         return
     _HOOKS_INSTALLED = True
-    atexit.register(lambda: [p.close(timeout=p.exit_timeout_s) for p in list(_LIVE)])
+    atexit.register(_close_live)
     if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=lambda: [p._reset_in_child() for p in list(_LIVE)])
+        os.register_at_fork(after_in_child=_reset_live_in_child)
+
+
+def _close_live() -> None:
+    for p in list(_LIVE):
+        p.close(timeout=p.exit_timeout_s)
+
+
+def _reset_live_in_child() -> None:
+    for p in list(_LIVE):
+        p._reset_in_child()
 
 
 def _close_producer(producer: Any, timeout: float) -> None:
@@ -624,7 +635,8 @@ class _Pipeline:
             return self._encode(record)
         except Exception as exc:  # an encoder bug must cost one record, not the thread
             self.invalid += 1
-            self.warn(f"encode:{type(exc).__name__}", "sdk %s: record could not be encoded (%s); dropped", self.name, exc)
+            self.warn(f"encode:{type(exc).__name__}", "sdk %s: record could not be encoded (%s); dropped",
+                      self.name, exc)
             return None
 
     def _route(self, batch: list[tuple[bytes, bytes]]) -> None:
@@ -690,7 +702,8 @@ class _Pipeline:
         if poison and entry[2] == _IN_MEMORY:
             self._reject(exc, entry[1])
             return
-        self.warn(f"send:{type(exc).__name__}", "sdk %s: Kafka did not take a batch (%s); records go to the spool", self.name, exc)
+        self.warn(f"send:{type(exc).__name__}", "sdk %s: Kafka did not take a batch (%s); records go to the spool",
+                  self.name, exc)
 
     def _reject(self, exc: BaseException, value: bytes | None = None) -> None:
         """Count a record Kafka refused for good; with its bytes at hand, name it in a DLQ notice too."""
@@ -703,7 +716,8 @@ class _Pipeline:
             except ValueError:
                 record = {}
             self._add_notice("oversized" if "TooLarge" in type(exc).__name__ else "rejected",
-                             f"{type(exc).__name__}: {exc}"[:500], record if isinstance(record, dict) else {}, len(value))
+                             f"{type(exc).__name__}: {exc}"[:500], record if isinstance(record, dict) else {},
+                             len(value))
 
     def _respool_failures(self) -> None:
         if self._failed:
@@ -876,6 +890,7 @@ class _Pipeline:
                 records = orphan.peek(2000)
                 if not records:
                     break
+                assert self._spool is not None, "an orphan is adopted into an open spool"
                 self.dropped_spool += self._spool.append(records)  # beyond our bound the oldest go, as always
                 self._spool.sync()  # on disk here before the orphan lets go of them: a crash duplicates, never loses
                 orphan.commit(len(records))
@@ -1042,7 +1057,7 @@ class _Pipeline:
         # and keep the in-memory queue short.
         self._in_hand = True
         self._queued_since = None
-        batch = []
+        batch: list[Any] = []
         while self._queue and len(batch) < 50_000:
             self.popped += 1
             encoded = self._encode_safely(self._queue.popleft())
@@ -1072,11 +1087,13 @@ class _Pipeline:
 
     # ---------------------------------------------------------------- producer
     def _ensure_producer(self, probed: bool = False) -> None:
-        """Create the producer if there is none (at most every retry_s); `probed`: the broker was just found listening."""
+        """Create the producer if there is none (at most every retry_s);
+        `probed`: the broker was just found listening."""
         if self._producer is not None or time.monotonic() - self._producer_tried < self.retry_s:
             return
         self._producer_tried = time.monotonic()
-        if not probed and not self._broker_reachable():  # fail in milliseconds instead of blocking for bootstrap_timeout_ms
+        # fail in milliseconds instead of blocking for bootstrap_timeout_ms
+        if not probed and not self._broker_reachable():
             self._mark_down("no broker listening")
             return
         try:
@@ -1109,7 +1126,8 @@ class _Pipeline:
         unregister = getattr(self._producer, "_unregister_cleanup", None)
         if callable(unregister):
             unregister()
-        log.info("sdk %s: connected to Kafka at %s (topic %s, compression %s)", self.name, self.bootstrap, self.topic, self.compression)
+        log.info("sdk %s: connected to Kafka at %s (topic %s, compression %s)",
+                 self.name, self.bootstrap, self.topic, self.compression)
 
     def _producer_settings(self) -> dict[str, Any]:
         """kafka-python settings: ours, then the shared security settings (FLYWHEEL_KAFKA_*), then producer_config."""
@@ -1123,7 +1141,8 @@ class _Pipeline:
             "batch_size": 256 * 1024,
             "max_request_size": schema.MAX_RECORD_BYTES + 64 * 1024,
             "bootstrap_timeout_ms": 2000,  # creation happens here, in the background, and is retried
-            "max_block_ms": 2000,  # a send must never stall this thread for long (the host is not waiting, the queue is)
+            # a send must never stall this thread for long (the host is not waiting, the queue is)
+            "max_block_ms": 2000,
             "request_timeout_ms": 5000,
             "delivery_timeout_ms": 30_000,  # after this a record fails and goes to the spool
             "reconnect_backoff_max_ms": 1000,
@@ -1186,7 +1205,8 @@ class _Pipeline:
             self._notices.popleft()
             future.add_callback(self._on_notice)
             future.add_errback(lambda exc: self.warn("notice-failed", "sdk %s: DLQ notice to %s failed (%s); the "
-                                                     "record stays counted as oversized", self.name, self.dlq_topic, exc))
+                                                     "record stays counted as oversized",
+                                                     self.name, self.dlq_topic, exc))
 
     def _on_notice(self, _metadata: Any) -> None:
         self.oversized_noticed += 1
@@ -1239,7 +1259,8 @@ class _Pipeline:
 # Encoding (background thread): event id, redaction, caps, JSON, validation
 # ---------------------------------------------------------------------------------------------
 class _Encoder:
-    def __init__(self, pipeline_ref: Callable[[], _Pipeline | None], redact: Redactor | None, validate: Callable[[Any], Any],
+    def __init__(self, pipeline_ref: Callable[[], _Pipeline | None], redact: Redactor | None,
+                 validate: Callable[[Any], Any],
                  id_field: str, columns: tuple[schema.Col, ...], wire_format: str = "packed") -> None:
         self._pipe = pipeline_ref
         self._redact = redact
@@ -1343,7 +1364,8 @@ class _Encoder:
         except schema.LimitError as exc:
             pipe.invalid += 1
             pipe.limited += 1
-            pipe.warn(f"limit:{exc.reason}:{what}", "sdk: %s dropped, past a schema limit (%s): %s", what, exc.reason, exc)
+            pipe.warn(f"limit:{exc.reason}:{what}", "sdk: %s dropped, past a schema limit (%s): %s",
+                      what, exc.reason, exc)
             return None
         except (schema.SchemaError, TypeError, ValueError, OverflowError) as exc:
             pipe.invalid += 1
@@ -1417,7 +1439,8 @@ def _without_numeric_lists(record: dict[str, Any], what: str) -> dict[str, Any]:
     if what == "llm_call" and "completion_logprobs" in lists and "completion_token_ids" in lists:
         n_lp, n_tok = len(lists["completion_logprobs"]), len(lists["completion_token_ids"])
         if n_lp != n_tok:
-            raise schema.SchemaError(f"llm_call event: completion_logprobs has {n_lp} values for {n_tok} completion tokens")
+            raise schema.SchemaError(f"llm_call event: completion_logprobs has {n_lp} values for {n_tok} "
+                                     "completion tokens")
     light = dict(record)
     for name in lists:
         light[name] = []
@@ -1486,7 +1509,8 @@ class _Client:
             log.warning("sdk: %s=%s; %s logs nothing", ENABLED_ENV, os.environ.get(ENABLED_ENV), type(self).__name__)
             return
         if self.bootstrap is None:
-            log.warning("sdk: no Kafka bootstrap given (argument or %s); %s logs nothing", BOOTSTRAP_ENV, type(self).__name__)
+            log.warning("sdk: no Kafka bootstrap given (argument or %s); %s logs nothing",
+                        BOOTSTRAP_ENV, type(self).__name__)
             return
         if compression == "lz4":
             try:
@@ -1519,7 +1543,8 @@ class _Client:
         journal.drop_leftovers()
         if earlier:
             log.warning("sdk: %s: %d records an earlier process journalled and may not have delivered are logged "
-                        "again (copies land once: the lake de-duplicates by %s)", self.name, len(earlier), self._id_field)
+                        "again (copies land once: the lake de-duplicates by %s)",
+                        self.name, len(earlier), self._id_field)
         journal.start(self._pipe.flush)
 
     @staticmethod
@@ -1786,7 +1811,8 @@ class Session:
         self._enter_current()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self._leave_current()
         if self._parent is not None:
             self.finish(ok=exc_type is None)
@@ -1848,9 +1874,10 @@ def wrap_openai(client: _C) -> _C:
     # request after openai built it and before it is sent, in the caller's thread or task.
     http = client if hasattr(client, "event_hooks") else getattr(client, "_client", None)
     hooks = getattr(http, "event_hooks", None)
-    if not isinstance(hooks, dict):
+    if http is None or not isinstance(hooks, dict):
         raise TypeError(f"wrap_openai: {type(client).__name__} is neither an openai client nor an httpx client")
-    hook = _add_session_headers_async if inspect.iscoroutinefunction(http.send) else _add_session_headers
+    hook = (_add_session_headers_async if inspect.iscoroutinefunction(getattr(http, "send", None))
+            else _add_session_headers)
     requests = list(hooks.get("request", []))
     if hook not in requests:  # wrapping twice adds nothing
         http.event_hooks = {**hooks, "request": [*requests, hook]}

@@ -39,6 +39,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from flywheel.base.atomic import Durability, fsync_path, write_json
 
@@ -75,7 +76,8 @@ class Spool:
     def __init__(self, directory: str | Path, max_bytes: int = 256 * 1024 * 1024, segment_bytes: int = 8 * 1024 * 1024,
                  sync_interval_s: float = SYNC_INTERVAL_S, sync_records: int = SYNC_RECORDS,
                  owner: dict[str, str] | None = None) -> None:
-        assert segment_bytes * 2 <= max_bytes, f"segment_bytes {segment_bytes} must be at most half of max_bytes {max_bytes}"
+        assert segment_bytes * 2 <= max_bytes, \
+            f"segment_bytes {segment_bytes} must be at most half of max_bytes {max_bytes}"
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
@@ -98,7 +100,7 @@ class Spool:
         self._head_segment = 0
         self._head_offset = 0
         self._head_consumed = 0  # records of the head segment before _head_offset
-        self._writer = None  # open append handle of the tail segment
+        self._writer: BinaryIO | None = None  # open append handle of the tail segment
         self._peeked: list[tuple[int, int]] = []  # (segment index, offset after the record) per peeked record
         self._load()
 
@@ -164,8 +166,9 @@ class Spool:
         assert payload.count(b"\n") == len(records), "spool records must not contain a newline"
         if self._writer is None:
             self._writer = open(tail.path, "ab")
-        self._writer.write(payload)
-        self._writer.flush()  # into the OS: survives a crash of this process; fsynced in batches (maybe_sync)
+        writer = self._writer
+        writer.write(payload)
+        writer.flush()  # into the OS: survives a crash of this process; fsynced in batches (maybe_sync)
         tail.size += len(payload)
         tail.records += len(records)
         if not self._unsynced:

@@ -6,9 +6,10 @@ schema.py says what an event or outcome holds; this module says how its bytes lo
 * `packed` (schema v3): the same JSON object, except that every `ints` / `floats` field (schema.PACKED_FIELDS:
   prompt, completion and summary token ids, completion logprobs) is a base64 string of its items as
   little-endian int32 / float32. A JSON list stays valid there too (v3 only adds an encoding), so a
-  producer that builds records with schema.SCHEMA_VERSION and plain lists is still read. Decoded, such a field is a `memoryview` of the items (format schema.INT32_CODE
-  resp. "f"), which schema validation accepts and the lake writer hands to Arrow without a Python object per
-  item. The lake stores the same list<int32> / list<float32> columns as for v1, so readers do not change.
+  producer that builds records with schema.SCHEMA_VERSION and plain lists is still read. Decoded, such a field
+  is a `memoryview` of the items (format schema.INT32_CODE resp. "f"), which schema validation accepts and the
+  lake writer hands to Arrow without a Python object per item. The lake stores the same list<int32> /
+  list<float32> columns as for v1, so readers do not change.
 
 A third layout, `binary` (a 0xFF-led envelope: a JSON header whose packed fields hold their item counts,
 then the raw little-endian arrays), was measured against `packed` on `flywheel bench ingest` (docs/lake.md,
@@ -152,7 +153,7 @@ def _view(raw: bytes | memoryview, fmt: str) -> memoryview:
         swapped = array.array(fmt, bytes(raw))
         swapped.byteswap()
         return memoryview(swapped)
-    return memoryview(raw).cast("B").cast(fmt)
+    return memoryview(raw).cast("B").cast(fmt)  # type: ignore[call-overload]  # fmt is one of the packed item codes
 
 
 def _b64decode(text: str) -> bytes:
@@ -199,7 +200,8 @@ def decode_binary(value: bytes, loads: Callable[[bytes], Any] = json.loads) -> A
         if count is None:
             continue
         if type(count) is not int or count < 0:
-            raise WireError(f"field {name!r}: a binary envelope holds an item count here, got {schema.short_repr(count)}")
+            raise WireError(f"field {name!r}: a binary envelope holds an item count here, got "
+                            f"{schema.short_repr(count)}")
         end = pos + 4 * count
         if end > len(value):
             raise WireError(f"field {name!r}: {count} items run past the value's end ({len(value) - pos} bytes left)")

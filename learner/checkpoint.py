@@ -45,7 +45,8 @@ class TrainerState:
     trained: dict[str, int] = field(default_factory=dict)  # episode_id -> label_version
     baseline: dict[str, float] = field(default_factory=dict)
     published: list[int] = field(default_factory=list)
-    abandoned: list[int] = field(default_factory=list)  # published versions the gate refused; their rows are not trained
+    # published versions the gate refused; their rows are not trained
+    abandoned: list[int] = field(default_factory=list)
     # the episodes trained since the current version (versions.episode_range): the next version's lineage, kept
     # here so a restart between two publishes does not forget the steps before it
     since_parent: dict[str, Any] = field(default_factory=dict)
@@ -60,7 +61,8 @@ class TrainerState:
         # JSON keys are text. A checkpoint from before the lineage map starts one with the current version at
         # last_published_step (exact: a publish and a rebase both set it); the older versions of its published
         # list are left off (their steps were not kept), so their rows count as stale after the upgrade.
-        self.lineage = {int(v): int(s) for v, s in self.lineage.items()} or {self.policy_version: self.last_published_step}
+        self.lineage = ({int(v): int(s) for v, s in self.lineage.items()}
+                        or {self.policy_version: self.last_published_step})
 
     def lags(self) -> dict[int, int]:
         """Version on the line -> learner steps from the weights that served it to the current weights."""
@@ -126,7 +128,8 @@ def append_trained(run_dir: Path, step: int, policy_version: int, episode_ids: l
     """Append one step's trained episode ids (and `extra` fields) to trained.jsonl (fsynced)."""
     path = Path(run_dir) / "trained.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"step": step, "policy_version": policy_version, "episode_ids": episode_ids, **(extra or {})}) + "\n"
+    line = json.dumps({"step": step, "policy_version": policy_version, "episode_ids": episode_ids,
+                       **(extra or {})}) + "\n"
     with open(path, "a") as fh:
         fh.write(line)
         fh.flush()

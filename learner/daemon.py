@@ -134,8 +134,8 @@ class Learner:
 
         scale = self.shaping_scale_trained = self.shaping_scale()
         self.check_shaping_clock(batch)
-        adv = advantages([e.trained_reward(scale) for e in batch], [e.task_type for e in batch], [e.group_id for e in batch],
-                         self.baseline, group_relative=self.cfg.group_relative,
+        adv = advantages([e.trained_reward(scale) for e in batch], [e.task_type for e in batch],
+                         [e.group_id for e in batch], self.baseline, group_relative=self.cfg.group_relative,
                          normalize=self.cfg.normalize_advantages, batch_baseline=self.cfg.baseline == "batch",
                          positive_only=self.cfg.positive_only, penalties=[e.r_penalty for e in batch])
         return list(zip(batch, adv))
@@ -212,7 +212,8 @@ class Learner:
         then due (the gate ruled, or publish_supersede_s passed) must not wait for a step that cannot come.
         """
         now = time.monotonic()
-        if self.state.step == self.state.last_published_step or now - self._publish_checked < self.cfg.follow_gate_every_s:
+        if (self.state.step == self.state.last_published_step
+                or now - self._publish_checked < self.cfg.follow_gate_every_s):
             return  # nothing trained since the current version (or checked just now)
         self._publish_checked = now
         aliases = self.gate.read_aliases() if self.cfg.publish_wait_for_gate else None
@@ -265,11 +266,11 @@ class Learner:
                        tokens_per_s=round(result.tokens_per_s), dropped_stale=counters["stale"],
                        dropped_corrupt=counters["corrupt"])
         gap = (f", logprob gap {result.behaviour_gap_mean:.1e}" if result.behaviour_gap_mean is not None else "")
-        log.info("step %d v%d: reward %.3f, policy lag %.2f steps (max %d), loss %+.4f, ratio %.3f clip %.1f%%, kl %.4f (coef %.3g), "
-                 "%.0f tokens/s, %d episodes (stale %d, corrupt %d total)%s", self.state.step,
+        log.info("step %d v%d: reward %.3f, policy lag %.2f steps (max %d), loss %+.4f, ratio %.3f clip %.1f%%, "
+                 "kl %.4f (coef %.3g), %.0f tokens/s, %d episodes (stale %d, corrupt %d total)%s", self.state.step,
                  self.state.policy_version, mean_r, mean_lag, int(metrics["policy_lag_max"]), result.loss,
-                 result.ratio_mean, 100 * result.clip_frac, result.kl, result.kl_coef, result.tokens_per_s, result.episodes,
-                 counters["stale"], counters["corrupt"], gap)
+                 result.ratio_mean, 100 * result.clip_frac, result.kl, result.kl_coef, result.tokens_per_s,
+                 result.episodes, counters["stale"], counters["corrupt"], gap)
 
     def save_checkpoint(self) -> None:
         from flywheel.learner import checkpoint
@@ -323,7 +324,8 @@ class LearnerMetrics:
     def readings(self) -> list[Reading]:
         learner, stream = self.learner, self.learner.stream
         return [
-            Reading("gauge", "policy", "version", "the policy version the weights are at", learner.state.policy_version),
+            Reading("gauge", "policy", "version", "the policy version the weights are at",
+                    learner.state.policy_version),
             Reading("counter", "published", "versions", "versions this learner's state has published",
                     len(learner.state.published)),
             Reading("counter", "trained", "episodes", "episodes trained (the state's lifetime)",

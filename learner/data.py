@@ -56,12 +56,15 @@ class Episode:
     loss_mask: tuple[int, ...]
     reward: float
     call_ts: str | None = None  # when the llm_call happened (ISO-8601 UTC): a version's lineage names its episode range
-    r_penalty: float = 0.0  # the penalties inside `reward` (<= 0): a penalised row is never reinforced (loss.advantages)
+    # the penalties inside `reward` (<= 0): a penalised row is never reinforced (loss.advantages)
+    r_penalty: float = 0.0
     sampling: dict[str, Any] | None = None  # the behaviour's sampling parameters (temperature, top_p, top_k ...)
-    r_shaping: float = 0.0  # the PARL shaping inside `reward` (r_parallel + r_finish): annealed by learner step (shaping_scale)
+    # the PARL shaping inside `reward` (r_parallel + r_finish): annealed by learner step (shaping_scale)
+    r_shaping: float = 0.0
     r_unshaped: float | None = None  # `reward` without the shaping, summed from its parts as the builder sums them
     shaping_clock: str | None = None  # [parl] anneal_clock the builder labelled a shaped row with (reward_detail)
-    opens_session: bool = False  # the session's opening call (reward_detail.opens_session): take() can reserve room for these
+    # the session's opening call (reward_detail.opens_session): take() can reserve room for these
+    opens_session: bool = False
 
     def trained_reward(self, scale: float) -> float:
         """The reward a step trains: the shaping inside `reward` scaled by `scale` (shaping_scale at this step).
@@ -156,10 +159,10 @@ def _shaping_clock(detail: dict[str, Any]) -> str | None:
 def unshaped_reward(row: dict[str, Any]) -> float | None:
     """The row's reward without PARL shaping, in the builder's order of terms (rewards.builder.total_reward with
     r_parallel = r_finish = 0; adding 0.0 is exact); None when a part is missing."""
-    r_outcome, r_turn = row.get("r_outcome"), row.get("r_turn")
-    if r_outcome is None and r_turn is None:
+    picked = row.get("r_outcome") if row.get("r_turn") is None else row.get("r_turn")
+    if picked is None:
         return None
-    base = float(r_outcome if r_turn is None else r_turn)
+    base = float(picked)
     return base + float(row.get("r_judge") or 0.0) + float(row.get("r_penalty") or 0.0)
 
 
@@ -187,7 +190,8 @@ def parse_sampling(value: Any) -> dict[str, Any] | None:
 
 
 def iso_ts(value: Any) -> str | None:
-    """A lake timestamp (a datetime from Parquet, or ISO text) as ISO-8601 UTC text, microseconds, so stamps sort as text."""
+    """A lake timestamp (a datetime from Parquet, or ISO text) as ISO-8601 UTC text, microseconds,
+    so stamps sort as text."""
     if value is None or isinstance(value, str):
         return value
     if value.tzinfo is None:  # the lake's timestamps are UTC; a naive one is UTC too
@@ -279,7 +283,8 @@ class EpisodeStream:
         # listed by cursor from past what is already loaded, so a poll costs what is new; the first poll of a
         # process lists the whole table once (files written before every table was claimed)
         read_to = lake.advance(self.cursor, self._loaded)
-        new_files = [f for f in lake.files_since(self.root, TABLE, read_to, full=not self._listed) if f.path not in loaded]
+        new_files = [f for f in lake.files_since(self.root, TABLE, read_to, full=not self._listed)
+                     if f.path not in loaded]
         self._listed = True
         added = 0
         for f in new_files:

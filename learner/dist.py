@@ -210,7 +210,8 @@ def shard_module(module: torch.nn.Module, device: torch.device, trainable_only: 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    get_base = getattr(module, "get_base_model", None)  # a PeftModel's wrapped HF model
+    base = get_base() if get_base is not None else module
     kinds = set(getattr(base, "_no_split_modules", None) or ())
     blocks = [m for m in module.modules() if type(m).__name__ in kinds]
     assert blocks, f"shard: {type(base).__name__} names no transformer block class (_no_split_modules {kinds})"

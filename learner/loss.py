@@ -220,7 +220,8 @@ def advantages(rewards: Sequence[float], task_types: Sequence[str], group_ids: S
     """
     n = len(rewards)
     pen = [min(float(p), 0.0) for p in penalties] if penalties is not None else [0.0] * n
-    assert n == len(task_types) == len(group_ids) == len(pen), "rewards, task_types, group_ids and penalties differ in length"
+    assert n == len(task_types) == len(group_ids) == len(pen), \
+        "rewards, task_types, group_ids and penalties differ in length"
     earned = [r - p for r, p in zip(rewards, pen)]  # the reward without its penalties
     base = row_baselines(earned, task_types, group_ids, baseline, group_relative=group_relative,
                          batch_baseline=batch_baseline)

@@ -67,7 +67,8 @@ def write_tied_head(model_dir: Path) -> bool:
     return True
 
 
-def ties_embeddings(model: torch.nn.Module) -> bool:
+# a transformers PreTrainedModel (torch's Module stub types its methods as tensors)
+def ties_embeddings(model: Any) -> bool:
     """The HF model shares one Parameter between its input embeddings and its output head."""
     head = model.get_output_embeddings()
     return head is not None and head.weight is model.get_input_embeddings().weight
@@ -77,7 +78,9 @@ def ties_embeddings(model: torch.nn.Module) -> bool:
 class Policy:
     """The trainable module plus what publishing and the KL anchor need to know about it."""
 
-    module: torch.nn.Module  # PeftModel (lora) or the HF model (full)
+    # PeftModel (lora) or a transformers PreTrainedModel (full): nn.Modules whose HF methods (save_pretrained,
+    # disable_adapter) torch's Module type does not know, so Any
+    module: Any
     mode: str
     base_model: str
     vocab_size: int
@@ -231,7 +234,8 @@ def load_policy(cfg: LearnerConfig) -> Policy:
 
     def load_base() -> Any:
         # eager attention: identical maths on CPU and GPU, and no sdpa kernel choice changing logprobs
-        base = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype, attn_implementation="eager").to(device)
+        base: Any = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype, attn_implementation="eager")
+        base = base.to(device)
         base.config.use_cache = False
         return base
 
@@ -241,7 +245,10 @@ def load_policy(cfg: LearnerConfig) -> Policy:
     if cfg.mode == "lora":
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
+        lora = LoraConfig(r=cfg.lora_rank,
+                          # peft types it int; a float scale is valid
+                          lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]
+                          lora_dropout=0.0, bias="none",
                           target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM")
         module: torch.nn.Module = get_peft_model(model, lora)
     else:

@@ -218,7 +218,8 @@ class Trainer:
                 # distributions: a served token outside the base's top-p set would make it infinite
                 with torch.no_grad(), self.policy.reference() as ref:
                     logp_ref = token_logprobs(ref, packed, processed=False)  # [B, T]
-            out.append(MicroBatch([e for e, _ in chunk], packed, adv, logp_ref, filler=j * cfg.micro_batch >= len(mine)))
+            out.append(MicroBatch([e for e, _ in chunk], packed, adv, logp_ref,
+                                  filler=j * cfg.micro_batch >= len(mine)))
         return out
 
     def backward_pass(self, micro: list[MicroBatch], normalizer: float,
@@ -241,7 +242,8 @@ class Trainer:
                     logp, logp_raw = token_logprobs(self.ddp, mb.packed), None
                 # DDP averages gradients over ranks; dividing by tokens/world makes the average a global sum/tokens
                 loss, s = policy_loss(logp, mb.packed.logp_old, mb.packed.mask, mb.adv, kind=cfg.loss,
-                                      tis_cap=cfg.tis_cap, ppo_eps=cfg.ppo_eps, token_normalizer=normalizer / world.size,
+                                      tis_cap=cfg.tis_cap, ppo_eps=cfg.ppo_eps,
+                                      token_normalizer=normalizer / world.size,
                                       logp_ref=mb.logp_ref, kl_coef=self.kl_coef, agg=cfg.loss_agg, logp_kl=logp_raw)
                 if mb.filler:
                     loss = loss * 0.0  # [] a gradient of exactly 0: the row counts once, on the rank that owns it

@@ -112,7 +112,8 @@ class Versions:
         """A version is due by step count or by time; gate_ruled: the gate has judged the newest one
         (only consulted with publish_wait_for_gate)."""
         cfg = self.cfg
-        by_steps = cfg.publish_every_steps > 0 and self.state.step - self.state.last_published_step >= cfg.publish_every_steps
+        by_steps = (cfg.publish_every_steps > 0
+                    and self.state.step - self.state.last_published_step >= cfg.publish_every_steps)
         by_time = cfg.publish_every_s > 0 and time.monotonic() - self.last_publish_time >= cfg.publish_every_s
         if by_steps and not by_time and cfg.publish_wait_for_gate and not gate_ruled and not self.supersedes():
             return False  # the steps go on; the version waits until the gate has judged the one before
@@ -136,7 +137,8 @@ class Versions:
         range starts empty (after a rebase too: the steps before it trained weights the learner left)."""
         self.state.policy_version = version
         self.state.last_published_step = self.state.step
-        self.state.lineage[version] = self.state.step  # its rows lag 0 now (a rebase cut the line first: gate.rebase_onto)
+        # its rows lag 0 now (a rebase cut the line first: gate.rebase_onto)
+        self.state.lineage[version] = self.state.step
         self.state.since_parent = {}
         self.last_publish_time = time.monotonic()
 
@@ -188,6 +190,7 @@ class Versions:
         start = time.perf_counter()
         try:
             # the one hand-off owned by serving: push to every vLLM server and register in MLflow
+            assert self.version_dir is not None, "a version is written before it is handed to serving"
             result = publisher.publish(self.version_dir, serving_tier(self.cfg),
                                        artifact_source=self.cfg.publish_artifacts)
             served = result.served_name

@@ -77,8 +77,7 @@ from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
 from flywheel.rewards import config as reward_config
 from flywheel.rewards import judge as judge_mod
-from flywheel.rewards import judge_pass
-from flywheel.rewards import outcome_rewards, parl, turns
+from flywheel.rewards import judge_pass, outcome_rewards, parl, turns
 from flywheel.rewards.session import SessionEvents, assemble, opening_call
 from flywheel.rewards.state import (
     ALL_PARTITIONS,
@@ -99,12 +98,14 @@ SEGMENT_COMPACT_AT = 64  # live index segments before a pass merges them into on
 # The event columns the builder reads (and keeps for pending sessions); free text such as tool
 # output, arguments and tags is never needed for rewards, so it is not read at all.
 EVENT_COLUMNS_USED = (
-    "event_id", "session_id", "agent_id", "parent_agent_id", "seq", "ts", "type", "task_type", "model", "policy_version",
+    "event_id", "session_id", "agent_id", "parent_agent_id", "seq", "ts", "type", "task_type", "model",
+    "policy_version",
     "prompt_token_ids", "completion_token_ids", "completion_logprobs", "group_id", "prompt_text", "completion_text",
     "malformed", "malformed_token", "ok", "child_agent_id", "edit_kind", "tokens_removed", "status", "_offset",
     "call_id", "sampling",  # a turn check names its call; the learner scores tokens under the logged sampling
 )
-# ... except by the LLM judge, which reads the whole trajectory (rewards/transcript.py): read only when a task type judges
+# ... except by the LLM judge, which reads the whole trajectory (rewards/transcript.py): read only when a
+# task type judges
 JUDGE_EVENT_COLUMNS = ("name", "arguments", "output", "subtask")
 
 
@@ -124,8 +125,8 @@ class EpisodesConfig:
                                                                "key (the key itself is never logged or written)")
     var_dir: str = setting(defaults.VAR_DIR, "where the status heartbeat is written")
     metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9102)")
-    partitions: list[int] = setting([], "Kafka partitions (of events and outcomes alike) this builder owns (empty: all, "
-                                        "or by --member)")
+    partitions: list[int] = setting([], "Kafka partitions (of events and outcomes alike) this builder owns (empty: "
+                                        "all, or by --member)")
     member: int = setting(0, "this builder's index among --members: it owns partition p when p % members == member")
     members: int = setting(1, "builders splitting the partitions by p % members (1: no split)")
     partition_count: int = setting(0, "partitions of the events and outcomes topics, checked against the lake when "
@@ -220,7 +221,8 @@ def check_partition_counts(root: str, declared: int) -> None:
         if over["events"] or over["outcomes"]:
             raise AssignmentError(f"episodes: --partition-count {declared} but the lake holds files of partitions "
                                   f"{over} past it: the topics' counts differ or the declared count is wrong; "
-                                  "a split needs events and outcomes with one partition count (`flywheel topics check`)")
+                                  "a split needs events and outcomes with one partition count "
+                                  "(`flywheel topics check`)")
         return
     if seen["events"] and seen["outcomes"] and max(seen["events"]) != max(seen["outcomes"]):
         raise AssignmentError(f"episodes: the lake's events span partitions 0..{max(seen['events'])} and its outcomes "
@@ -305,7 +307,8 @@ def _read_columns(root: str, f: lake.LakeFile, names: list[str]) -> "pa.Table":
 
 def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int, owns: Callable[[int], bool] = lambda p: True,
                full: bool = False) -> tuple[lake.Cursor, list[lake.LakeFile], int]:
-    """The cursor after the next `max_files` new files of the owned partitions, those files, and how many remain after them.
+    """The cursor after the next `max_files` new files of the owned partitions, those files, and how many
+    remain after them.
 
     Listed by cursor (lake.files_since), so a pass costs what is new, not what the lake holds; `full` lists the
     whole table (a builder's first pass in its process). Each stream is followed for at most max_files + 1
@@ -336,7 +339,8 @@ def segment_schema() -> "pa.Schema":
     ])
 
 
-def lookup_index(con: "duckdb.DuckDBPyConnection", store: StateStore, segments: list[str], session_ids: set[str]) -> dict[str, dict[str, Any]]:
+def lookup_index(con: "duckdb.DuckDBPyConnection", store: StateStore, segments: list[str],
+                 session_ids: set[str]) -> dict[str, dict[str, Any]]:
     """Latest index row of each given session found in the live segments."""
     import pyarrow as pa
 
@@ -418,7 +422,8 @@ class Routing:
     expired: list[dict[str, Any]]  # outcomes of never-seen sessions past their hold (unknown_session)
 
 
-def session_end(s: SessionEvents, clock: dt.datetime, join: reward_config.JoinSettings) -> tuple[dt.datetime, str] | None:
+def session_end(s: SessionEvents, clock: dt.datetime,
+                join: reward_config.JoinSettings) -> tuple[dt.datetime, str] | None:
     """(when, how) a session ended, or None while it may still get events."""
     if s.ended:
         assert s.end_ts is not None, f"session {s.session_id} ended without an end ts"
@@ -537,7 +542,8 @@ def label_1_index_row(due: Due, task: reward_config.TaskType, relabel_horizon_s:
         "task_type": due.session.task_type or task.name,
         "end_ts": due.end_ts,
         "expires_ts": due.end_ts + dt.timedelta(seconds=relabel_horizon_s),
-        "outcomes": json.dumps([_outcome_json({k: o.get(k) for k in _OUTCOME_KEEP}) for o in due.outcomes], sort_keys=True),
+        "outcomes": json.dumps([_outcome_json({k: o.get(k) for k in _OUTCOME_KEEP}) for o in due.outcomes],
+                               sort_keys=True),
         "event_ids": sorted(e["event_id"] for events in due.session.agents.values() for e in events),
     }
 
@@ -566,7 +572,8 @@ def loss_mask_from(n: int, trained_from: int | None) -> list[int]:
 
 def total_reward(r_outcome: float, r_turn: float | None, r_judge: float | None, r_parallel: float, r_finish: float,
                  r_penalty: float) -> float:
-    """A row's reward: its turn's own check where one verified it, else the (session or agent) outcome, plus the rest."""
+    """A row's reward: its turn's own check where one verified it, else the (session or agent) outcome,
+    plus the rest."""
     return (r_outcome if r_turn is None else r_turn) + (r_judge or 0.0) + r_parallel + r_finish + r_penalty
 
 
@@ -574,8 +581,9 @@ def lifetime_counters(previous: dict[str, int], drops: Counter[str], res: "PassR
     """The state's lifetime totals after a pass."""
     counters = Counter(previous)
     counters.update({f"dropped_{k}": v for k, v in drops.items() if v})
-    counters.update({"sessions_emitted": res.sessions_emitted, "relabels": res.relabels, "rows_written": res.rows_written,
-                     "event_rows_read": res.new_event_rows, "outcome_rows_read": res.new_outcome_rows})
+    counters.update({"sessions_emitted": res.sessions_emitted, "relabels": res.relabels,
+                     "rows_written": res.rows_written, "event_rows_read": res.new_event_rows,
+                     "outcome_rows_read": res.new_outcome_rows})
     return dict(counters)
 
 
@@ -615,7 +623,8 @@ class Builder:
             self.con = duckdb.connect()
             self.con.execute("SET TimeZone='UTC'")
             self.judge = judge_mod.Judge(cfg.judge_url, cfg.judge_model or rewards.judge.model, rewards.judge,
-                                         Path(cfg.state_dir) / "judge_cache", api_key=os.environ.get(cfg.judge_api_key_env))
+                                         Path(cfg.state_dir) / "judge_cache",
+                                         api_key=os.environ.get(cfg.judge_api_key_env))
             self.state = self.store.load()
             self.assignment = Assignment.of(cfg)
             self._check_assignment()
@@ -735,11 +744,13 @@ class Builder:
 
     # -- plan -------------------------------------------------------------------------------------
     def _plan(self, now: dt.datetime | None) -> PassPlan:
-        """The next files past each cursor and the clock (`now` or the wall clock), or the plan of a pass that did not commit."""
+        """The next files past each cursor and the clock (`now` or the wall clock), or the plan of a pass
+        that did not commit."""
         st = self.state
         intent = self.store.load_intent()
         if intent is not None and intent.base_pass == st.pass_no:
-            log.info("pass %d: resuming the plan of a pass that did not commit (same input, same clock)", st.pass_no + 1)
+            log.info("pass %d: resuming the plan of a pass that did not commit (same input, same clock)",
+                     st.pass_no + 1)
             return PassPlan(intent, resumed=True, files={"events": None, "outcomes": None})
         clock = now or dt.datetime.now(dt.timezone.utc)
         max_files = self.cfg.max_files_per_pass
@@ -806,7 +817,8 @@ class Builder:
     # -- route (its input from the index) ---------------------------------------------------------
     def _emitted_before(self, by_session: dict[str, list[dict[str, Any]]], new_events: "pa.Table",
                         fresh: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """Index rows of the sessions this pass touches that were emitted before (pending ones were not: not looked up)."""
+        """Index rows of the sessions this pass touches that were emitted before (pending ones were not:
+        not looked up)."""
         st = self.state
         pending_ids = set(st.pending.column("session_id").to_pylist()) if st.pending is not None else set()
         new_event_sids = set(new_events.column("session_id").to_pylist())
@@ -888,26 +900,29 @@ class Builder:
             r_penalty = parts["malformed"] + parts["harmful_prune"]
             mine = scores[e["agent_id"]]
             made_here = made.get(e["event_id"], turns.ToolTurn())
-            turn = turns.credit(self.rewards, task, made_here, checked, mine.r_outcome if e["event_id"] in finals else None)
+            turn = turns.credit(self.rewards, task, made_here, checked,
+                                mine.r_outcome if e["event_id"] in finals else None)
             decided = shaping.get(e["event_id"])
             # a row penalised only for malformed calls that said where they broke trains from there on: its
             # well-formed prefix is neither pushed down nor reinforced (tasks.malformed_from says why)
             trained_from = made_here.malformed_token if parts["malformed"] < 0 and not parts["harmful_prune"] else None
-            rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats, r_penalty=r_penalty,
-                                  trained_from=trained_from,
+            rows.append(self._row(s, e, label=1, r_outcome=mine.r_outcome, r_judge=r_judge, stats=stats,
+                                  r_penalty=r_penalty, trained_from=trained_from,
                                   detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty,
                                                         "penalty_parts": parts, "calls": list(made_here.calls),
                                                         "trained_from_token": trained_from,
                                                         "opens_session": e["event_id"] == opening,
                                                         "turn": turn.detail or None,
                                                         "spawn_decision": None if decided is None else {
-                                                            "n_spawned": decided.n_spawned, "n_verified": decided.n_verified,
+                                                            "n_spawned": decided.n_spawned,
+                                                            "n_verified": decided.n_verified,
                                                             "n_spurious": decided.n_spurious}},
-                                  outcomes=due.outcomes, r_turn=turn.r_turn, judge_score=None if judged is None else judged.score, shaping=decided))
+                                  outcomes=due.outcomes, r_turn=turn.r_turn,
+                                  judge_score=None if judged is None else judged.score, shaping=decided))
         return rows, index_row
 
-    def _row(self, s: SessionEvents, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None, stats: parl.ParlStats,
-             r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]],
+    def _row(self, s: SessionEvents, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None,
+             stats: parl.ParlStats, r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]],
              r_turn: float | None = None, shaping: parl.RowShaping | None = None,
              judge_score: int | None = None, trained_from: int | None = None) -> dict[str, Any]:
         # PARL terms go to the row that decided the spawn (parl.row_shaping), none to the others
@@ -952,22 +967,28 @@ class Builder:
         label = int(entry["label_version"]) + 1
         fs, path = self._episode_path(entry["episode_file"])
         prev = pq.read_table(path, filesystem=fs,
-                             filters=[("session_id", "=", entry["session_id"]), ("label_version", "=", label - 1)]).to_pylist()
-        assert prev, f"index says session {entry['session_id']} label {label - 1} is in {entry['episode_file']}, found no rows"
-        outcomes = [_outcome_py(o) for o in json.loads(entry["outcomes"])] + [{k: o.get(k) for k in _OUTCOME_KEEP} for o in new]
+                             filters=[("session_id", "=", entry["session_id"]),
+                                      ("label_version", "=", label - 1)]).to_pylist()
+        assert prev, (f"index says session {entry['session_id']} label {label - 1} is in {entry['episode_file']}, "
+                      "found no rows")
+        outcomes = ([_outcome_py(o) for o in json.loads(entry["outcomes"])]
+                    + [{k: o.get(k) for k in _OUTCOME_KEEP} for o in new])
         task = self.rewards.task(entry["task_type"])
         end_ts = entry["end_ts"]
         whole = outcome_rewards.session_level(outcomes)
         _, closed = outcome_rewards.label_due(self.rewards, task, {o["kind"] for o in whole}, end_ts, clock)
-        scores = {a: outcome_rewards.score_for_agent(self.rewards, task, outcomes, a, closed) for a in {r["agent_id"] for r in prev}}
+        scores = {a: outcome_rewards.score_for_agent(self.rewards, task, outcomes, a, closed)
+                  for a in {r["agent_id"] for r in prev}}
         last_outcome = max((o["ts"] for o in outcomes), default=None)  # a judge retry's session may have none
         reason = "late_outcome" if new else "judge_retry"
         harmful = parl.harmful_call_ids(outcomes, self.rewards.penalties)
         details = [json.loads(r["reward_detail"]) for r in prev]
-        penalties = [_penalty_now(d, r["r_penalty"], harmful, self.rewards.penalties.harmful_prune) for r, d in zip(prev, details)]
+        penalties = [_penalty_now(d, r["r_penalty"], harmful, self.rewards.penalties.harmful_prune)
+                     for r, d in zip(prev, details)]
         n_harmful = sum(1 for _, parts in penalties if parts and parts["harmful_prune"])
         rows = []
-        for r, detail, (r_penalty, parts) in zip(prev, details, penalties):  # file order: the rows of the label it follows
+        # file order: the rows of the label it follows
+        for r, detail, (r_penalty, parts) in zip(prev, details, penalties):
             score = scores[r["agent_id"]]
             turn = turns.recredit(self.rewards, task, detail, outcomes, score.r_outcome)
             detail |= {"outcomes": score.detail, "label_reason": reason, "rewards_config": self.rewards.digest,
@@ -980,8 +1001,8 @@ class Builder:
                 r = r | {"r_judge": judged.r_judge(self.rewards.judge_weight(task)), "judge_score": judged.score}
                 detail["judge"] = judge_pass.judge_detail(self.rewards, self.judge.model, task, judged)
             reward = total_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"], r_penalty)
-            rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "r_turn": turn.r_turn, "reward": reward,
-                             "r_penalty": r_penalty,
+            rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "r_turn": turn.r_turn,
+                             "reward": reward, "r_penalty": r_penalty,
                              "reward_detail": json.dumps(detail, sort_keys=True), "last_outcome_ts": last_outcome})
         index_row = entry | {
             "label_version": label,
@@ -991,7 +1012,8 @@ class Builder:
         return rows, index_row
 
     def _episode_path(self, rel: str) -> tuple[Any, str]:
-        """The file holding an index entry's rows: the one it was written to, or the file a compaction merged it into."""
+        """The file holding an index entry's rows: the one it was written to, or the file a compaction
+        merged it into."""
         import pyarrow.fs as pafs
 
         fs, base = lake.filesystem(self.cfg.lake_root)
@@ -1045,13 +1067,14 @@ class Builder:
         first, last = first_seq, first_seq + len(rows) - 1
         table = pa.Table.from_pylist([r | {"emitted_ts": clock} for r in rows], schema=self.episode_schema)
         # each builder numbers its own rows: its stream (a partition it owns) keeps the names of two builders apart
-        written = lake.write_file(self.cfg.lake_root, "episodes", clock.date().isoformat(), SOURCE, self.assignment.stream,
-                                  first, last, table)
+        written = lake.write_file(self.cfg.lake_root, "episodes", clock.date().isoformat(), SOURCE,
+                                  self.assignment.stream, first, last, table)
         return f"episodes/date={written.date}/{Path(written.path).name}"
 
     def _write_segment(self, pass_no: int, index_rows: list[dict[str, Any]], episode_rel: str,
                        clock: dt.datetime) -> tuple[list[str], list[str]]:
-        """The pass's index segment (merged with the live ones once there are SEGMENT_COMPACT_AT): (live segments, retired)."""
+        """The pass's index segment (merged with the live ones once there are SEGMENT_COMPACT_AT):
+        (live segments, retired)."""
         import pyarrow as pa
 
         segments = list(self.state.segments)
@@ -1074,12 +1097,14 @@ class Builder:
         paths = [str(self.store.segment_path(s)) for s in segments]
         self.con.register("cur", current)
         merged = self.con.sql(
-            f"SELECT * FROM (SELECT * FROM read_parquet({paths!r}, union_by_name = true) UNION ALL BY NAME SELECT * FROM cur) "
+            f"SELECT * FROM (SELECT * FROM read_parquet({paths!r}, union_by_name = true) "
+            "UNION ALL BY NAME SELECT * FROM cur) "
             f"WHERE expires_ts > TIMESTAMPTZ '{clock.isoformat()}' "
             "QUALIFY row_number() OVER (PARTITION BY session_id ORDER BY label_version DESC) = 1 ORDER BY session_id"
         ).to_arrow_table()
         self.con.unregister("cur")
-        return conform(merged, segment_schema()) if merged.num_rows else pa.Table.from_pylist([], schema=segment_schema())
+        return (conform(merged, segment_schema()) if merged.num_rows
+                else pa.Table.from_pylist([], schema=segment_schema()))
 
     def _pending_table(self, events: "pa.Table", keep: set[str]) -> "pa.Table":
         import pyarrow as pa
@@ -1135,11 +1160,15 @@ class EpisodesMetrics:
         return [
             Reading("counter", "written", "episodes", "episode rows written (every label version)",
                     c.get("rows_written", 0)),
-            Reading("counter", "labelled", "sessions", "sessions given their first label", c.get("sessions_emitted", 0)),
-            Reading("counter", "relabelled", "sessions", "sessions labelled again (a later outcome)", c.get("relabels", 0)),
+            Reading("counter", "labelled", "sessions", "sessions given their first label",
+                    c.get("sessions_emitted", 0)),
+            Reading("counter", "relabelled", "sessions", "sessions labelled again (a later outcome)",
+                    c.get("relabels", 0)),
             Reading("counter", "read_event", "rows", "event rows read from the lake", c.get("event_rows_read", 0)),
-            Reading("counter", "read_outcome", "rows", "outcome rows read from the lake", c.get("outcome_rows_read", 0)),
-            Reading("counter", "dropped", "records", "events, outcomes and sessions skipped, by reason", drops, "reason"),
+            Reading("counter", "read_outcome", "rows", "outcome rows read from the lake",
+                    c.get("outcome_rows_read", 0)),
+            Reading("counter", "dropped", "records", "events, outcomes and sessions skipped, by reason",
+                    drops, "reason"),
             Reading("counter", "judge", "calls", "LLM judge calls", b.judge.calls),
             Reading("counter", "judge_failed", "calls", "LLM judge calls that failed", b.judge.failures),
             Reading("gauge", "pending", "sessions", "sessions open or waiting for outcomes (NaN before the first pass)",

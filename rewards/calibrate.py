@@ -136,11 +136,14 @@ def calibrate(root: str, kind: str = "task_success", threshold: float = 0.5) -> 
 def table(result: dict[str, Any]) -> str:
     """The result as a plain table: one line per task type and per judge version."""
     lines = [f"judge calibration against {result['judge_outcome_kind']}: {result['judge_scored']} sessions scored, "
-             f"{result['judge_n']} with a verified outcome", f"{'group':<48} {'n':>6} {'success':>8} {'AUC':>7} {'corr':>7}"]
+             f"{result['judge_n']} with a verified outcome",
+             f"{'group':<48} {'n':>6} {'success':>8} {'AUC':>7} {'corr':>7}"]
     for title, groups in (("task type", result["judge_by_task_type"]), ("judge", result["judge_by_version"])):
         for name, g in groups.items():
-            lines.append(f"{(title + ' ' + name)[:48]:<48} {g['n']:>6} {g['n_success']:>8} {_fmt(g['auc']):>7} {_fmt(g['corr']):>7}")
-    lines.append(f"{'all':<48} {result['judge_n']:>6} {'':>8} {_fmt(result['judge_auc']):>7} {_fmt(result['judge_corr']):>7}")
+            lines.append(f"{(title + ' ' + name)[:48]:<48} {g['n']:>6} {g['n_success']:>8} {_fmt(g['auc']):>7} "
+                         f"{_fmt(g['corr']):>7}")
+    lines.append(f"{'all':<48} {result['judge_n']:>6} {'':>8} {_fmt(result['judge_auc']):>7} "
+                 f"{_fmt(result['judge_corr']):>7}")
     return "\n".join(lines)
 
 

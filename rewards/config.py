@@ -83,18 +83,22 @@ class JudgeSettings:
     model: str = "policy-v0"  # served model name at the judge endpoint (the builder's --judge-model overrides it)
     timeout_s: float = 10.0  # per request
     weight: float = 0.5  # r_judge = weight * (score - 3) / 2 for a task type without its own judge_weight
-    max_tokens: int = 1000  # transcript budget in tokens, estimated as UTF-8 bytes / chars_per_token (rewards/transcript.py)
+    # transcript budget in tokens, estimated as UTF-8 bytes / chars_per_token (rewards/transcript.py)
+    max_tokens: int = 1000
     chars_per_token: float = 4.0  # the estimate's ratio: about 4 for hosted models' tokenizers, under 2 for a tiny BPE
-    output: str = "json_schema"  # "json_schema": response_format (OpenAI, vLLM, SGLang); "choice": vLLM's structured_outputs
+    # "json_schema": response_format (OpenAI, vLLM, SGLang); "choice": vLLM's structured_outputs
+    output: str = "json_schema"
     reason_chars: int = 0  # 0: the judge answers a score only; > 0: also a reason of about this many characters
     # JSON grammars allow any whitespace between tokens, and a weak judge at temperature 0 can emit newlines until
     # max_tokens (the tiny model cut every answer at '{"score"\n\n...'); an OpenAI-standard frequency penalty of 1
     # ended every such run in tests/integration/test_judge.py. 0 leaves the judge's distribution untouched
     frequency_penalty: float = 1.0
     concurrency: int = 2  # judge requests in flight at once
-    retries: int = 2  # retries within a request of a timeout, connection error, 429 or 5xx (never other 4xx), with backoff
+    # retries within a request of a timeout, connection error, 429 or 5xx (never other 4xx), with backoff
+    retries: int = 2
     backoff_s: float = 0.5  # wait before the first retry, doubled for each next one
-    budget_s: float = 60.0  # judge time per builder pass; sessions past it are recorded "budget" and retried on a later pass
+    # judge time per builder pass; sessions past it are recorded "budget" and retried on a later pass
+    budget_s: float = 60.0
     max_calls: int = 0  # judge requests per pass (0: no limit); sessions past it as for budget_s
     max_attempts: int = 3  # passes a session whose judge failed retryably (timeout, 429/5xx, budget) is tried on
     retry_after_s: float = 60.0  # a failed session is tried again on a pass this long later, doubled per failed attempt
@@ -202,14 +206,17 @@ def _check_number(where: str, name: str, value: Any, lo: float | None = None, hi
         raise RewardConfigError(f"{where}.{name}: must be <= {hi}, got {value}")
 
 
-def _check_task_types(task_types: dict[str, TaskType], outcomes: dict[str, OutcomeKind], rubrics: dict[str, Rubric]) -> None:
+def _check_task_types(task_types: dict[str, TaskType], outcomes: dict[str, OutcomeKind],
+                      rubrics: dict[str, Rubric]) -> None:
     for name, t in task_types.items():
         for kind in t.wait_for:
             if kind not in outcomes:
-                raise RewardConfigError(f"task_types.{name}.wait_for: outcome kind {kind!r} has no [outcomes.{kind}] table")
+                raise RewardConfigError(f"task_types.{name}.wait_for: outcome kind {kind!r} has no "
+                                        f"[outcomes.{kind}] table")
         for kind in t.turn_kinds:
             if kind not in outcomes:
-                raise RewardConfigError(f"task_types.{name}.turn_kinds: outcome kind {kind!r} has no [outcomes.{kind}] table")
+                raise RewardConfigError(f"task_types.{name}.turn_kinds: outcome kind {kind!r} has no "
+                                        f"[outcomes.{kind}] table")
             if kind in t.wait_for:
                 raise RewardConfigError(f"task_types.{name}: {kind!r} is in both wait_for and turn_kinds (a turn check "
                                         "is about one call, label 1 waits for session outcomes)")
@@ -253,7 +260,8 @@ def _with_base(doc: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
         raise RewardConfigError(f"{source}: extends {base_name!r}, which extends another file (one level only)")
 
     def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()}}
+        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                        for k, v in b.items()}}
 
     return merge(base, doc), base_text
 
@@ -270,7 +278,8 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
     if unknown:
         raise RewardConfigError(f"{source}: unknown table(s) {unknown}; known: {sorted(known)}")
 
-    outcomes = {name: _build(OutcomeKind, t, f"outcomes.{name}", name=name) for name, t in doc.get("outcomes", {}).items()}
+    outcomes = {name: _build(OutcomeKind, t, f"outcomes.{name}", name=name)
+                for name, t in doc.get("outcomes", {}).items()}
     for name, k in outcomes.items():
         where = f"outcomes.{name}"
         _check_number(where, "weight", k.weight)
@@ -280,13 +289,15 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
         if not isinstance(k.missing, str):
             _check_number(where, "missing", k.missing)
         if (k.if_true is None) != (k.if_false is None):
-            raise RewardConfigError(f"{where}: if_true and if_false go together (got if_true={k.if_true}, if_false={k.if_false})")
+            raise RewardConfigError(f"{where}: if_true and if_false go together (got if_true={k.if_true}, "
+                                    f"if_false={k.if_false})")
 
     rubrics = {name: _build(Rubric, t, f"rubrics.{name}", name=name) for name, t in doc.get("rubrics", {}).items()}
     if "default" not in rubrics:
         rubrics["default"] = Rubric("default", "1", "Rate how well the assistant completed the user's task.")
 
-    task_types = {name: _build(TaskType, t, f"task_types.{name}", name=name) for name, t in doc.get("task_types", {}).items()}
+    task_types = {name: _build(TaskType, t, f"task_types.{name}", name=name)
+                  for name, t in doc.get("task_types", {}).items()}
     task_types.setdefault("default", TaskType("default"))
     _check_task_types(task_types, outcomes, rubrics)
     judge = _build(JudgeSettings, doc.get("judge", {}), "judge")
@@ -297,7 +308,8 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
     if parl.anneal_clock not in ANNEAL_CLOCKS:
         raise RewardConfigError(f"parl.anneal_clock: {parl.anneal_clock!r} is not one of {ANNEAL_CLOCKS}")
     if parl.anneal_end <= parl.anneal_start:
-        raise RewardConfigError(f"parl.anneal_end ({parl.anneal_end}) must be > parl.anneal_start ({parl.anneal_start})")
+        raise RewardConfigError(f"parl.anneal_end ({parl.anneal_end}) must be > parl.anneal_start "
+                                f"({parl.anneal_start})")
     penalties = _build(PenaltySettings, doc.get("penalties", {}), "penalties")
     _check_number("penalties", "malformed_tool_call", penalties.malformed_tool_call, hi=0)
     _check_number("penalties", "harmful_prune", penalties.harmful_prune, hi=0)
@@ -307,7 +319,8 @@ def parse(text: str, source: str = "<string>") -> RewardConfig:
     max_window = max((k.window_s for k in outcomes.values()), default=0.0)
     if join.relabel_horizon_s < max_window:
         raise RewardConfigError(
-            f"join.relabel_horizon_s ({join.relabel_horizon_s}) must be >= the longest outcomes.*.window_s ({max_window})"
+            f"join.relabel_horizon_s ({join.relabel_horizon_s}) must be >= the longest outcomes.*.window_s "
+            f"({max_window})"
         )
     return RewardConfig(outcomes, task_types, rubrics, judge, parl, penalties, join, source,
                         hashlib.sha256((base_text + text).encode()).hexdigest()[:16])

@@ -89,6 +89,7 @@ def response_schema(reason_chars: int) -> dict[str, Any]:
 
 def request_body(text: str, rubric: Rubric, model: str, settings: JudgeSettings) -> dict[str, Any]:
     """The chat request's keyword arguments for `client.chat.completions.create`."""
+    extra: dict[str, Any]
     if settings.output == "choice":
         answer, extra = ANSWER_CHOICE, {"extra_body": {"structured_outputs": {"choice": CHOICES}}}
         max_tokens = 2
@@ -101,7 +102,8 @@ def request_body(text: str, rubric: Rubric, model: str, settings: JudgeSettings)
         # {"score": 5} is under 16 tokens in any tokenizer, plus room for whitespace the grammar allows (see
         # JudgeSettings.frequency_penalty); a reason costs at most a token per character
         max_tokens = 32 + settings.reason_chars + 8 * bool(settings.reason_chars)
-    return {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "frequency_penalty": settings.frequency_penalty,
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
+            "frequency_penalty": settings.frequency_penalty,
             "messages": [{"role": "system", "content": SYSTEM.format(answer=answer, rubric=rubric.text)},
                          {"role": "user", "content": text}], **extra}
 
@@ -212,7 +214,8 @@ class Judge:
             return hit
         body = request_body(text, rubric, self.model, self.settings)
         t0 = time.perf_counter()
-        resp, status, attempts = with_retries(lambda: self.client.chat.completions.create(**body), self.settings.retries,
+        resp, status, attempts = with_retries(lambda: self.client.chat.completions.create(**body),
+                                              self.settings.retries,
                                               self.settings.backoff_s, deadline or time.monotonic() + 3600.0)
         self._count(calls=attempts)
         latency = time.perf_counter() - t0

@@ -37,7 +37,8 @@ def sampled(session_id: str, rate: float) -> bool:
     return schema.session_sampled(session_id, rate, salt="judge:")
 
 
-def judge_detail(rewards: RewardConfig, model: str, task: TaskType, result: JudgeResult | None) -> dict[str, Any] | None:
+def judge_detail(rewards: RewardConfig, model: str, task: TaskType,
+                 result: JudgeResult | None) -> dict[str, Any] | None:
     """reward_detail.judge of a row: status, score, the judge version that scored it and the weight in force."""
     if result is None:
         return None
@@ -90,7 +91,7 @@ def judge_pass(sessions: list[SessionEvents], queue: list[dict[str, Any]], rewar
     due = due_retries(queue, clock)
     old = {rec["session_id"]: (rec, _queued(rewards, judge.model, rec)) for rec in due}
     ask: dict[str, tuple[str, Rubric]] = {}
-    for key, text, rubric, *_ in [*new.values(), *(q for _, q in old.values() if q is not None)]:
+    for key, text, rubric in [item[:3] for item in new.values()] + [q for _, q in old.values() if q is not None]:
         if key not in memo:
             ask[key] = (text, rubric)
     for key, result in judge.score_many(ask, deadline, cfg.max_calls).items():
@@ -99,8 +100,8 @@ def judge_pass(sessions: list[SessionEvents], queue: list[dict[str, Any]], rewar
     for sid, (key, text, _, task_type) in new.items():
         out.judged[sid] = JudgeResult(*memo[key])
         if out.judged[sid].retryable:
-            rec = {"session_id": sid, "task_type": task_type, "text": text}
-            out.queue.append(_queue_entry(rec, int(memo[key][1] != "budget"), memo[key][1], clock, cfg.retry_after_s))
+            entry = {"session_id": sid, "task_type": task_type, "text": text}
+            out.queue.append(_queue_entry(entry, int(memo[key][1] != "budget"), memo[key][1], clock, cfg.retry_after_s))
     for sid, (rec, q) in old.items():
         result = JudgeResult(*memo[q[0]]) if q is not None else JudgeResult(None, "error: judge off")
         attempts = rec["attempts"] + (result.status != "budget")

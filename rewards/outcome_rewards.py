@@ -28,7 +28,8 @@ def latest_per_kind(outcomes: Iterable[dict[str, Any]]) -> dict[str, dict[str, A
     return out
 
 
-def score_outcomes(cfg: RewardConfig, task: TaskType, outcomes: Iterable[dict[str, Any]], window_closed: bool) -> OutcomeScore:
+def score_outcomes(cfg: RewardConfig, task: TaskType, outcomes: Iterable[dict[str, Any]],
+                   window_closed: bool) -> OutcomeScore:
     """r_outcome of a session from its (de-duplicated) outcomes.
 
     `window_closed` says whether the waited-for kinds that are absent count as missing (their
@@ -62,7 +63,8 @@ def score_outcomes(cfg: RewardConfig, task: TaskType, outcomes: Iterable[dict[st
     return OutcomeScore(total, drop, detail)
 
 
-def label_due(cfg: RewardConfig, task: TaskType, kinds_present: set[str], end_ts: dt.datetime, now: dt.datetime) -> tuple[bool, bool]:
+def label_due(cfg: RewardConfig, task: TaskType, kinds_present: set[str], end_ts: dt.datetime,
+              now: dt.datetime) -> tuple[bool, bool]:
     """(due, window_closed) for label 1 of an ended session.
 
     Due when every waited-for kind is in, or when the longest window among the missing ones has

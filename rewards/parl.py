@@ -6,9 +6,9 @@ r_parallel rewards instantiating sub-agents, capped so spawning more than `paral
 nothing more: min(n_spawned, cap) / cap. r_finish is the fraction of spawned sub-agents whose
 part a check verified (an outcome about the child, `finish_kind`), so spawning without solving is
 not rewarded ("spurious parallelism"); a child's own "finished ok" claim earns nothing. Shaping
-is off (`enabled = false`) where the harness, not the policy, decides to spawn. Both lambdas anneal linearly to exactly 0, so late training optimises the
-outcome alone. Two clocks (`anneal_clock`): "policy_version", the newest policy version of the
-session's own llm_calls (known from the events, identical on every re-run of the builder), or
+is off (`enabled = false`) where the harness, not the policy, decides to spawn. Both lambdas anneal linearly to exactly
+0, so late training optimises the outcome alone. Two clocks (`anneal_clock`): "policy_version", the newest policy
+version of the session's own llm_calls (known from the events, identical on every re-run of the builder), or
 "learner_step": the builder writes the terms at their full lambdas and the learner scales them by
 anneal(1, its step, ...) when it trains the row (learner/data.py shaping_scale), so the terms are
 exactly zero from the learner's configured step on, whatever version served the session.
@@ -125,7 +125,8 @@ def spawn_decisions(s: SessionEvents) -> dict[str, list[dict[str, Any]]]:
 
 
 def spurious_spawns(spawns: Iterable[dict[str, Any]]) -> int:
-    """Sub-agents of one decision whose sub-task was empty or the same (case and spacing aside) as an earlier sibling's."""
+    """Sub-agents of one decision whose sub-task was empty or the same (case and spacing aside)
+    as an earlier sibling's."""
     seen: set[str] = set()
     n = 0
     for e in spawns:
@@ -205,7 +206,8 @@ def parl_stats(s: SessionEvents, cfg: ParlSettings, outcomes: Iterable[dict[str,
     )
 
 
-def malformed_penalties(s: SessionEvents, penalty: float, made: dict[str, ToolTurn] | None = None) -> tuple[dict[str, float], int]:
+def malformed_penalties(s: SessionEvents, penalty: float,
+                        made: dict[str, ToolTurn] | None = None) -> tuple[dict[str, float], int]:
     """event_id of an llm_call -> its penalty (<= 0), and the number of malformed tool calls.
 
     A malformed tool call is charged to the llm_call that produced it, as turns.turns assigns calls

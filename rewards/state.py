@@ -6,7 +6,8 @@
     <state_dir>/gen-<pass>/pending.parquet events of sessions not yet emitted (lake event schema)
     <state_dir>/intent.json              the plan of the pass in flight: its input range, clock and first row seq
     <state_dir>/intent-judge.json        the judge answers of the pass in flight, written before its episode file
-    <state_dir>/segments/seg-<pass>.parquet  index of emitted sessions (label, episode file, outcomes, event ids), immutable
+    <state_dir>/segments/seg-<pass>.parquet  index of emitted sessions (label, episode file, outcomes, event ids),
+                                         immutable
     <state_dir>/LOCK                     flock held by the one builder using this state; holds its pid
 
 Crash safety: a pass first writes its intent (input range = cursor after, `now`, first row

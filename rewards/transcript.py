@@ -56,7 +56,8 @@ def _event_turn(e: dict[str, Any]) -> TranscriptStep | None:
     kind = e["type"]
     if kind == "llm_call":
         text = e.get("completion_text")
-        return TranscriptStep("[assistant]", text if text is not None else f"(text not logged: {len(e.get('completion_token_ids') or [])} tokens)")
+        return TranscriptStep("[assistant]", text if text is not None
+                              else f"(text not logged: {len(e.get('completion_token_ids') or [])} tokens)")
     if kind == "tool_call":
         bad = " MALFORMED" if e.get("malformed") else ""
         return TranscriptStep(f"[tool call{bad}] {_short(e.get('name') or '?')}({_short(e.get('arguments') or '')})")
@@ -123,8 +124,9 @@ def fit(request: TranscriptStep, turns: list[TranscriptStep], max_tokens: int, c
             shown[i], left = full, left - extra
             continue
         if left > 8:
-            shown[i] = turns[i].header + "\n" + _tail(turns[i].body, left - tokens(turns[i].header, chars_per_token) - 1,
-                                                       chars_per_token) if turns[i].body else shown.get(i, "")
+            shown[i] = turns[i].header + "\n" + _tail(turns[i].body,
+                                                      left - tokens(turns[i].header, chars_per_token) - 1,
+                                                      chars_per_token) if turns[i].body else shown.get(i, "")
         break
     out = [req]
     omitted = sum(1 for i in range(len(turns)) if not shown.get(i))

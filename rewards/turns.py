@@ -51,7 +51,8 @@ class TurnCredit:
 
 
 def turns(s: SessionEvents) -> dict[str, ToolTurn]:
-    """event_id of each llm_call -> the tool calls it produced (the calls its agent logged after it, before its next call)."""
+    """event_id of each llm_call -> the tool calls it produced (the calls its agent logged after it,
+    before its next call)."""
     out: dict[str, ToolTurn] = {}
     for evs in s.agents.values():
         last: str | None = None
@@ -77,7 +78,7 @@ def _add(t: ToolTurn, call: dict[str, Any]) -> ToolTurn:
         at = at if isinstance(at, int) and at >= 0 else None
         if t.malformed and (at is None or t.malformed_token is None):
             at = None  # one call of the turn charges the whole reply: so does the turn
-        elif t.malformed:
+        elif t.malformed and at is not None and t.malformed_token is not None:
             at = min(at, t.malformed_token)
         return ToolTurn(t.calls, t.malformed + 1, at)
     if not call.get("call_id"):

@@ -73,24 +73,27 @@ class GateRule:
 
     RECIPE_SECTION: ClassVar[str] = "gate"  # `flywheel promote --recipe tool_use` reads the recipe's [gate]
 
-    alpha: float = setting(0.05, "error rate of each one-sided sequential test (false promotion, false rejection, false rollback)")
+    alpha: float = setting(0.05, "error rate of each one-sided sequential test (false promotion, false rejection, "
+                                 "false rollback)")
     tau: float = setting(0.1, "scale of the mSPRT's mixture over effect sizes, in outcome units: the test is most "
                               "sensitive to differences of about this size (0.1: ten points of success)")
-    margin: float = setting(0.0, "non-inferiority margin: promote when the challenger is better than the champion minus "
-                                 "this (0: it must be better)")
-    min_sessions: int = setting(30, "sessions each side needs before the first look (the normal approximation needs some)")
+    margin: float = setting(0.0, "non-inferiority margin: promote when the challenger is better than the champion "
+                                 "minus this (0: it must be better)")
+    min_sessions: int = setting(30, "sessions each side needs before the first look (the normal "
+                                    "approximation needs some)")
     max_sessions: int = setting(1000, "challenger sessions after which an undecided challenger expires (not promoted)")
     maturity_s: float = setting(60.0, "seconds after a session ends before it counts: its outcome window has closed")
     outcome_kind: str = setting("task_success", "the outcome kind the gate compares (a session's latest value of it)")
-    error_statuses: list[str] = setting(list(ERROR_STATUSES), "session_end statuses that mean an infrastructure error: excluded, counted apart")
+    error_statuses: list[str] = setting(list(ERROR_STATUSES), "session_end statuses that mean an infrastructure error: "
+                                                              "excluded, counted apart")
     strata_weights: dict[str, float] = setting({}, "fixed task-type mix, e.g. tool_use.add=0.3,tool_use.weather=0.7 "
                                                    "(empty: each type's share of both arms' sessions)")
     test: Test = setting("msprt", "the promotion test: msprt (always valid at every look, no planned size) or "
                                  "group-sequential (looks planned at max_sessions * k / looks sessions a side, alpha "
                                  "spent across them: more power at the planned size; serving/decision.py says when)")
     looks: int = setting(3, "group-sequential: planned looks, equally spaced in sessions per side up to max_sessions")
-    spending: Spending = setting("obf", "group-sequential: the alpha-spending function, obf (O'Brien-Fleming type: most power "
-                                   "at the last look) or pocock (stops sooner on large effects)")
+    spending: Spending = setting("obf", "group-sequential: the alpha-spending function, obf (O'Brien-Fleming type: "
+                                   "most power at the last look) or pocock (stops sooner on large effects)")
 
     def check(self) -> None:
         self.check_rule()
@@ -116,7 +119,8 @@ class GateRule:
                 raise ConfigError(f"looks: {self.looks} must be >= 1")
             if self.look_sizes()[0] < self.min_sessions:
                 raise ConfigError(f"looks ({self.looks}) and max_sessions ({self.max_sessions}): the first look at "
-                                  f"{self.look_sizes()[0]} sessions a side comes before min_sessions ({self.min_sessions})")
+                                  f"{self.look_sizes()[0]} sessions a side comes before min_sessions "
+                                  f"({self.min_sessions})")
 
     def look_sizes(self) -> list[int]:
         """Group-sequential: sessions per side at each planned look, the last at max_sessions."""
@@ -124,7 +128,8 @@ class GateRule:
 
     def bounds(self) -> tuple[float, ...]:
         """Group-sequential: each look's z boundary (either direction), from the spending function."""
-        return group_sequential_bounds(tuple(n / self.max_sessions for n in self.look_sizes()), self.alpha, self.spending)
+        return group_sequential_bounds(tuple(n / self.max_sessions for n in self.look_sizes()), self.alpha,
+                                       self.spending)
 
 
 @dataclass
@@ -139,7 +144,8 @@ class Evidence:
     # side reads the first n of each, so a later round replays an earlier look exactly
     order_a: list[tuple[str, float]] = field(default_factory=list)
     order_b: list[tuple[str, float]] = field(default_factory=list)
-    _first: dict[int, tuple[dict[str, Moments], dict[str, Moments]]] = field(default_factory=dict, repr=False, compare=False)
+    _first: dict[int, tuple[dict[str, Moments], dict[str, Moments]]] = field(default_factory=dict, repr=False,
+                                                                              compare=False)
 
     @property
     def n_a(self) -> int:
@@ -246,7 +252,8 @@ def _decide_group_sequential(ev: Evidence, rule: GateRule) -> Verdict:
         text = (f"look {k} of {len(sizes)} at {n} sessions a side: challenger {e.mean_b:.3f} vs champion "
                 f"{e.mean_a:.3f}, diff {e.diff:+.3f} +- {1.96 * math.sqrt(e.var):.3f}")
         if look.worse:
-            return Verdict("reject", f"worse: {text}; z {look.z_worse:.2f} >= {look.bound:.2f}", _gs_numbers(ev, look, rule))
+            return Verdict("reject", f"worse: {text}; z {look.z_worse:.2f} >= {look.bound:.2f}",
+                           _gs_numbers(ev, look, rule))
         if look.better:
             return Verdict("promote", f"better{'' if not rule.margin else f' than champion - {rule.margin}'}: {text}; "
                            f"z {look.z_better:.2f} >= {look.bound:.2f}", _gs_numbers(ev, look, rule))
@@ -257,7 +264,8 @@ def _decide_group_sequential(ev: Evidence, rule: GateRule) -> Verdict:
         # the champion's side never reached the last look: the cap keeps a challenger from holding for ever
         return Verdict("expire", f"the champion had {ev.n_a} concurrent sessions after the challenger's {ev.n_b}: the "
                        f"last look ({sizes[-1]} a side) was not reached", numbers)
-    reached = f"look {last.look}: z {last.z_better:.2f} (better) / {last.z_worse:.2f} (worse) < {last.bound:.2f}; " if last else ""
+    reached = (f"look {last.look}: z {last.z_better:.2f} (better) / {last.z_worse:.2f} (worse) < {last.bound:.2f}; "
+               if last else "")
     return Verdict("hold", f"undecided: {reached}next look at {next(n for n in sizes if n > min(ev.n_a, ev.n_b))} "
                    f"sessions a side (champion {ev.n_a}, challenger {ev.n_b})", numbers)
 
@@ -281,8 +289,8 @@ def decide(ev: Evidence, rule: GateRule) -> Verdict:
     errors = _error_test(ev, rule)
     if errors is not None and errors.better:  # "better" here: a higher error rate on the challenger's side
         return Verdict("reject", f"more sessions ended in an error: challenger {ev.excluded.get('errored_b', 0)} of "
-                       f"{errors.estimate.n_b}, champion {ev.excluded.get('errored_a', 0)} of {errors.estimate.n_a}; log LR "
-                       f"{errors.log_lr_better:.2f} >= {errors.threshold:.2f}", _numbers(ev, None, rule))
+                       f"{errors.estimate.n_b}, champion {ev.excluded.get('errored_a', 0)} of {errors.estimate.n_a}; "
+                       f"log LR {errors.log_lr_better:.2f} >= {errors.threshold:.2f}", _numbers(ev, None, rule))
     if ev.n_a < rule.min_sessions or ev.n_b < rule.min_sessions:
         # the cap first: a champion with no concurrent sessions must not keep a challenger on hold for ever
         action = "expire" if ev.n_b >= rule.max_sessions else "hold"

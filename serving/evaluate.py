@@ -12,6 +12,7 @@ score from when it was loaded is the one the gate compares against.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -67,6 +68,10 @@ def _first_int(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
+def _is_int(text: str, want: int) -> bool:
+    return _first_int(text) == want
+
+
 def arithmetic_tasks(n: int = 64, seed: int = 0) -> list[EvalTask]:
     """The default set: "a+b" with one-digit operands; correct when the first integer of the reply is the sum."""
     rng = random.Random(seed)
@@ -74,7 +79,7 @@ def arithmetic_tasks(n: int = 64, seed: int = 0) -> list[EvalTask]:
     for i in range(n):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         tasks.append(EvalTask(f"add-{i}", [{"role": "user", "content": f"{a}+{b}="}],
-                              lambda text, want=a + b: _first_int(text) == want, max_tokens=6))
+                              functools.partial(_is_int, want=a + b), max_tokens=6))
     return tasks
 
 

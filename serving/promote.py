@@ -58,15 +58,18 @@ log = logging.getLogger(__name__)
 class PromoteConfig(TierConfig, GateRule):
     """Champion/challenger gate over concurrent production sessions (lake) and an offline eval set (vLLM)."""
 
-    lake_root: str = setting(defaults.LAKE_ROOT, "trajectory lake root (sessions are read from <root>/events and /outcomes)")
-    eval_tasks: str = setting("flywheel.serving.evaluate:arithmetic_tasks", "offline eval set: module:function returning EvalTasks")
+    lake_root: str = setting(defaults.LAKE_ROOT, "trajectory lake root (sessions are read from <root>/events "
+                                                 "and /outcomes)")
+    eval_tasks: str = setting("flywheel.serving.evaluate:arithmetic_tasks", "offline eval set: module:function "
+                                                                            "returning EvalTasks")
     require_offline_eval: bool = setting(True, "hold the promotion when a side has no offline score")
     experiment: str = setting("flywheel-promotion", "MLflow experiment receiving one run per decision")
     auto: bool = setting(False, "loop: gate every interval_s and roll back a regressed champion")
     auto_rollback: bool = setting(True, "with --auto, roll back a champion significantly worse than the control arm")
     interval_s: float = setting(30.0, "seconds between rounds with --auto")
     rounds: int = setting(0, "with --auto, stop after this many rounds (0: until SIGTERM)")
-    var_dir: str = setting(defaults.VAR_DIR, "local state folder; the heartbeat goes to <var_dir>/run/status/promote.json")
+    var_dir: str = setting(defaults.VAR_DIR, "local state folder; the heartbeat goes to "
+                                             "<var_dir>/run/status/promote.json")
     metrics_port: int = setting(0, "Prometheus endpoint http://0.0.0.0:<port>/metrics (0: off; e.g. 9104)")
 
     def check(self) -> None:
@@ -139,7 +142,8 @@ def offline_score(registry: Registry, version: int, kind: str, cfg: PromoteConfi
         return cached
     place = where_served(version, kind, cfg)
     if place is None:
-        raise evaluate.EvalUnavailable(f"policy-v{version} ({kind}) is not served by any server and has no cached score")
+        raise evaluate.EvalUnavailable(f"policy-v{version} ({kind}) is not served by any server and has no "
+                                       "cached score")
     score = evaluate.run_eval(tasks, place[0], place[1], cfg.eval_tasks, timeout=cfg.http_timeout_s)
     _store_score(registry, version, score)
     return score
@@ -157,8 +161,8 @@ def _offline_veto(offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str |
         numbers.update({"offline_champion": off.mean_a, "offline_challenger": off.mean_b, "offline_n_champion": off.n_a,
                         "offline_n_challenger": off.n_b, "offline_p_worse": off.p_worse})
         if off.p_worse < cfg.alpha:
-            return "reject", (f"offline eval regressed: {chal_s.successes}/{chal_s.n} vs {champ_s.successes}/{champ_s.n} "
-                              f"(p={off.p_worse:.4f} < {cfg.alpha})")
+            return "reject", (f"offline eval regressed: {chal_s.successes}/{chal_s.n} vs "
+                              f"{champ_s.successes}/{champ_s.n} (p={off.p_worse:.4f} < {cfg.alpha})")
         return None
     if cfg.require_offline_eval:
         return "hold", f"better online, but no offline eval: {offline}"
@@ -172,8 +176,8 @@ def gate_round(champion: int, challenger: int | None, records: list[SessionRecor
     none; `champion_since`: when the champion became champion (only sessions from then on are concurrent with it)."""
     if challenger is None or challenger == champion:
         return Decision("none", "no challenger", champion, None)
-    ev = concurrent(records, (champion, "champion"), (challenger, "challenger"), time.time() if now is None else now, cfg,
-                    since=champion_since)
+    ev = concurrent(records, (champion, "champion"), (challenger, "challenger"), time.time() if now is None else now,
+                    cfg, since=champion_since)
     verdict: Verdict = decide_online(ev, cfg)
     numbers = {("online_" + k): v for k, v in verdict.numbers.items()}
     if verdict.action == "promote":
@@ -279,7 +283,8 @@ def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | 
             client.log_metric(run_id, key, float(value))
     client.set_terminated(run_id)
     if decision.challenger is not None and decision.action in ("promote", "reject", "expire", "hold"):
-        registry.tag_version(decision.challenger, {"gate_decision": decision.action, "gate_reason": decision.reason[:4000],
+        registry.tag_version(decision.challenger, {"gate_decision": decision.action,
+                                                   "gate_reason": decision.reason[:4000],
                                                    "gate_ts": decision.ts, "gate_run_id": run_id})
     elif decision.action == "rollback":
         registry.tag_version(decision.champion, {"gate_rollback_run_id": run_id, "gate_rollback_ts": decision.ts})
@@ -322,7 +327,8 @@ def rollback_to_served(registry: Registry, tier: TierConfig) -> int | None:
 def show(decision: Decision, console: Any) -> None:
     from rich.table import Table
 
-    colour = {"promote": "green", "reject": "red", "expire": "red", "rollback": "red", "hold": "yellow"}.get(decision.action, "white")
+    colour = {"promote": "green", "reject": "red", "expire": "red", "rollback": "red",
+              "hold": "yellow"}.get(decision.action, "white")
     table = Table(title=f"gate: [{colour}]{decision.action}[/{colour}]  champion policy-v{decision.champion}"
                         + (f", challenger policy-v{decision.challenger}" if decision.challenger is not None else ""))
     table.add_column("measure")
@@ -370,7 +376,8 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
     if challenger is not None and not missing and len(scores) == 2:
         offline = (scores[champion], scores[challenger.policy_version])
     since = _champion_since(registry, champion)
-    decision = gate_round(champion, challenger.policy_version if challenger else None, records, offline, cfg, now, since)
+    decision = gate_round(champion, challenger.policy_version if challenger else None,
+                          records, offline, cfg, now, since)
     apply(decision, registry, cfg)
     record(decision, cfg, registry)
     decisions = [decision]
@@ -393,8 +400,9 @@ class GateMetrics:
 
     def __init__(self) -> None:
         self.metrics = m = Metrics("promote")
-        self.decisions = m.counter("gate", "decisions", "decisions by action: promote, reject, expire, hold (challenger "
-                                   "test), rollback, keep (champion vs control), none (no challenger, failed round)",
+        self.decisions = m.counter("gate", "decisions", "decisions by action: promote, reject, expire, hold "
+                                   "(challenger test), rollback, keep (champion vs control), none (no challenger, "
+                                   "failed round)",
                                    labels=("action",))
         for action in ACTIONS:  # present at 0 from the start, so rate() sees the first one
             self.decisions.labels(action)
@@ -490,7 +498,8 @@ def rollback_main(argv: list[str] | None = None) -> int:
     target = rollback_to_served(registry, cfg)
     if target is None:
         return 1
-    decision = Decision("rollback", "manual rollback (flywheel rollback)", current if current is not None else 0, target)
+    decision = Decision("rollback", "manual rollback (flywheel rollback)", current if current is not None else 0,
+                        target)
     record(decision, cfg, registry)
     Console().print(f"rollback: champion policy-v{current} -> policy-v{target}; the router follows within "
                     f"{cfg.alias_refresh_s:.0f} s")
@@ -528,7 +537,8 @@ def print_status(console: Any, cfg: PromoteConfig | None = None) -> None:
         table.add_column(column, justify="right" if column in ("share", "sessions", cfg.outcome_kind) else "left")
     for version in sorted(set(versions) | set(rewards) | {champion}):
         rv = versions.get(version)
-        alias = ",".join(a for a, v in aliases.items() if v == version) or ("champion (base)" if version == champion else "")
+        alias = (",".join(a for a, v in aliases.items() if v == version)
+                 or ("champion (base)" if version == champion else ""))
         if cfg.control_share > 0 and version == cfg.control_version:
             alias = ",".join(x for x in (alias, "control") if x)
         mean, low, high = mean_ci(rewards.get(version, []))
@@ -536,7 +546,8 @@ def print_status(console: Any, cfg: PromoteConfig | None = None) -> None:
                       f"{shares[version]:.0%}" if version in shares else "",
                       str(len(rewards.get(version, []))), "" if math.isnan(mean) else f"{mean:.3f}",
                       "" if math.isnan(low) else f"[{low:.3f}, {high:.3f}]",
-                      (rv.tags.get("gate_decision", "") if rv else "") + (" rolled back" if rv and rv.tags.get("rolled_back") else ""))
+                      (rv.tags.get("gate_decision", "") if rv else "")
+                      + (" rolled back" if rv and rv.tags.get("rolled_back") else ""))
     console.print(table)
 
 

@@ -103,16 +103,21 @@ class ProxyConfig:
     router: str = setting("static", "static (every session -> static_model) or serving (serving.router.Router)")
     static_model: str = setting(version_name(0), "served model name for the static router")
     static_policy_version: int = setting(0, "policy version for the static router")
-    idle_timeout_s: float = setting(300.0, "a session started through the proxy ends (idle_timeout) after this long without requests")
+    idle_timeout_s: float = setting(300.0, "a session started through the proxy ends (idle_timeout) after this long "
+                                           "without requests")
     log_completion_text: bool = setting(True, "log the completion text (redacted) next to the token ids")
     log_prompt_text: bool = setting(False, "log the rendered prompt text (redacted); token ids are always logged")
     upstream_timeout_s: float = setting(600.0, "longest a forwarded request may take")
-    wire_format: str = setting("packed", "how llm_calls travel (ingest/wire.py): packed (schema v3, token ids as base64 "
-                               "int32) or json (v2, for a lake writer older than v3)")
-    spool_name: str = setting("proxy", "name of the SDK's spill spool (<FLYWHEEL_SPOOL_DIR or state dir>/<name>@<topic>), stable so a restart replays it")
+    wire_format: str = setting("packed", "how llm_calls travel (ingest/wire.py): packed (schema v3, token ids as "
+                               "base64 int32) or json (v2, for a lake writer older than v3)")
+    spool_name: str = setting("proxy",
+                              "name of the SDK's spill spool (<FLYWHEEL_SPOOL_DIR or state dir>/<name>@<topic>), "
+                              "stable so a restart replays it")
     journal: bool = setting(True, "write each logged call to a local journal before answering, so a SIGKILL of the "
-                            "proxy loses no call it answered (beside the spool: <root>/../journal/<spool_name>@<topic>)")
-    heartbeat_s: float = setting(5.0, "how often the status heartbeat (var/run/status/proxy*.json) is written; 0: never")
+                            "proxy loses no call it answered (beside the spool: "
+                            "<root>/../journal/<spool_name>@<topic>)")
+    heartbeat_s: float = setting(5.0, "how often the status heartbeat (var/run/status/proxy*.json) is "
+                                      "written; 0: never")
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
@@ -293,14 +298,16 @@ class CaptureProxy:
             Reading("counter", "upstream", "errors", "routing failures, upstream non-200s and broken upstreams",
                     c["upstream_errors"]),
             Reading("counter", "bad", "requests", "requests answered 400 (body not a JSON object)", c["bad_requests"]),
-            Reading("counter", "idle_ended", "sessions", "started sessions ended by idle_timeout_s", c["idle_timeouts"]),
+            Reading("counter", "idle_ended", "sessions", "started sessions ended by idle_timeout_s",
+                    c["idle_timeouts"]),
             Reading("gauge", "open", "sessions", "sessions seen within idle_timeout_s", len(self.sessions)),
             Reading("counter", "sdk_sent", "records", "events the SDK delivered to Kafka", sdk.get("sent", 0)),
             Reading("counter", "sdk_dropped", "records", "events the SDK dropped (queue or spool full)",
                     sdk.get("dropped", 0)),
             Reading("gauge", "sdk_spool", "records", "events spilled to disk, waiting for the broker",
                     sdk.get("spool_records", 0)),
-            Reading("gauge", "sdk_broker", "down", "1 while the SDK finds Kafka unreachable", bool(sdk.get("broker_down"))),
+            Reading("gauge", "sdk_broker", "down", "1 while the SDK finds Kafka unreachable",
+                    bool(sdk.get("broker_down"))),
         ]
 
     async def chat(self, request: Any) -> Any:
@@ -378,7 +385,8 @@ class CaptureProxy:
         after = await self._loaded_version(routed)
         if call.version_before is None or after != call.version_before:
             self.counters["version_ambiguous"] += 1
-            log.warning("proxy: session %s: %s held policy-v%s before and policy-v%s after the call; llm_call not logged",
+            log.warning("proxy: session %s: %s held policy-v%s before and policy-v%s after the call; "
+                        "llm_call not logged",
                         call.session_id, routed.server, call.version_before, after)
             call.session_id = None  # nothing is logged for it
         else:
@@ -393,7 +401,8 @@ class CaptureProxy:
             if resp.status != 200:
                 self.counters["upstream_errors"] += 1
                 return web.Response(status=resp.status, body=await resp.read(), content_type=resp.content_type)
-            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            out = web.StreamResponse(status=200,
+                                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await out.prepare(request)
             complete = False
             try:
@@ -419,7 +428,8 @@ class CaptureProxy:
                     await out.write(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode())
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self.counters["upstream_errors"] += 1
-                log.warning("proxy: upstream stream from %s broke (%s); the agent's stream ends here, nothing logged", url, exc)
+                log.warning("proxy: upstream stream from %s broke (%s); the agent's stream ends here, nothing logged",
+                            url, exc)
                 return out
             except ConnectionResetError:
                 # The agent went away mid-stream. Tokens it never received are not its behaviour, but a
@@ -544,8 +554,9 @@ class CaptureProxy:
                 continue
             session.llm_call(
                 model=call.model, policy_version=call.policy_version, prompt_token_ids=prompt,
-                completion_token_ids=completion, completion_logprobs=logprobs, finish_reason=call.finish.get(i),
-                latency_s=latency, sampling=call.sampling or None, group_id=group, request_id=call.response_id, arm=call.arm,
+                completion_token_ids=completion, completion_logprobs=[float(x) for x in logprobs if x is not None],
+                finish_reason=call.finish.get(i), latency_s=latency, sampling=call.sampling or None, group_id=group,
+                request_id=call.response_id, arm=call.arm,
                 prompt_text=call.prompt_text if self.cfg.log_prompt_text else None,
                 completion_text="".join(call.texts.get(i, [])) if self.cfg.log_completion_text else None,
             )
@@ -580,7 +591,8 @@ def _drop(obj: dict[str, Any], key: str, streaming: bool) -> None:
 def _error(status: int, message: str) -> Any:
     from aiohttp import web
 
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status)
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
+                             status=status)
 
 
 def make_app(proxy: CaptureProxy) -> Any:
@@ -620,10 +632,11 @@ def run(cfg: ProxyConfig) -> int:
     from aiohttp import web
 
     route, router_state = build_route(cfg)
-    log.info("proxy: routing with %s (%s)", cfg.router, route("") if cfg.router == "static" else "flywheel.serving.router.Router")
+    log.info("proxy: routing with %s (%s)", cfg.router,
+             route("") if cfg.router == "static" else "flywheel.serving.router.Router")
     journal = default_journal_dir(cfg.spool_name, cfg.events_topic) if cfg.journal else None
-    logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name, wire_format=cfg.wire_format,
-                           journal_dir=journal)
+    logger = SessionLogger(cfg.kafka_bootstrap, topic=cfg.events_topic, name=cfg.spool_name,
+                           wire_format=cfg.wire_format, journal_dir=journal)
     log.info("proxy: logging llm_call events to %s on %s", cfg.events_topic, cfg.kafka_bootstrap)
     proxy = CaptureProxy(cfg, logger, route, router_state)
     log.info("proxy: listening on http://%s:%d/v1, forwarding to %s", cfg.host, cfg.port, cfg.upstream)

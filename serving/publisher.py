@@ -33,7 +33,8 @@ The learner hands over a finished directory (docs/CONTRIBUTING.md, "Policy versi
    adds gate_run_id, the run of the decision. It then points the `challenger` alias at it.
 
 A server that fails keeps its old version; the others are still updated, and PublishError lists
-each failure. The requests themselves are flywheel.serving.vllm_client's. Run by hand: `flywheel publish var/policies/policy-v3`.
+each failure. The requests themselves are flywheel.serving.vllm_client's. Run by hand:
+`flywheel publish var/policies/policy-v3`.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def _check_lora(path: Path, tier: TierConfig) -> None:
 def tied_config(config: dict[str, Any]) -> bool:
     """A model config (config.json) that shares one matrix between input embeddings and output head (a
     multimodal config may say so in its text_config; transformers writes the key, Qwen2 and Llama default to False)."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text: dict[str, Any] = config["text_config"] if isinstance(config.get("text_config"), dict) else {}
     return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
 
 
@@ -187,9 +188,9 @@ def tied_head_problem(path: Path, equal: bool = True) -> str | None:
         return None
     shapes = _tensor_shapes(path / "model.safetensors", check_finite=False)
     if HEAD_KEY not in shapes or EMBED_KEY not in shapes:
-        return (f"{path}: tied embeddings but model.safetensors lacks {HEAD_KEY if EMBED_KEY in shapes else EMBED_KEY}; "
-                f"vLLM's in-place reload would keep the old output head. Add it with "
-                f"flywheel.learner.model.write_tied_head({str(path)!r})")
+        return (f"{path}: tied embeddings but model.safetensors lacks "
+                f"{HEAD_KEY if EMBED_KEY in shapes else EMBED_KEY}; vLLM's in-place reload would keep the old output "
+                f"head. Add it with flywheel.learner.model.write_tied_head({str(path)!r})")
     if equal:
         import torch
         from safetensors import safe_open
@@ -228,7 +229,8 @@ def load_version(version_dir: Path | str, tier: TierConfig | None = None) -> Pol
     meta = _read_json(path / "policy.json")
     version, kind = meta.get("policy_version"), meta.get("kind")
     if not isinstance(version, int) or isinstance(version, bool) or version <= 0:
-        raise PublishError(f"{path}/policy.json: policy_version={version!r} must be a positive integer (0 is the base model)")
+        raise PublishError(f"{path}/policy.json: policy_version={version!r} must be a positive integer (0 is "
+                           "the base model)")
     named = parse_version(path.name)
     if named is not None and named != version:
         raise PublishError(f"{path}: directory name says version {named}, policy.json says {version}")
@@ -303,9 +305,11 @@ def reload_full(server: str, path: Path | str, version: int, timeout: float = 60
 
     The one sequence every full-weight load goes through (publish, restore, the demo's start, the
     tests' restores): reload_weights, then reset_prefix_cache (else cached prefixes decode on the old
-    weights' KV; vllm_client.reset_prefix_cache says why), then update_weight_version (what the router and the gate read). It does not pause:
-    a caller with traffic in flight pauses around it (push_full_http), an idle caller need not.
-    A tied model's directory without lm_head.weight is refused first (tied_head_problem): the server keeps what it had.
+    weights' KV; vllm_client.reset_prefix_cache says why), then update_weight_version (what the router
+    and the gate read). It does not pause: a caller with traffic in flight pauses around it
+    (push_full_http), an idle caller need not.
+    A tied model's directory without lm_head.weight is refused first (tied_head_problem): the server
+    keeps what it had.
     """
     if (Path(path) / "config.json").is_file():  # without one the server's own refusal says more
         try:
@@ -383,7 +387,8 @@ def push_full_nccl(server: str, pv: PolicyVersion, tier: TierConfig, master_port
     if not torch.cuda.is_available():
         raise vllm_client.ServerError("transport nccl needs a CUDA device in the publishing process")
     world = vllm_client.world_size(server, tier.http_timeout_s)
-    model = AutoModelForCausalLM.from_pretrained(str(pv.path), torch_dtype="auto").cuda()
+    # transformers' stub of .cuda
+    model = AutoModelForCausalLM.from_pretrained(str(pv.path), dtype="auto").cuda()  # type: ignore[call-arg]
     client = HTTPVLLMWeightSyncClient(server, timeout=tier.http_timeout_s)
     init = NCCLTrainerInitInfo(master_address=socket.gethostbyname(socket.gethostname()), master_port=master_port,
                                world_size=1 + world, rank=0)
@@ -561,9 +566,9 @@ def _full_servers(pv: PolicyVersion, tier: TierConfig, view: RegistryView, resul
     if not targets and tier.replace_live:
         targets = [s for s, v in held.items() if v is not None]
     if not targets:
-        raise PublishError(f"{pv.name}: no server is free: the servers hold {held} and the live versions {sorted(live)} "
-                           "keep one each; a full-weight tier needs a server per live version (champion, challenger, "
-                           "control); add a server, or set replace_live for a one-server tier")
+        raise PublishError(f"{pv.name}: no server is free: the servers hold {held} and the live versions "
+                           f"{sorted(live)} keep one each; a full-weight tier needs a server per live version "
+                           "(champion, challenger, control); add a server, or set replace_live for a one-server tier")
     return targets
 
 
@@ -587,8 +592,8 @@ def publish(version_dir: Path | str, tier: TierConfig | None = None, *, register
         register_version(pv, tier, view, result, challenger, artifact_source)
     if result.failed:
         failures = "; ".join(f"{s}: {why}" for s, why in result.failed.items())
-        raise PublishError(f"{pv.name} failed on {len(result.failed)} of {len(set(servers) | set(result.failed))} server(s), which keep "
-                           f"their old version: {failures}")
+        raise PublishError(f"{pv.name} failed on {len(result.failed)} of {len(set(servers) | set(result.failed))} "
+                           f"server(s), which keep their old version: {failures}")
     return result
 
 

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 HISTORY_TAG = "champion_history"
-VERSION_TAGS = ("policy_version", "kind", "base_model", "learner_step", "data_window", "parent_version", "learner_run_id")
+VERSION_TAGS = ("policy_version", "kind", "base_model", "learner_step", "data_window", "parent_version",
+                "learner_run_id")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ so every call of one session goes to one version):
   challenger  `challenger_share` of all sessions while there is a challenger;
   champion    the rest.
 The arm is logged on every llm_call (the capture proxy takes it from the Route), so the gate and the
-report compare versions only on sessions served at the same time. Aliases are read from the MLflow registry and cached for
-`alias_refresh_s` seconds, so a promotion or rollback re-routes within seconds. No champion yet
+report compare versions only on sessions served at the same time. Aliases are read from the MLflow registry and cached
+for `alias_refresh_s` seconds, so a promotion or rollback re-routes within seconds. No champion yet
 means the base model, policy-v0. An unreadable registry keeps the last known aliases (the proxy in
 front of production traffic must not fail because MLflow hiccuped).
 
@@ -221,7 +221,8 @@ class Router:
         actual = self._loaded.get(server, 0)
         if actual != slot.version and (slot.version, actual) not in self._warned:
             self._warned.add((slot.version, actual))  # once per mismatch, not once per request
-            log.warning("router: no server holds full policy-v%d for the %s; %s serves policy-v%d and is logged as such",
+            log.warning("router: no server holds full policy-v%d for the %s; %s serves policy-v%d and is "
+                        "logged as such",
                         slot.version, arm, server, actual)
         return Route(self.tier.base_served_name, actual, "full", arm, server)
 
@@ -238,6 +239,6 @@ def shares(tier: TierConfig, champion: int, challenger: int | None) -> dict[int,
     has_challenger = challenger is not None and challenger != champion
     out[tier.control_version] = out.get(tier.control_version, 0.0) + control
     out[champion] = out.get(champion, 0.0) + 1.0 - control - (tier.challenger_share if has_challenger else 0.0)
-    if has_challenger:
+    if has_challenger and challenger is not None:
         out[challenger] = out.get(challenger, 0.0) + tier.challenger_share
     return {v: s for v, s in out.items() if s > 0}

@@ -156,7 +156,8 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
         version = int(vmin) if vmin is not None and vmin == vmax else None
         out.append(SessionRecord(str(sid), task_type or "unknown", version, arm_value if (arms or 0) <= 1 else None,
                                  epoch(start) or 0.0, epoch(end), status,
-                                 float(value) if value is not None and math.isfinite(value) else None, epoch(outcome_ts)))
+                                 float(value) if value is not None and math.isfinite(value) else None,
+                                 epoch(outcome_ts)))
     return out
 
 

@@ -53,8 +53,8 @@ def two_proportions(success_a: int, n_a: int, success_b: int, n_b: int) -> Compa
         return Comparison(n_a, n_b, p_a, p_b, diff, 0.0, 0.5, 0.5, "two-proportion-z")
     z = diff / se
     # the normal cdf and survival function through erfc: exact, and no scipy on this path
-    return Comparison(n_a, n_b, p_a, p_b, diff, z, 0.5 * math.erfc(-z / math.sqrt(2)), 0.5 * math.erfc(z / math.sqrt(2)),
-                      "two-proportion-z")
+    return Comparison(n_a, n_b, p_a, p_b, diff, z, 0.5 * math.erfc(-z / math.sqrt(2)),
+                      0.5 * math.erfc(z / math.sqrt(2)), "two-proportion-z")
 
 
 def p_better(success_a: int, n_a: int, success_b: int, n_b: int) -> float:
@@ -95,7 +95,8 @@ class Moments:
     graded: int = 0  # values strictly between 0 and 1 (a share of parts right, not a pass/fail)
 
     def add(self, value: float) -> "Moments":
-        return Moments(self.n + 1, self.total + value, self.squares + value * value, self.graded + int(0.0 < value < 1.0))
+        return Moments(self.n + 1, self.total + value, self.squares + value * value,
+                       self.graded + int(0.0 < value < 1.0))
 
     @staticmethod
     def of(values: list[float]) -> "Moments":
@@ -174,7 +175,8 @@ def msprt_log_lr(diff: float, var: float, theta0: float, tau: float) -> float:
 
     The estimate diff ~ N(theta, var); the alternative theta = theta0 + delta mixes delta over a
     half-normal of scale tau (delta > 0). Integrating the Gaussian likelihood ratio gives
-        Lambda = 2 sqrt(var / (var + tau^2)) Phi(x tau / sqrt(var (var + tau^2))) exp(tau^2 x^2 / (2 var (var + tau^2))),
+        Lambda = 2 sqrt(var / (var + tau^2)) Phi(x tau / sqrt(var (var + tau^2)))
+                 exp(tau^2 x^2 / (2 var (var + tau^2))),
     x = diff - theta0. Seen as a process over the growing sample (information 1/var), every mixture
     component is a non-negative martingale under theta = theta0 (a supermartingale below it), so by
     Ville's inequality P(Lambda ever reaches 1/alpha) <= alpha: the test stays valid however often
@@ -271,7 +273,8 @@ def group_sequential_bounds(fractions: tuple[float, ...], alpha: float, spending
     import numpy as np
     from scipy.stats import norm
 
-    assert fractions and 0.0 < fractions[0] and all(a < b for a, b in zip(fractions, fractions[1:])) and fractions[-1] <= 1.0, \
+    assert (fractions and 0.0 < fractions[0] and all(a < b for a, b in zip(fractions, fractions[1:]))
+            and fractions[-1] <= 1.0), \
         f"group_sequential_bounds: fractions must increase within (0, 1], got {fractions}"
     h = 0.004
     x = np.arange(-10.0, 10.0 + h / 2, h)  # the score S = Z sqrt(t); |S| < 10 covers t <= 1 to 1e-20
@@ -334,4 +337,5 @@ def group_sequential_look(a: dict[str, Moments], b: dict[str, Moments], look: in
     if est is None:
         return None
     se = math.sqrt(est.var)
-    return GroupSequentialLook(est, margin, look, len(bounds), (est.diff + margin) / se, -est.diff / se, bounds[look - 1])
+    return GroupSequentialLook(est, margin, look, len(bounds), (est.diff + margin) / se, -est.diff / se,
+                               bounds[look - 1])

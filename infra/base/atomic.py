@@ -59,7 +59,7 @@ def publish(tmp: str | Path, final: str | Path, durability: Durability) -> None:
         fsync_path(final.parent)
 
 
-def write_with(path: str | Path, write: Callable[[Path], None], durability: Durability) -> Path:
+def write_with(path: str | Path, write: Callable[[Path], object], durability: Durability) -> Path:
     """Call `write(temp)` to produce the file, then publish it as `path`. The temp is removed on error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

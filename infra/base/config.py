@@ -83,7 +83,10 @@ class ConfigError(ValueError):
 def setting(default: Any, help: str) -> Any:
     """A config field with its default and one line of help (mutable defaults are copied)."""
     if isinstance(default, (list, dict, set)):
-        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+        def copy() -> Any:
+            return type(default)(default)
+
+        return dataclasses.field(default_factory=copy, metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
 
 
@@ -161,12 +164,16 @@ def check_choices(cfg: Any) -> None:
     for name, tp in _hints(type(cfg)).items():
         base, optional = _base_type(tp)
         value = getattr(cfg, name, None)
-        if typing.get_origin(base) is Literal and not (optional and value is None) and value not in typing.get_args(base):
+        if (typing.get_origin(base) is Literal and not (optional and value is None)
+                and value not in typing.get_args(base)):
             raise ConfigError(f"{name}: {value!r} is not one of {typing.get_args(base)}")
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    assert f.default_factory is not dataclasses.MISSING, f"{f.name}: a config field needs a default"
+    return f.default_factory()
 
 
 def process_env_name(prog: str) -> str:
@@ -199,7 +206,8 @@ def _add_flags(parser: argparse.ArgumentParser, cls: type, shown: Any, process: 
         env = f"env {' or '.join(reversed(env_keys(f.name, process)))}" if not prefix else "no env: a section"
         choices = f"; one of {', '.join(map(str, typing.get_args(base)))}" if typing.get_origin(base) is Literal else ""
         help_text = f"{f.metadata.get('help', '')} (default: {default!r}{choices}; {env})"
-        help_text = help_text.replace("%", "%%")  # argparse %-formats help: "60% of traffic" broke `flywheel demo --help`
+        # argparse %-formats help: "60% of traffic" broke `flywheel demo --help`
+        help_text = help_text.replace("%", "%%")
         dest = prefix + f.name
         if base is bool:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -210,12 +218,14 @@ def _add_flags(parser: argparse.ArgumentParser, cls: type, shown: Any, process: 
 def build_parser(cls: type, prog: str, description: str, shown: Any = None) -> argparse.ArgumentParser:
     """The process's argparse parser; `shown` (an instance) gives the defaults the help prints (a recipe's)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", type=Path, default=None, help="TOML file with settings (flags and FLYWHEEL_* win over it)")
+    parser.add_argument("--config", type=Path, default=None, help="TOML file with settings (flags and FLYWHEEL_* "
+                                                                  "win over it)")
     if hasattr(cls, "RECIPE_SECTION"):
         where = f"its [{cls.RECIPE_SECTION}] table" if cls.RECIPE_SECTION else "all of it"
         parser.add_argument("--recipe", default=None,
                             help=f"tuned values, below --config: a name in infra/recipes ({', '.join(recipe_names())}) "
-                                 f"or a TOML path; this process reads {where}. With --help: the defaults shown are the recipe's")
+                                 f"or a TOML path; this process reads {where}. With --help: the defaults shown are "
+                                 "the recipe's")
     _add_flags(parser, cls, shown, process_env_name(prog))
     return parser
 
@@ -226,7 +236,7 @@ def check_env(names: set[str], env: typing.Mapping[str, str], process: str | Non
     flat_shared = {ENV_PREFIX + n.upper() for n in SHARED_FIELDS}
     unknown = sorted(k for k in env if own and k.startswith(own) and k[len(own):].lower() not in names
                      and k not in flat_shared and not k[len(ENV_PREFIX):].startswith(FOREIGN_PREFIXES))
-    if unknown:
+    if unknown and own:
         raise ConfigError(f"unknown environment variable(s) {unknown} for {process}; known: "
                           f"{sorted(own + n.upper() for n in names)}")
     flat = sorted(k for k in env if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() in names - SHARED_FIELDS
@@ -291,7 +301,8 @@ def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
     """`high` over `low`, table by table."""
     out = dict(low)
     for key, value in high.items():
-        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        out[key] = (_merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+                    else value)
     return out
 
 

@@ -42,16 +42,19 @@ T = TypeVar("T")
 class KafkaClientConfig:
     """Security and identity settings shared by every Kafka client of every process."""
 
-    security_protocol: str = setting("PLAINTEXT", f"how clients talk to brokers: one of {', '.join(SECURITY_PROTOCOLS)}")
+    security_protocol: str = setting("PLAINTEXT", "how clients talk to brokers: one of "
+                                                  f"{', '.join(SECURITY_PROTOCOLS)}")
     sasl_mechanism: str | None = setting(None, f"SASL mechanism with SASL_*: one of {', '.join(SASL_MECHANISMS)}")
     sasl_username: str | None = setting(None, "SASL user name (required with SASL_*)")
     # repr=False: a config printed in a log or a traceback must not carry the secret
     sasl_password: str | None = dataclasses.field(default=None, repr=False,
-                                                  metadata={"help": "SASL password (required with SASL_*; never logged)"})
+                                                  metadata={"help": "SASL password (required with SASL_*; "
+                                                                    "never logged)"})
     ssl_cafile: str | None = setting(None, "CA bundle (PEM) that signed the brokers' certificates; system CAs if unset")
     ssl_certfile: str | None = setting(None, "client certificate (PEM) for mutual TLS")
     ssl_keyfile: str | None = setting(None, "private key (PEM) of ssl_certfile")
-    client_id: str | None = setting(None, "client id prefix in broker logs and quotas (default: each process's own name)")
+    client_id: str | None = setting(None, "client id prefix in broker logs and quotas (default: each "
+                                          "process's own name)")
 
     def check(self) -> None:
         protocol = self.security_protocol
@@ -63,7 +66,8 @@ class KafkaClientConfig:
                 raise ConfigError(f"kafka.{', kafka.'.join(missing)}: required with security_protocol={protocol} "
                                   f"(env {', '.join(KAFKA_ENV_PREFIX + m.upper() for m in missing)})")
             if self.sasl_mechanism not in SASL_MECHANISMS:
-                raise ConfigError(f"kafka.sasl_mechanism: {self.sasl_mechanism!r} is not one of {list(SASL_MECHANISMS)}")
+                raise ConfigError(f"kafka.sasl_mechanism: {self.sasl_mechanism!r} is not one of "
+                                  f"{list(SASL_MECHANISMS)}")
         else:
             stray = [name for name in _SASL_FIELDS if getattr(self, name)]
             if stray:
@@ -213,7 +217,7 @@ def recover_lost_join(consumer: Any) -> bool:
     task = getattr(coordinator, "_join_task", None)
     if task is None or not getattr(task, "is_done", False):
         return False
-    if str(getattr(coordinator, "state", "")) != "<rebalancing>" or coordinator.need_rejoin():
+    if coordinator is None or str(getattr(coordinator, "state", "")) != "<rebalancing>" or coordinator.need_rejoin():
         return False
     coordinator.request_rejoin()
     return True

@@ -76,13 +76,17 @@ class AgentSimConfig:
     max_turns: int = setting(3, "model replies allowed per part")
     max_tokens: int = setting(40, "max_tokens per model call (a tool call is about 20-30 tokens)")
     temperature: float = setting(1.0, "sampling temperature (1.0: the policy's own distribution, what RL needs)")
-    scenario: str = setting("tool_use", "tool_use (tasks.py's sessions) or swarm (infra/demo/swarm.py: the policy decides "
-                                        "to spawn sub-agents, summarise or prune its context)")
-    swarm_long_share: float = setting(0.4, "swarm: share of long multi-turn sessions (the rest are multi-part requests)")
-    swarm_context_budget_chars: int = setting(260, "swarm: history size (chars) past which a long session's model call is refused")
-    context_budget_chars: int = setting(150, "history length (chars) past which the agent summarises failed attempts (two failed calls exceed it)")
+    scenario: str = setting("tool_use", "tool_use (tasks.py's sessions) or swarm (infra/demo/swarm.py: the policy "
+                                        "decides to spawn sub-agents, summarise or prune its context)")
+    swarm_long_share: float = setting(0.4, "swarm: share of long multi-turn sessions (the rest are "
+                                           "multi-part requests)")
+    swarm_context_budget_chars: int = setting(260, "swarm: history size (chars) past which a long session's model "
+                                                   "call is refused")
+    context_budget_chars: int = setting(150, "history length (chars) past which the agent summarises failed attempts "
+                                             "(two failed calls exceed it)")
     handoff: Path = setting(DEFAULT_HANDOFF, "JSONL file finished sessions are appended to (the verifier reads it)")
-    tokenizer: str = setting(defaults.BASE_MODEL_DIR, "model dir whose tokenizer.json counts context-edit tokens ('' = estimate)")
+    tokenizer: str = setting(defaults.BASE_MODEL_DIR, "model dir whose tokenizer.json counts context-edit tokens "
+                                                      "('' = estimate)")
     request_timeout_s: float = setting(120.0, "timeout of one model call")
     seed: int = setting(0, "seed of the task stream (0: random)")
     durable_handoff: bool = setting(False, "hand a session off only once an SDK flush confirmed its events reached "
@@ -317,7 +321,8 @@ class AgentSim:
                 return
             malformed = turn.parsed.kind == "malformed_call"
             self.counts.add("malformed_calls" if malformed else "tool_calls")
-            call_id = agent.tool_call(turn.parsed.tool or "unparsed", turn.parsed.arguments, malformed=malformed or None)
+            call_id = agent.tool_call(turn.parsed.tool or "unparsed", turn.parsed.arguments,
+                                      malformed=malformed or None)
             agent.tool_result(call_id, ok=bool(turn.tool_ok), output=turn.tool_output, name=turn.parsed.tool)
             pending[call_id] = turn.tool_output or ""
             if not malformed:
@@ -382,7 +387,8 @@ class AgentSim:
                 # independent parts: one sub-agent each, in parallel (what PARL rewards)
                 children = [session.spawn_subagent(subtask=p.text) for p in spec.parts]
                 self.counts.add("subagents", len(children))
-                futures = [self.sub_pool.submit(self._solve, p, c, spec.task_type) for p, c in zip(spec.parts, children)]
+                futures = [self.sub_pool.submit(self._solve, p, c, spec.task_type)
+                           for p, c in zip(spec.parts, children)]
                 for child, fut in zip(children, futures):
                     try:
                         answer, checked = fut.result()
@@ -451,7 +457,8 @@ class AgentSim:
         return fields
 
     def run(self) -> dict[str, Any]:
-        workers = [threading.Thread(target=self._worker, name=f"agent-{i}", daemon=True) for i in range(self.cfg.concurrency)]
+        workers = [threading.Thread(target=self._worker, name=f"agent-{i}", daemon=True)
+                   for i in range(self.cfg.concurrency)]
         for w in workers:
             w.start()
         last = 0.0

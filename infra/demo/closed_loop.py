@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from flywheel.base.atomic import Durability, write_json
 from flywheel.base.config import load_config, setup_logging, write_resolved
@@ -135,6 +135,7 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
         return {}
     record_path = Path(cfg.warm_model) / "warm_start.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    build: Callable[[Path, Path], dict[str, Any]]
     if cfg.scenario == "swarm":  # its own policy-v0: the tools' format taught on a minority of demonstrations
         from flywheel.demo import swarm
 
@@ -195,9 +196,11 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
     from flywheel.serving.stats import wilson
 
     agent = statuses.get("agent-sim", {})
-    top = Table(title=f"flywheel demo: {elapsed / 60:.1f} / {total / 60:.0f} min of traffic{': ' + phase if phase else ''}",
+    top = Table(title=f"flywheel demo: {elapsed / 60:.1f} / {total / 60:.0f} min of "
+                      f"traffic{': ' + phase if phase else ''}",
                 expand=True)
-    for col in ("sessions", "sessions/s", "lake files (ev/out/epi)", "episodes", "learner step", "policy version", "gate"):
+    for col in ("sessions", "sessions/s", "lake files (ev/out/epi)", "episodes", "learner step", "policy version",
+                "gate"):
         top.add_column(col)
     learner = statuses.get("learner", {})
     promote = statuses.get("promote", {})
@@ -213,13 +216,15 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
     total_sessions = sum(n for n, _ in success.values()) or 1
     for v, (n, s) in sorted(success.items()):
         lo, hi = wilson(s, n)
-        versions.add_row(version_name(v), str(n), f"{n / total_sessions:.0%}", f"{s / max(1, n):.1%}", f"{lo:.0%}-{hi:.0%}")
+        versions.add_row(version_name(v), str(n), f"{n / total_sessions:.0%}", f"{s / max(1, n):.1%}",
+                         f"{lo:.0%}-{hi:.0%}")
     procs = Table(title="processes (heartbeats)", expand=True)
     procs.add_column("process")
     procs.add_column("state")
     procs.add_column("details", overflow="fold")
     for name, record in sorted(statuses.items()):
-        details = ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("name", "updated", "stale", "pid") and not isinstance(v, dict))
+        details = ", ".join(f"{k}={v}" for k, v in record.items()
+                            if k not in ("name", "updated", "stale", "pid") and not isinstance(v, dict))
         procs.add_row(name, "[red]stale[/red]" if record.get("stale") else "up", details[:160])
     return Group(top, versions, procs)
 
@@ -309,7 +314,8 @@ class Traffic:
         dead = [(n, rc) for n, rc in procs.dead() if n != "agent-sim"]
         if dead:
             name, rc = dead[0]
-            raise RuntimeError(f"{name} exited with status {rc} during the run; last lines of its log:\n{procs.tail(name)}")
+            raise RuntimeError(f"{name} exited with status {rc} during the run; last lines of its "
+                               f"log:\n{procs.tail(name)}")
         if time.time() >= self.traffic_ends_at():
             procs.stop("agent-sim")  # SIGTERM: it finishes the sessions in flight
             return False
@@ -360,8 +366,10 @@ def ready_models(cfg: DemoConfig) -> dict[str, Any]:
 def start_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[Any, list[str], Endpoints]:
     """The stack with this run's topics; returns its config, the parts started here and where it all listens."""
     scfg, started = ensure_stack(cfg, list(plan.topics.values()))
-    log.info("demo: stack up (started here: %s); vLLM serves %s as policy-v0", ", ".join(started) or "nothing", policy_v0(cfg))
-    ends = Endpoints(kafka_bootstrap=scfg.kafka_bootstrap, vllm_url=scfg.vllm_url, tracking_uri=scfg.mlflow_tracking_uri,
+    log.info("demo: stack up (started here: %s); vLLM serves %s as policy-v0", ", ".join(started) or "nothing",
+             policy_v0(cfg))
+    ends = Endpoints(kafka_bootstrap=scfg.kafka_bootstrap, vllm_url=scfg.vllm_url,
+                     tracking_uri=scfg.mlflow_tracking_uri,
                      proxy_port=_free_port(), vllm_urls=scfg.vllm_urls)
     return scfg, started, ends
 
@@ -415,7 +423,8 @@ def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, wa
     """Write the report, show it, and print summary.json as the last line."""
     from flywheel.demo import report
 
-    context = {"run_id": plan.run_id, "minutes": cfg.minutes, "started": time.strftime("%H:%M:%S", time.gmtime(started_at)),
+    context = {"run_id": plan.run_id, "minutes": cfg.minutes,
+               "started": time.strftime("%H:%M:%S", time.gmtime(started_at)),
                "ended": time.strftime("%H:%M:%S", time.gmtime()), "total_s": round(time.time() - t_setup, 1),
                "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}
     summary = report.write_run_report(cfg.report_dir, cfg, plan, ends.tracking_uri, context, final_since(plan),
@@ -478,7 +487,7 @@ def _wait_for_proxy(port: int, procs: Processes, timeout_s: float = 60.0) -> Non
                 return
         except OSError:
             if procs.procs["proxy"].poll() is not None:
-                raise RuntimeError(f"proxy exited during start-up:\n{procs.tail('proxy')}")
+                raise RuntimeError(f"proxy exited during start-up:\n{procs.tail('proxy')}") from None
             time.sleep(0.5)
     raise RuntimeError(f"proxy on port {port} did not answer /health within {timeout_s:.0f}s")
 

@@ -136,7 +136,7 @@ def row(run: Run) -> str:
         base = _pct_n(s["control_final_success"], s.get("n_control_final"))
     else:  # no concurrent control in the final window: the whole run's policy-v0, said so
         base = _pct_n(s.get("base_success"), s.get("n_base")) + " whole run"
-    ci = s.get("lift_ci95")
+    ci = s.get("lift_ci95") or (float("nan"), float("nan"))
     lift = "n/a" if s.get("lift_points") is None else f"{s['lift_points']:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]"
     p = "n/a" if s.get("p_value_final") is None else f"{s['p_value_final']:.2g}"
     minutes = "n/a" if s.get("minutes") is None else f"{s['minutes']:g}"

@@ -20,6 +20,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flywheel.base import defaults
 from flywheel.base.atomic import Durability, publish
@@ -72,7 +73,8 @@ class ModelInitConfig:
             raise ConfigError("hidden_size must be a multiple of num_heads")
         if self.hidden_size // self.num_heads != 64:
             raise ConfigError(
-                f"hidden_size / num_heads = {self.hidden_size // self.num_heads}; vLLM's CPU attention needs head_dim 64"
+                f"hidden_size / num_heads = {self.hidden_size // self.num_heads}; vLLM's CPU attention "
+                "needs head_dim 64"
             )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("num_heads must be a multiple of num_kv_heads")
@@ -102,7 +104,8 @@ def _generated_corpus(n: int, rng: random.Random) -> list[str]:
             lines.append(f"{words} {a} + {b} = {a + b}; {a} * {b % 100} = {a * (b % 100)}")
         elif kind == 2:
             args = {rng.choice(_WORDS): rng.choice([rng.randint(0, 999), rng.choice(_WORDS)]) for _ in range(2)}
-            lines.append('<tool_call>{"name": "%s", "arguments": %s}</tool_call>' % (rng.choice(_WORDS), json.dumps(args)))
+            lines.append('<tool_call>{"name": "%s", "arguments": %s}</tool_call>'
+                         % (rng.choice(_WORDS), json.dumps(args)))
         else:
             lines.append(f"<|im_start|>user\n{words}<|im_end|>\n<|im_start|>assistant\n{words[::-1]}<|im_end|>")
     return lines
@@ -148,14 +151,14 @@ def build_tokenizer(cfg: ModelInitConfig, out: Path) -> "object":
     return fast
 
 
-def build_model(cfg: ModelInitConfig, tokenizer: "object", out: Path) -> int:
+def build_model(cfg: ModelInitConfig, tokenizer: Any, out: Path) -> int:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(cfg.seed)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
+    config = Qwen2Config(  # type: ignore[call-arg]  # the stub lags transformers' keyword arguments
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -183,7 +186,8 @@ def build_model(cfg: ModelInitConfig, tokenizer: "object", out: Path) -> int:
 
 
 def is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    return ((path / "config.json").is_file() and (path / "model.safetensors").is_file()
+            and (path / "tokenizer.json").is_file())
 
 
 def init_model(cfg: ModelInitConfig) -> Path:

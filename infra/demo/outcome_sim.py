@@ -74,7 +74,8 @@ class OutcomeSimConfig:
     """Simulated outcome sources: the verifier and the user, reading the agent's hand-off file."""
 
     handoff: Path = setting(DEFAULT_HANDOFF, "JSONL file of finished sessions written by agent-sim")
-    cursor: Path = setting(Path(defaults.VAR_DIR) / "run" / "outcome-sim" / "cursor.json", "byte offset into the hand-off file already handled")
+    cursor: Path = setting(Path(defaults.VAR_DIR) / "run" / "outcome-sim" / "cursor.json",
+                           "byte offset into the hand-off file already handled")
     kafka_bootstrap: str = setting(defaults.KAFKA_BOOTSTRAP, "Kafka for the outcomes")
     outcomes_topic: str = setting("flywheel.outcomes", "topic of the outcomes")
     verifier_delay_s: float = setting(2.0, "seconds after session end the verifier reports task_success")
@@ -83,7 +84,8 @@ class OutcomeSimConfig:
     user_delay_s_max: float = setting(40.0, "latest user reaction after session end, seconds")
     user_noise: float = setting(0.1, "probability the user's accept/reject disagrees with the verifier")
     poll_s: float = setting(0.25, "how often the hand-off file is read")
-    flush_timeout_s: float = setting(5.0, "how long a poll waits for Kafka to confirm what it sent (the cursor moves only after)")
+    flush_timeout_s: float = setting(5.0, "how long a poll waits for Kafka to confirm what it sent (the cursor "
+                                          "moves only after)")
     seed: int = setting(0, "seed of the user simulation (0: random, drawn once and kept in the cursor file)")
     var_dir: Path = setting(Path(defaults.VAR_DIR), "local state root; the heartbeat goes to <var_dir>/run/status/")
     status_name: str = setting("outcome-sim", "name of the heartbeat under var/run/status")
@@ -94,7 +96,8 @@ class OutcomeSimConfig:
         if not 0.0 <= self.user_share <= 1.0 or not 0.0 <= self.user_noise <= 1.0:
             raise ConfigError("user_share and user_noise must be in [0, 1]")
         if self.user_delay_s_min > self.user_delay_s_max:
-            raise ConfigError(f"user_delay_s_min ({self.user_delay_s_min}) must be <= user_delay_s_max ({self.user_delay_s_max})")
+            raise ConfigError(f"user_delay_s_min ({self.user_delay_s_min}) must be <= user_delay_s_max "
+                              f"({self.user_delay_s_max})")
         if self.verifier_delay_s < 0:
             raise ConfigError("verifier_delay_s must be >= 0")
         if self.flush_timeout_s <= 0:
@@ -158,7 +161,8 @@ def schedule(record: dict[str, Any], cfg: OutcomeSimConfig, rng: random.Random, 
                 for agent, value in sorted(mine.items())]
     for call_id, harmful in swarm.harmful_prunes(record, ok):  # swarm sessions: did a prune remove what was needed
         out.append(Due(checks_at, session_id, "prune_harmful", 1.0 if harmful else 0.0,
-                       "verifier", outcome_id(session_id, f"prune_harmful/{call_id}", "verifier"), line_end, None, call_id))
+                       "verifier", outcome_id(session_id, f"prune_harmful/{call_id}", "verifier"), line_end, None,
+                       call_id))
     if rng.random() < cfg.user_share:
         accepted = ok if rng.random() >= cfg.user_noise else not ok
         delay = rng.uniform(cfg.user_delay_s_min, cfg.user_delay_s_max)
@@ -468,7 +472,8 @@ def run(cfg: OutcomeSimConfig) -> int:
     c = sim.counts
     log.info("outcome-sim: stopped; %d sessions, %d task_success, %d accepted, %d bad lines; cursor at byte %d, "
              "%d outcomes still queued%s", c["sessions"], c["task_success"], c["accepted"], c["bad_lines"],
-             sim.progress.offset, len(sim.queue), "" if confirmed else ", the last batch unconfirmed (a restart re-sends it)")
+             sim.progress.offset, len(sim.queue),
+             "" if confirmed else ", the last batch unconfirmed (a restart re-sends it)")
     return 0
 
 

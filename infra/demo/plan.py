@@ -44,31 +44,37 @@ class DemoConfig:
     var_dir: Path = setting(Path(defaults.VAR_DIR), "state directory; the run lives under <var_dir>/demo/<run id>")
     report_dir: Path = setting(Path(defaults.VAR_DIR) / "report", "where report.md, the PNGs and summary.json go")
     base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "the tiny base model (built when missing)")
-    warm_model: Path = setting(Path("var/models/tiny-warm"), "the warm-started model vLLM serves as policy-v0 (built when missing)")
-    warm_start: bool = setting(True, "serve the warm-started model (False: serve base_model as it is; for quick loop tests)")
-    concurrency: int = setting(3, "agent sessions in flight (about what the learner keeps up with on 2 cores; more only starves it of CPU)")
-    multi_share: float = setting(0.1, "share of tasks split across two sub-agents (their rows share the session's reward, "
-                                      "which a sibling's failure zeroes: at 0.2 a third of the learner's rows were such)")
-    vllm_servers: int = setting(3, "one vLLM server per live version: control, champion, challenger (full weights: a new "
-                              "version goes only to a server no live version holds)")
-    control_share: float = setting(0.2, "share of sessions always served by policy-v0, for the whole run: the concurrent "
-                                        "baseline the final champion is measured against")
-    challenger_share: float = setting(0.4, "share of sessions the challenger gets while there is one (the champion gets the "
-                                           "rest: 0.4)")
+    warm_model: Path = setting(Path("var/models/tiny-warm"), "the warm-started model vLLM serves as policy-v0 (built "
+                                                             "when missing)")
+    warm_start: bool = setting(True, "serve the warm-started model (False: serve base_model as it is; for "
+                                     "quick loop tests)")
+    concurrency: int = setting(3, "agent sessions in flight (about what the learner keeps up with on 2 cores; more "
+                                  "only starves it of CPU)")
+    multi_share: float = setting(0.1, "share of tasks split across two sub-agents (their rows share the session's "
+                                      "reward, which a sibling's failure zeroes: at 0.2 a third of the learner's "
+                                      "rows were such)")
+    vllm_servers: int = setting(3, "one vLLM server per live version: control, champion, challenger (full weights: a "
+                              "new version goes only to a server no live version holds)")
+    control_share: float = setting(0.2, "share of sessions always served by policy-v0, for the whole run: the "
+                                        "concurrent baseline the final champion is measured against")
+    challenger_share: float = setting(0.4, "share of sessions the challenger gets while there is one (the champion "
+                                           "gets the rest: 0.4)")
     gate_interval_s: float = setting(10.0, "seconds between promotion-gate rounds (each version waits for a verdict)")
     base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
-    measure_s: float = setting(300.0, "the final window, the seconds of traffic at the end: the learner and the gate are stopped, "
-                                      "the challenger alias is cleared, and the champion and the control serve the "
-                                      "same sessions to be compared on")
+    measure_s: float = setting(300.0, "the final window, the seconds of traffic at the end: the learner and the gate "
+                                      "are stopped, the challenger alias is cleared, and the champion and the control "
+                                      "serve the same sessions to be compared on")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
-    keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop everything it started)")
+    keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop "
+                                      "everything it started)")
     live: bool = setting(True, "show the rich live view (off: a log line every 30 s)")
     run_id: str = setting("", "name of this run (default: demo-<utc time>)")
     load_policy_v0_weights: bool = setting(False, "start vLLM on base_model and load policy-v0's weights into it (same "
                                                   "architecture) instead of serving the warm model's folder: a shared "
                                                   "stack is not restarted (the swarm integration test)")
-    scenario: Scenario = setting("tool_use", "tool_use (the default loop) or swarm (infra/demo/swarm.py: the policy decides "
-                                             "to spawn sub-agents, summarise or prune; docs/swarm.md); set by the recipe")
+    scenario: Scenario = setting("tool_use", "tool_use (the default loop) or swarm (infra/demo/swarm.py: the policy "
+                                             "decides to spawn sub-agents, summarise or prune; docs/swarm.md); set "
+                                             "by the recipe")
     # The processes' own configs, from the recipe (infra/recipes/tool_use.toml unless --recipe names another):
     # the demo renders each child's command from them (to_flags), so `flywheel learner --recipe tool_use` is the
     # demo's learner and `--learner.lr` on the demo is `--lr` on the learner.
@@ -216,12 +222,14 @@ def episodes_command(run: RunPlan, ends: Endpoints | None = None) -> list[str]:
     # the shadow judge asks the first server: the publisher keeps policy-v0 (the control's) on the first holder
     judge = ["--judge-url", ends.vllm_url] if ends is not None else []
     return ["episodes", "--lake-root", str(run.lake_root), "--state-dir", str(run.run_dir / "episodes-state"),
-            "--follow", "--poll-interval-s", "2", "--var-dir", str(run.var_dir), "--rewards-toml", str(DEMO_REWARDS), *judge]
+            "--follow", "--poll-interval-s", "2", "--var-dir", str(run.var_dir), "--rewards-toml", str(DEMO_REWARDS),
+            *judge]
 
 
 def proxy_command(run: RunPlan, ends: Endpoints) -> list[str]:
     # the prompt text carries the user's request, which the shadow judge reads
-    return ["proxy", "--port", str(ends.proxy_port), "--upstream", ends.vllm_url, "--kafka-bootstrap", ends.kafka_bootstrap,
+    return ["proxy", "--port", str(ends.proxy_port), "--upstream", ends.vllm_url,
+            "--kafka-bootstrap", ends.kafka_bootstrap,
             "--events-topic", run.topics["events"], "--router", "serving", "--spool-name", f"{run.run_id}-proxy",
             "--log-prompt-text"]
 
@@ -245,7 +253,8 @@ def agent_sim_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[st
 def learner_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]:
     """The learner's own config (the recipe's, with the demo's changes), with this run's paths and endpoints."""
     learner = dataclasses.replace(
-        cfg.learner, lake_root=str(run.lake_root), base_model=str(policy_v0(cfg).resolve()), run_dir=str(run.learner_dir),
+        cfg.learner, lake_root=str(run.lake_root), base_model=str(policy_v0(cfg).resolve()),
+        run_dir=str(run.learner_dir),
         policies_dir=str(run.policies_dir), vllm_url=ends.vllm_url, registered_model=run.registered_model,
         mlflow_tracking_uri=ends.tracking_uri, experiment=f"{run.run_id}-learner", var_dir=str(run.var_dir))
     return ["learner", *to_flags(learner)]

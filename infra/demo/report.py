@@ -15,10 +15,10 @@ in an infrastructure error is excluded and counted apart; one without the verifi
 is unlabelled, not a failure. Success is task_success >= 0.5.
 
 The headline is the final window: measure_s seconds of traffic at the end, with the learner and the
-gate stopped and the proxy's router confirmed on the cleared challenger alias, so every non-control session goes to the final champion. Its sessions there (started
-after its promotion too) are compared with the control arm's in the same window, a sample the gate
-never saw when it chose the champion. The whole-run numbers (base_success, champion_success) are
-kept, with their definitions in report.md.
+gate stopped and the proxy's router confirmed on the cleared challenger alias, so every non-control session goes to the
+final champion. Its sessions there (started after its promotion too) are compared with the control arm's in the same
+window, a sample the gate never saw when it chose the champion. The whole-run numbers (base_success, champion_success)
+are kept, with their definitions in report.md.
 """
 
 from __future__ import annotations
@@ -176,8 +176,10 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
                        "WHERE epoch(ts) >= ? GROUP BY session_id", [since]).fetchall()
     con.unregister("ended_files")
     mtimes = _published_at(lake_root, "events")
-    for session_id, end_ts, file in ends:
+    for _session_id, end_ts, file in ends:
         end = epoch(end_ts)
+        if end is None:  # min(ts) of rows that have one: never None, but epoch() says it may be
+            continue
         facts.session_end_times.append(end)
         if file in mtimes:
             # visible in the lake = the moment its file was published (atomic rename)
@@ -193,13 +195,15 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
         emitted = _rows_with_file(lake_root, "episodes", episodes, ["last_outcome_ts", "emitted_ts"],
                                   ds.field("last_outcome_ts").is_valid())
         con.register("emitted_files", emitted)
-        rows = con.execute("SELECT last_outcome_ts, emitted_ts, filename FROM emitted_files WHERE epoch(emitted_ts) >= ?",
+        rows = con.execute("SELECT last_outcome_ts, emitted_ts, filename FROM emitted_files "
+                           "WHERE epoch(emitted_ts) >= ?",
                            [since]).fetchall()
         facts.episodes = len(rows)
         mtimes = _published_at(lake_root, "episodes")
         for last_outcome, emitted_ts, file in rows:
-            published = mtimes.get(file, epoch(emitted_ts))
-            facts.outcome_to_episode_s.append(max(0.0, published - epoch(last_outcome)))
+            published, outcome_at = mtimes.get(file, epoch(emitted_ts)), epoch(last_outcome)
+            if published is not None and outcome_at is not None:  # both columns are filtered valid above
+                facts.outcome_to_episode_s.append(max(0.0, published - outcome_at))
     return facts
 
 
@@ -298,7 +302,8 @@ def registry_facts(facts: Facts, tracking_uri: str, registered_model: str, polic
         facts.versions_published.append(version)
         policy_json = Path(policies_dir) / version_name(version) / "policy.json"
         try:
-            written = dt.datetime.fromisoformat(str(json.loads(policy_json.read_text())["created_ts"]).replace("Z", "+00:00")).timestamp()
+            written = dt.datetime.fromisoformat(
+                str(json.loads(policy_json.read_text())["created_ts"]).replace("Z", "+00:00")).timestamp()
             # registration happens after every server took the weights: written -> registered is trained -> served
             facts.trained_to_served_s.append(max(0.0, created - written))
         except (OSError, ValueError, KeyError):
@@ -341,7 +346,8 @@ def promotion_time(tags: dict[str, str]) -> float | None:
 # ---------------------------------------------------------------------------------------------
 # summary, plots, markdown
 # ---------------------------------------------------------------------------------------------
-def summarize(facts: Facts, min_sessions: int = 300, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
+def summarize(facts: Facts, min_sessions: int = 300,
+              error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
     """The whole run, per version: the base, the champion at the end and every version (defined in report.md)."""
     base = facts.by_version.get(0, VersionStats(0))
     champion_version = facts.champion  # the alias, or 0 when none is set; None only when the registry was unreadable
@@ -370,7 +376,8 @@ def summarize(facts: Facts, min_sessions: int = 300, error_statuses: tuple[str, 
         "p95_outcome_to_episode_s": _round(p95(facts.outcome_to_episode_s)),
         "p95_episode_to_trained_s": _round(p95(facts.episode_to_trained_s)),
         "p95_trained_to_served_s": _round(p95(facts.trained_to_served_s)),
-        "freshness_n": {"session_to_lake": len(facts.session_to_lake_s), "outcome_to_episode": len(facts.outcome_to_episode_s),
+        "freshness_n": {"session_to_lake": len(facts.session_to_lake_s),
+                        "outcome_to_episode": len(facts.outcome_to_episode_s),
                         "episode_to_trained": len(facts.episode_to_trained_s),
                         "trained_to_served": len(facts.trained_to_served_s)},
     }
@@ -418,9 +425,12 @@ def measurement(facts: Facts, final_since: float | None, control_version: int = 
     champ_sessions = select(facts, "champion", facts.champion, start)
     ctrl_sessions = select(facts, "control", control_version, start)
     champ, ctrl = count(champ_sessions, error_statuses), count(ctrl_sessions, error_statuses)
-    # every call of the window's sessions, errored and unlabelled ones too: the share is about the calls, not the outcomes
-    (out["malformed_share_champion_final"], out["n_calls_champion_final"]) = malformed_share(champ_sessions, facts.tool_calls)
-    (out["malformed_share_control_final"], out["n_calls_control_final"]) = malformed_share(ctrl_sessions, facts.tool_calls)
+    # every call of the window's sessions, errored and unlabelled ones too: the share is about the calls, not
+    # the outcomes
+    (out["malformed_share_champion_final"],
+     out["n_calls_champion_final"]) = malformed_share(champ_sessions, facts.tool_calls)
+    (out["malformed_share_control_final"],
+     out["n_calls_control_final"]) = malformed_share(ctrl_sessions, facts.tool_calls)
     out.update({"final_window_start": start,
                 "champion_final_success": _rate(champ), "n_champion_final": champ.n,
                 "n_champion_final_errored": champ.errored, "n_champion_final_unlabelled": champ.unlabelled,
@@ -436,7 +446,8 @@ def measurement(facts: Facts, final_since: float | None, control_version: int = 
 
 def lift_ci(success_b: int, n_b: int, success_a: int, n_a: int) -> tuple[float, float] | None:
     """95% interval of rate_b - rate_a: Newcombe's hybrid score interval (his method 10, Stat Med 1998), built from
-    the two Wilson intervals; unlike the Wald interval it stays sensible near 0 and 1 and at small n. None if a side is empty."""
+    the two Wilson intervals; unlike the Wald interval it stays sensible near 0 and 1 and at small n.
+    None if a side is empty."""
     if n_a == 0 or n_b == 0:
         return None
     p_a, p_b = success_a / n_a, success_b / n_b
@@ -470,7 +481,8 @@ def gate_scenario(facts: Facts, control_version: int, gate_interval_s: float, sh
     seconds = sum(span for _, span in spans)
     per_s = sum(n for n, _ in spans) / seconds if seconds > 0 else None
     challenger_share = (shares or {}).get("challenger", 0.0)
-    ratio = (1.0 - (shares or {}).get("control", 0.0) - challenger_share) / challenger_share if challenger_share > 0 else 1.0
+    ratio = ((1.0 - (shares or {}).get("control", 0.0) - challenger_share) / challenger_share
+             if challenger_share > 0 else 1.0)
     basis.update({"challenger_sessions_per_s": _round(per_s), "n_challenger": sum(n for n, _ in spans),
                   "challenger_seconds": round(seconds, 1)})
     scenario = {"rates": {t: round(sum(v) / len(v), 4) for t, v in sorted(by_type.items())},
@@ -481,12 +493,14 @@ def gate_scenario(facts: Facts, control_version: int, gate_interval_s: float, sh
 
 
 def gate_simulation(facts: Facts, rule: GateRule | None, control_version: int, gate_interval_s: float,
-                    shares: dict[str, float] | None, error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
+                    shares: dict[str, float] | None,
+                    error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
     """The gate's false-promotion rate at this run's traffic: its own rule on 2,000 simulated null challengers."""
     out: dict[str, Any] = {"gate_false_promotion_rate": None, "gate_sim_scenario": None, "gate_sim_basis": None,
                            "gate_alpha": rule.alpha if rule is not None else None,
                            "gate_test": rule.test if rule is not None else None,
-                           "gate_looks": rule.look_sizes() if rule is not None and rule.test == "group-sequential" else None}
+                           "gate_looks": (rule.look_sizes() if rule is not None and rule.test == "group-sequential"
+                                          else None)}
     if rule is None:
         return out
     if rule.outcome_kind != "task_success":
@@ -499,7 +513,8 @@ def gate_simulation(facts: Facts, rule: GateRule | None, control_version: int, g
     out["gate_sim_basis"] = basis
     if scenario is None or scenario["champion_ratio"] <= 0:
         log.warning("report: gate false-promotion rate not simulated (%s)",
-                    "no counted control-arm session" if scenario is None else f"shares {shares} leave the champion none")
+                    "no counted control-arm session" if scenario is None
+                    else f"shares {shares} leave the champion none")
         return out
     from flywheel.serving import gate_sim
 
@@ -532,8 +547,10 @@ def plots(facts: Facts, out_dir: Path, final_since: float | None = None,
         # wide enough for each bar's "n=..." label: at 7 inches 18 versions' labels ran into each other
         fig, ax = plt.subplots(figsize=(max(7.0, 0.65 * len(versions) + 1.5), 4))
         ax.bar([f"v{v}\nn={facts.by_version[v].sessions}" for v in versions], rates,
-               yerr=[[max(0.0, r - lo) for r, (lo, _) in zip(rates, cis)], [max(0.0, hi - r) for r, (_, hi) in zip(rates, cis)]],
-               capsize=4, color=["#888888" if v == 0 else ("#2a9d8f" if v == facts.champion else "#8ab6d6") for v in versions])
+               yerr=[[max(0.0, r - lo) for r, (lo, _) in zip(rates, cis)],
+                     [max(0.0, hi - r) for r, (_, hi) in zip(rates, cis)]],
+               capsize=4,
+               color=["#888888" if v == 0 else ("#2a9d8f" if v == facts.champion else "#8ab6d6") for v in versions])
         ax.set_ylabel("task success (95% CI)")
         ax.set_title("Success rate per policy version (production sessions)")
         fig.tight_layout()
@@ -543,12 +560,14 @@ def plots(facts: Facts, out_dir: Path, final_since: float | None = None,
     if arms_plot(facts, out_dir, final_since, error_statuses):
         written.append("arms.png")
     series = [("session end -> lake", facts.session_to_lake_s), ("outcome -> episode", facts.outcome_to_episode_s),
-              ("episode -> trained version", facts.episode_to_trained_s), ("trained -> served", facts.trained_to_served_s)]
+              ("episode -> trained version", facts.episode_to_trained_s),
+              ("trained -> served", facts.trained_to_served_s)]
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, values in series:
         if values:
             ordered = sorted(values)
-            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=f"{label} (p95 {p95(values):.1f}s)")
+            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))],
+                    label=f"{label} (p95 {p95(values):.1f}s)")
     ax.set_xscale("symlog")
     ax.set_xlabel("seconds")
     ax.set_ylabel("CDF")
@@ -590,7 +609,8 @@ def arms_plot(facts: Facts, out_dir: Path, final_since: float | None,
         cells: dict[int, list[int]] = {}
         for r in counted:
             if r.arm == arm:
-                cells.setdefault(min(bins - 1, int((r.started - t0) // width)), []).append(int((r.outcome or 0.0) >= 0.5))
+                cells.setdefault(min(bins - 1, int((r.started - t0) // width)), []).append(
+                    int((r.outcome or 0.0) >= 0.5))
         xs = sorted(cells)
         if not xs:
             continue
@@ -625,12 +645,13 @@ def _gate_test_line(s: dict[str, Any]) -> str:
     alpha = f" = {s['gate_alpha']}" if s.get("gate_alpha") is not None else ""
     if s.get("gate_test") == "group-sequential":
         looks = s.get("gate_looks") or []
-        return ("- **The gate's test**: a group-sequential test in each one-sided direction on the task-type-stratified "
-                "difference in success between concurrent, mature challenger and champion sessions, with looks planned "
-                f"at {', '.join(map(str, looks))} sessions a side (each look reads the first that many of each side, "
-                "in the order they matured) and O'Brien-Fleming type alpha spending, so each challenger is promoted "
-                f"falsely with probability <= alpha{alpha} over all its looks, however often the gate polls "
-                f"(every {s.get('gate_interval_s', '?')} s). Rollback: the mSPRT, valid at every look.")
+        return ("- **The gate's test**: a group-sequential test in each one-sided direction on the "
+                "task-type-stratified difference in success between concurrent, mature challenger and champion "
+                f"sessions, with looks planned at {', '.join(map(str, looks))} sessions a side (each look reads the "
+                "first that many of each side, in the order they matured) and O'Brien-Fleming type alpha spending, so "
+                f"each challenger is promoted falsely with probability <= alpha{alpha} over all its looks, however "
+                f"often the gate polls (every {s.get('gate_interval_s', '?')} s). Rollback: the mSPRT, valid "
+                "at every look.")
     return ("- **The gate's test**: two one-sided mixture SPRTs (mSPRT) on the task-type-stratified difference in "
             "success between concurrent, mature challenger and champion sessions. An mSPRT is valid at every look, "
             f"so each challenger is promoted falsely with probability <= alpha{alpha} however often the gate looks "
@@ -656,11 +677,12 @@ def design_section(s: dict[str, Any]) -> list[str]:
         se = math.sqrt(rate * (1.0 - rate) / basis.get("challengers", SIM_CHALLENGERS))
         lines.append(f"  Simulated at this run's traffic ({scenario['challenger_per_look']} challenger sessions per "
                      f"look, {scenario['champion_ratio']:.2f} champion sessions per challenger session, the control "
-                     f"arm's success and mix per task type ({len(scenario['rates'])}) from n = {basis.get('n_control')} "
-                     f"sessions): false-promotion rate **{rate:.3f}** (simulation s.e. {se:.3f}) over "
-                     f"{basis.get('challengers')} simulated challengers with no true lift.")
+                     f"arm's success and mix per task type ({len(scenario['rates'])}) from n = "
+                     f"{basis.get('n_control')} sessions): false-promotion rate **{rate:.3f}** (simulation s.e. "
+                     f"{se:.3f}) over {basis.get('challengers')} simulated challengers with no true lift.")
     else:
-        lines.append("  (false-promotion rate not simulated for this run: no gate rule given or no control-arm session)")
+        lines.append("  (false-promotion rate not simulated for this run: no gate rule given or no "
+                     "control-arm session)")
     lines += ["- **Exclusions**: sessions that ended in an infrastructure error are excluded and counted apart; "
               "sessions without the verifier's task_success are unlabelled, not failures.", ""]
     return lines
@@ -670,7 +692,8 @@ def headline_section(s: dict[str, Any]) -> list[str]:
     """The final champion against the concurrent control, with both sample sizes, the lift's interval and p."""
     lines = ["## Headline: final champion vs concurrent control", ""]
     if s["final_since"] is None or s["final_window_start"] is None:
-        why = "no final window in this run" if s["final_since"] is None else "the champion is unknown (registry unreadable)"
+        why = ("no final window in this run" if s["final_since"] is None
+               else "the champion is unknown (registry unreadable)")
         return lines + [f"Not measured: {why}; the final-window fields of summary.json are null. The whole-run numbers "
                         "below include the sessions on which the gate chose the champion, so they flatter it.", ""]
     lines += [f"Window: sessions started from {_clock(s['final_window_start'])} (the later of the final window's "
@@ -683,13 +706,15 @@ def headline_section(s: dict[str, Any]) -> list[str]:
         lo, hi = s["lift_ci95"]
         lines.append(f"- lift **{s['lift_points']:+.1f} points**, 95% CI [{lo:+.1f}, {hi:+.1f}] (Newcombe's hybrid "
                      f"score interval from two Wilson intervals); one-sided p = {s['p_value_final']:.3g} "
-                     f"(two-proportion z-test, champion > control; n = {s['n_champion_final']} vs {s['n_control_final']})")
+                     f"(two-proportion z-test, champion > control; n = {s['n_champion_final']} vs "
+                     f"{s['n_control_final']})")
     else:
         lines.append("- lift: not computed, a side has no counted session in the window")
     if s.get("n_calls_champion_final") is not None:
         lines.append(f"- malformed tool calls: {_pct(s['malformed_share_champion_final'])} of the champion's "
                      f"{s['n_calls_champion_final']} calls, {_pct(s['malformed_share_control_final'])} of the "
-                     f"control's {s['n_calls_control_final']} (all calls of the window's sessions, sub-agents' included)")
+                     f"control's {s['n_calls_control_final']} (all calls of the window's sessions, "
+                     "sub-agents' included)")
     lines += [f"- excluded from the window: errored {s['n_champion_final_errored']} (champion) / "
               f"{s['n_control_final_errored']} (control); unlabelled {s['n_champion_final_unlabelled']} / "
               f"{s['n_control_final_unlabelled']}", ""]
@@ -737,12 +762,13 @@ def judge_section(s: dict[str, Any]) -> list[str]:
         return ["## LLM judge (shadow mode)", "", "No session carries a judge score in this run.", ""]
     lines = ["## LLM judge (shadow mode)", "",
              "The judge is the policy's own base model (policy-v0 on the control arm's server), scoring a sample of "
-             "tool-use sessions' whole trajectories in shadow mode: its scores are stored in `episodes.judge_score` and "
-             "never enter the reward or the advantage. **A 3M-parameter model is a poor judge**: the point here is "
+             "tool-use sessions' whole trajectories in shadow mode: its scores are stored in `episodes.judge_score` "
+             "and never enter the reward or the advantage. **A 3M-parameter model is a poor judge**: the point here is "
              "the path (the judge runs in the loop, its scores land beside the reward components, and its agreement "
              "with the verifier is measured), not the scores. Read the AUC below before giving any judge weight "
              "(docs/rewards.md).", "",
-             f"- sessions scored: {s['judge_scored']}; with a verified {s.get('judge_outcome_kind')}: n = {s['judge_n']}",
+             f"- sessions scored: {s['judge_scored']}; with a verified {s.get('judge_outcome_kind')}: n = "
+             f"{s['judge_n']}",
              f"- AUC of the score for success: **{_num(s.get('judge_auc'))}** (0.5: no better than a coin); "
              f"correlation with the outcome: {_num(s.get('judge_corr'))}"
              + (" (n/a: every verified session had the same outcome, or the judge gave one score)"
@@ -760,8 +786,9 @@ def _num(value: float | None) -> str:
 
 def markdown(summary: dict[str, Any], images: list[str], context: dict[str, Any]) -> str:
     lines = ["# agent-flywheel demo report", "",
-             f"Run: {context.get('started', '?')} to {context.get('ended', '?')} ({context.get('minutes', '?')} min of traffic). "
-             "Every number below is read from the lake (production sessions of the simulated agent) and the MLflow registry.", ""]
+             f"Run: {context.get('started', '?')} to {context.get('ended', '?')} ({context.get('minutes', '?')} min of "
+             "traffic). Every number below is read from the lake (production sessions of the simulated agent) and the "
+             "MLflow registry.", ""]
     lines += design_section(summary) + headline_section(summary) + whole_run_section(summary) + judge_section(summary)
     n = summary.get("freshness_n") or {}
     lines += ["## Freshness (p95)", "",
@@ -771,7 +798,8 @@ def markdown(summary: dict[str, Any], images: list[str], context: dict[str, Any]
               f"n = {n.get('outcome_to_episode', '?')} episodes)",
               f"- episode -> in a published version: {summary['p95_episode_to_trained_s']} s "
               f"(n = {n.get('episode_to_trained', '?')} episodes)",
-              f"- trained -> served: {summary['p95_trained_to_served_s']} s (n = {n.get('trained_to_served', '?')} versions)",
+              f"- trained -> served: {summary['p95_trained_to_served_s']} s (n = "
+              f"{n.get('trained_to_served', '?')} versions)",
               ""]
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
@@ -796,7 +824,8 @@ def write_report(out_dir: str | Path, lake_root: str, since: float, learner_run_
     summary.update(measurement(facts, final_since, control_version, errors))
     summary.update(gate_simulation(facts, gate_rule, control_version, gate_interval_s, shares, errors))
     summary.update(calibrate.calibrate(lake_root))  # the shadow judge's agreement with the verifier
-    summary.update({"control_share": (shares or {}).get("control"), "challenger_share": (shares or {}).get("challenger"),
+    summary.update({"control_share": (shares or {}).get("control"),
+                    "challenger_share": (shares or {}).get("challenger"),
                     "gate_interval_s": gate_interval_s})
     context = dict(context or {})
     summary["report_written"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -813,9 +842,9 @@ def write_run_report(out_dir: str | Path, cfg: Any, plan: Any, tracking_uri: str
     rule and shares were (the demo at its end and `flywheel report --run-dir` both call this)."""
     from flywheel.demo.plan import CONTROL_VERSION
 
-    return write_report(out_dir, str(plan.lake_root), since, str(plan.learner_dir), str(plan.policies_dir), tracking_uri,
-                        plan.registered_model, context=context, final_since=final_since, control_version=CONTROL_VERSION,
-                        gate_rule=cfg.gate, gate_interval_s=cfg.gate_interval_s,
+    return write_report(out_dir, str(plan.lake_root), since, str(plan.learner_dir), str(plan.policies_dir),
+                        tracking_uri, plan.registered_model, context=context, final_since=final_since,
+                        control_version=CONTROL_VERSION, gate_rule=cfg.gate, gate_interval_s=cfg.gate_interval_s,
                         shares={"control": cfg.control_share, "challenger": cfg.challenger_share})
 
 
@@ -857,18 +886,23 @@ def main(argv: list[str] | None = None) -> int:
     from flywheel.base import defaults
     from flywheel.base.config import setup_logging
 
-    parser = argparse.ArgumentParser(prog="flywheel report", description="write the demo report from the lake and the registry")
+    parser = argparse.ArgumentParser(prog="flywheel report", description="write the demo report from the lake and "
+                                                                         "the registry")
     parser.add_argument("--run-dir", type=Path, default=None,
-                        help="a demo run's folder (var/demo/<run id>): every input below but the tracking URI comes from it")
+                        help="a demo run's folder (var/demo/<run id>): every input below but the tracking URI "
+                             "comes from it")
     parser.add_argument("--lake-root", default=defaults.LAKE_ROOT)
     parser.add_argument("--out", default=None, help="output folder (default: <run-dir>/report, or var/report)")
     parser.add_argument("--since", type=float, default=0.0, help="only sessions ending after this epoch time")
     parser.add_argument("--learner-run-dir", default="var/learner")
     parser.add_argument("--policies-dir", default=defaults.POLICIES_DIR)
-    # the tracking store is the stack's, not the run's: the shared FLYWHEEL_MLFLOW_TRACKING_URI, as every process reads it
-    parser.add_argument("--mlflow-tracking-uri", default=os.environ.get("FLYWHEEL_MLFLOW_TRACKING_URI", defaults.MLFLOW_TRACKING_URI))
+    # the tracking store is the stack's, not the run's: the shared FLYWHEEL_MLFLOW_TRACKING_URI, as every process
+    # reads it
+    parser.add_argument("--mlflow-tracking-uri",
+                        default=os.environ.get("FLYWHEEL_MLFLOW_TRACKING_URI", defaults.MLFLOW_TRACKING_URI))
     parser.add_argument("--registered-model", default=defaults.REGISTERED_MODEL)
-    parser.add_argument("--final-since", type=float, default=None, help="epoch time the final window began (none: no window)")
+    parser.add_argument("--final-since", type=float, default=None, help="epoch time the final window began "
+                                                                        "(none: no window)")
     parser.add_argument("--control-version", type=int, default=0, help="the control arm's policy version")
     args = parser.parse_args(argv)
     setup_logging()
@@ -878,8 +912,9 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as exc:
             parser.error(str(exc))
     else:
-        summary = write_report(args.out or "var/report", args.lake_root, args.since, args.learner_run_dir, args.policies_dir,
-                               args.mlflow_tracking_uri, args.registered_model, final_since=args.final_since,
+        summary = write_report(args.out or "var/report", args.lake_root, args.since, args.learner_run_dir,
+                               args.policies_dir, args.mlflow_tracking_uri, args.registered_model,
+                               final_since=args.final_since,
                                control_version=args.control_version)
     print(json.dumps(summary))
     return 0

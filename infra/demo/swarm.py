@@ -6,8 +6,8 @@ context are actions the policy takes, logged with the SDK so the loop can train 
 Two kinds of session, both built from the tool-use parts of infra/demo/tasks.py:
 
 * multi: one request with 2-3 independent parts ("add 3 and 4; weather in oslo; ..."). The policy may solve
-  them itself, one tool call after another and then the joined answer (critical steps n+1: 3-4), or reply with the `spawn` tool,
-  naming the request's pieces (its ";"-separated parts, counted from 1) each sub-agent takes,
+  them itself, one tool call after another and then the joined answer (critical steps n+1: 3-4), or reply with the
+  `spawn` tool, naming the request's pieces (its ";"-separated parts, counted from 1) each sub-agent takes,
   `<tool_call>{"name": "spawn", "arguments": {"parts": [1, 2]}}</tool_call>`, or writing each sub-task,
   `{"tasks": ["add 3 and 4", "weather in oslo"]}`: the harness starts one sub-agent of the policy per
   piece or task, in parallel, each its own agent of the session (SDK spawn_subagent, the proxy logs each
@@ -36,6 +36,7 @@ swarm report counts. Pure Python here except the agent class, which runs inside 
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -249,7 +250,8 @@ Generate = Callable[[Any, list[tasks.Message]], Reply]
 class SwarmLimits:
     max_turns_per_part: int = 3  # model replies per part (edits and spawns not counted)
     max_edits: int = 3  # summarize/prune actions per session
-    context_budget_chars: int = 260  # history size past which a model call is refused (long sessions: an edit is due by the third request)
+    # history size past which a model call is refused (long sessions: an edit is due by the third request)
+    context_budget_chars: int = 260
     token_count: Callable[[str], int] = lambda text: max(1, len(text) // 3)
     # (completion token ids, their text, a character) -> the index of the token holding it (tasks.token_at with the
     # served tokenizer); None: unknown, and a malformed call's penalty falls on its whole reply
@@ -289,7 +291,8 @@ class SwarmSession:
     # -- logging an action the policy took --------------------------------------------------------
     def _log_call(self, agent: Any, name: str, arguments: Any, ok: bool, output: str, malformed: bool = False,
                   reply: Reply | None = None) -> str:
-        """Log a call and its result; a malformed one with the token of `reply` (the reply that wrote it) where it broke."""
+        """Log a call and its result; a malformed one with the token of `reply` (the reply that wrote it)
+        where it broke."""
         at = self._broke_at(reply) if malformed else None
         call_id = agent.tool_call(name, arguments, malformed=malformed or None, malformed_token=at)
         agent.tool_result(call_id, ok=ok, output=output, name=name)
@@ -314,7 +317,8 @@ class SwarmSession:
         return tasks.tool_message(output, call_id)
 
     def _part_of(self, parsed: tasks.ParsedReply) -> int:
-        """The part an orchestrator's own tool call works on: the first unsolved part it matches, else the first unsolved."""
+        """The part an orchestrator's own tool call works on: the first unsolved part it matches,
+        else the first unsolved."""
         open_parts = [i for i, d in enumerate(self.result.parts) if not d.get("solved")]
         for i in open_parts:
             if tasks.call_matches(self.task.spec.parts[i], parsed.tool, parsed.arguments):
@@ -392,7 +396,8 @@ class SwarmSession:
                                          on_turn=on_turn)
             return answer, calls, steps
 
-        jobs = [lambda i=i, c=c, t=t: solve(i, c, t) for i, (c, t) in enumerate(zip(children, subtasks))]
+        jobs: list[Callable[[], Any]] = [functools.partial(solve, i, c, t)
+                                         for i, (c, t) in enumerate(zip(children, subtasks))]
         try:
             done = self.run_parallel(jobs)
         except Exception:
@@ -476,7 +481,8 @@ class SwarmSession:
                 replies += 1
 
 
-def handoff_record(session_id: str, main_agent_id: str, task: SwarmTask, result: SwarmResult, ended: float) -> dict[str, Any]:
+def handoff_record(session_id: str, main_agent_id: str, task: SwarmTask, result: SwarmResult,
+                   ended: float) -> dict[str, Any]:
     """The verifier's line: tasks.py's fields (task, answers, parts) and what the swarm report and checker need."""
     return {"session_id": session_id, "task": task.spec.to_json(), "answers": result.answers, "ended": ended,
             "parts": result.parts, "main_agent_id": main_agent_id, "scenario": "swarm", "kind": task.kind,
@@ -489,9 +495,9 @@ PARTS_CORRECT = "parts_correct"  # the swarm's graded outcome: the share of the 
 
 def parts_correct(record: dict[str, Any]) -> tuple[float, dict[str, float]] | None:
     """The verifier's graded outcome of a swarm hand-off line: (share of the session's parts answered right,
-    {sub-agent id: 1.0 or 0.0 for its own part, 0.0 for one past the parts}); None for a line of another scenario. task_success says whether
-    all parts were right, which almost never happens while one part goes right a few times in ten: the share is
-    what the rows are trained on and what the swarm's gate compares (docs/swarm.md)."""
+    {sub-agent id: 1.0 or 0.0 for its own part, 0.0 for one past the parts}); None for a line of another scenario.
+    task_success says whether all parts were right, which almost never happens while one part goes right a few times in
+    ten: the share is what the rows are trained on and what the swarm's gate compares (docs/swarm.md)."""
     if record.get("scenario") != "swarm":
         return None
     spec = tasks.TaskSpec.from_json(record["task"])
@@ -541,7 +547,8 @@ def run_agent_session(sim: Any) -> None:
         task = make_swarm_task(sim.rng, sim.cfg.swarm_long_share)
     session_id = uuid.uuid4().hex
     session = sim.logger.session(task_type=task.task_type, session_id=session_id,
-                                 tags={"task_id": task.spec.task_id, "parts": str(len(task.spec.parts)), "swarm": task.kind})
+                                 tags={"task_id": task.spec.task_id, "parts": str(len(task.spec.parts)),
+                                       "swarm": task.kind})
     limits = SwarmLimits(max_turns_per_part=sim.cfg.max_turns, context_budget_chars=sim.cfg.swarm_context_budget_chars,
                          token_count=sim.tokens.count, token_at=sim.tokens.token_at)
     runner = SwarmSession(task, session, sim.reply_generate(task.task_type), limits,
@@ -582,7 +589,8 @@ def warm_rule() -> str:
     return f"{warm_start.RULE}+{WARM_RULE}"
 
 
-def warm_start_model(base_dir: Any, out_dir: Any, settings: Any = None, tool_share: float = WARM_TOOL_SHARE) -> dict[str, Any]:
+def warm_start_model(base_dir: Any, out_dir: Any, settings: Any = None,
+                     tool_share: float = WARM_TOOL_SHARE) -> dict[str, Any]:
     """The swarm's policy-v0: warm_start.run's stopping rule (held-out loss of one-part demonstrations), trained on
     warm_demos batches. Returns the record written to out_dir/warm_start.json. settings and tool_share: a test's
     shorter, action-heavier build (the demo uses the defaults)."""

@@ -134,18 +134,21 @@ def shaping_curve(learner_dir: Path, lambda1: float, lambda2: float) -> list[dic
             continue  # a torn last line
         if "shaping_scale" in rec and "t" in rec:
             scale = float(rec["shaping_scale"])
-            out.append({"t": float(rec["t"]), "step": int(rec["step"]), "lambda1": lambda1 * scale, "lambda2": lambda2 * scale})
+            out.append({"t": float(rec["t"]), "step": int(rec["step"]), "lambda1": lambda1 * scale,
+                        "lambda2": lambda2 * scale})
     return out
 
 
 def zero_from(curve: list[dict[str, float]], start: float) -> float | None:
     """Minutes from `start` after which every step trained with both lambdas exactly 0 (None: never)."""
     last_on = max((c["t"] for c in curve if c["lambda1"] != 0.0 or c["lambda2"] != 0.0), default=None)
-    after = [c["t"] for c in curve if c["lambda1"] == 0.0 and c["lambda2"] == 0.0 and (last_on is None or c["t"] > last_on)]
+    after = [c["t"] for c in curve
+             if c["lambda1"] == 0.0 and c["lambda2"] == 0.0 and (last_on is None or c["t"] > last_on)]
     return round((min(after) - start) / 60.0, 2) if after else None
 
 
-def compare(sessions: list[SwarmSessionStats], since: float | None, champion: int | None, control_version: int = 0) -> dict[str, Any]:
+def compare(sessions: list[SwarmSessionStats], since: float | None, champion: int | None,
+            control_version: int = 0) -> dict[str, Any]:
     """The final window: the champion against the concurrent control (the summary.json keys of issue 23)."""
     from flywheel.serving.stats import p_better, wilson
 
@@ -166,7 +169,8 @@ def compare(sessions: list[SwarmSessionStats], since: float | None, champion: in
         out[f"critical_steps_{name}"] = _mean([s.critical_steps for s in multi])
         out[f"critical_steps_ci_{name}"] = mean_ci([s.critical_steps for s in multi])
         out[f"success_{name}"] = _share(sum(s.success for s in side), len(side))
-        out[f"success_ci_{name}"] = [round(x, 4) for x in wilson(sum(s.success for s in side), len(side))] if side else None
+        out[f"success_ci_{name}"] = ([round(x, 4) for x in wilson(sum(s.success for s in side), len(side))]
+                                     if side else None)
         out[f"n_multi_{name}"], out[f"n_swarm_{name}"] = len(multi), len(side)
         out[f"parts_correct_{name}"] = _mean([s.parts for s in side])
         out[f"parts_correct_ci_{name}"] = mean_ci([s.parts for s in side])
@@ -178,7 +182,8 @@ def compare(sessions: list[SwarmSessionStats], since: float | None, champion: in
 
 
 def plot(per_version: dict[int, dict[str, Any]], curve: list[dict[str, float]], start: float, out: Path) -> str | None:
-    """swarm_by_version.png: the per-version figures at each version's first session, lambdas on the same minutes axis."""
+    """swarm_by_version.png: the per-version figures at each version's first session,
+    lambdas on the same minutes axis."""
     try:
         import matplotlib
 
@@ -198,7 +203,8 @@ def plot(per_version: dict[int, dict[str, Any]], curve: list[dict[str, float]], 
             ax.annotate(f"v{v}", (xi, 0), textcoords="offset points", xytext=(0, 2), fontsize=7)
         ax.set_ylabel(label, fontsize=8)
     axes[3].plot([(c["t"] - start) / 60.0 for c in curve], [c["lambda1"] for c in curve], label="lambda1 (r_parallel)")
-    axes[3].plot([(c["t"] - start) / 60.0 for c in curve], [c["lambda2"] for c in curve], "--", label="lambda2 (r_finish)")
+    axes[3].plot([(c["t"] - start) / 60.0 for c in curve], [c["lambda2"] for c in curve], "--",
+                 label="lambda2 (r_finish)")
     axes[3].set_ylabel("shaping lambdas", fontsize=8)
     axes[3].set_xlabel("minutes of traffic (a version's point: its first session)")
     axes[3].legend(fontsize=7)
@@ -219,9 +225,11 @@ def markdown(s: dict[str, Any], per_version: dict[int, dict[str, Any]], image: s
                      f"{r['success_after_edit']} (n={r['n_after_edit']}) | {r['success']} | {r.get('parts_correct')} |")
     lines += ["", "Final window, champion against the concurrent control:", "",
               f"- parallelised multi-part sessions: control {s['parallel_share_control']} (n={s['n_multi_control']}), "
-              f"champion {s['parallel_share_champion']} (n={s['n_multi_champion']}), one-sided p = {s['p_value_parallel']}",
-              f"- critical steps per multi-part session: control {s['critical_steps_control']} {s['critical_steps_ci_control']}, "
-              f"champion {s['critical_steps_champion']} {s['critical_steps_ci_champion']} (95% intervals)",
+              f"champion {s['parallel_share_champion']} (n={s['n_multi_champion']}), one-sided p = "
+              f"{s['p_value_parallel']}",
+              f"- critical steps per multi-part session: control {s['critical_steps_control']} "
+              f"{s['critical_steps_ci_control']}, champion {s['critical_steps_champion']} "
+              f"{s['critical_steps_ci_champion']} (95% intervals)",
               f"- success: control {s['success_control']} {s['success_ci_control']}, champion {s['success_champion']} "
               f"{s['success_ci_champion']} (Wilson 95%)",
               f"- share of parts right (what the gate compares): control {s.get('parts_correct_control')} "
@@ -233,7 +241,8 @@ def markdown(s: dict[str, Any], per_version: dict[int, dict[str, Any]], image: s
     return "\n".join(lines) + "\n"
 
 
-def write_for_run(out_dir: Path, plan: Any, summary: dict[str, Any], traffic_start: float | None = None) -> dict[str, Any]:
+def write_for_run(out_dir: Path, plan: Any, summary: dict[str, Any],
+                  traffic_start: float | None = None) -> dict[str, Any]:
     """write() for one demo run (its RunPlan says where the hand-off, lake and learner are); the lambdas are
     swarm_rewards.toml's. traffic_start None (`flywheel report --run-dir`): the run's first session."""
     from flywheel.demo.plan import SWARM_REWARDS

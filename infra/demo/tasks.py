@@ -475,5 +475,5 @@ def eval_tasks(n: int = 64, seed: int = 7) -> list[Any]:
     for i in range(n):
         part = make_part(rng)
         out.append(EvalTask(task_id=f"tool-{i}", messages=[user_message(part)],
-                            check=lambda reply, p=part: call_is_correct(p, reply), max_tokens=40))
+                            check=functools.partial(call_is_correct, part), max_tokens=40))
     return out

@@ -199,7 +199,8 @@ def sample_replies(model: Any, tok: Any, dialogues: list[list[tasks.Message]], m
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                             max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                             max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
     return [tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True) for row in out]
 
 
@@ -226,7 +227,8 @@ def success_rate(model: Any, tok: Any, parts: list[tasks.Part], max_new_tokens: 
             if parsed.kind == "answer":
                 answers[i] = parsed.answer
                 continue
-            ok, output = tasks.run_tool(parsed.tool or "", parsed.arguments) if parsed.kind == "tool_call" else (False, "error: malformed tool call")
+            ok, output = (tasks.run_tool(parsed.tool or "", parsed.arguments) if parsed.kind == "tool_call"
+                          else (False, "error: malformed tool call"))
             dialogues[i].append(tasks.tool_message(output, f"call{turn}"))
     model.train()
     return sum(tasks.check_part(p, answers.get(i)) for i, p in enumerate(parts)) / max(1, len(parts))
@@ -291,7 +293,8 @@ def train(model: Any, tok: Any, s: WarmStartSettings, demos: Demos | None = None
         step += 1
         if step % s.eval_every and step != s.max_steps:
             continue
-        entry: dict[str, Any] = {"step": step, "train_loss": train_loss, "heldout_loss": heldout_loss(model, tok, loss_set)}
+        entry: dict[str, Any] = {"step": step, "train_loss": train_loss,
+                                 "heldout_loss": heldout_loss(model, tok, loss_set)}
         if len(history) % s.success_every == 0:
             entry.update(_success(model, tok, eval_parts, s))
         entry["elapsed_s"] = time.time() - t0
@@ -336,7 +339,8 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
     kept, trained, history, seconds = train(model, tok, s, demos)
     at = next(h for h in history if h["step"] == kept)
     held = tasks.heldout_keys()
-    record = {"rule": rule, "base_model": str(base_dir), "base_sha256": _file_sha256(Path(base_dir) / "model.safetensors"),
+    record = {"rule": rule, "base_model": str(base_dir),
+              "base_sha256": _file_sha256(Path(base_dir) / "model.safetensors"),
               "packages": _package_versions(), "machine": _machine(),
               "steps": kept, "steps_trained": trained,
               "stopped_early": trained < s.max_steps, "heldout_loss": at["heldout_loss"],

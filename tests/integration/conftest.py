@@ -25,7 +25,6 @@ import pytest
 from flywheel import stack as stack_mod
 from flywheel.demo.model_init import ensure_base_model
 
-
 # The test session's own MLflow store, beside the demo's (var/mlflow): the registered models and experiments
 # the tests make (test-gate-*, test-learner-*) never show up in the registry a user's `make demo` then reads.
 TEST_MLFLOW_DIR = Path("var") / "test-mlflow"

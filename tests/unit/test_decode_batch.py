@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.ingest import encoded, realistic_event
-from flywheel.ingest import schema, wire as wire_format
+from flywheel.ingest import wire as wire_format
 from flywheel.ingest.decode import Rejected, convert_rows, decode_batch, decode_record
 from tests.unit.test_lake_writer_fuzz import EVENTS, OUTCOME, good_event, json_values, mutated_events, timestamps, wire
 

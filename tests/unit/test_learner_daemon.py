@@ -12,9 +12,9 @@ import torch
 
 from bench.fixtures.episodes import random_rows, write_episodes
 from bench.fixtures.models import tiny_model
+from flywheel.base.config import ConfigError
 from flywheel.ingest import lake
 from flywheel.learner import checkpoint
-from flywheel.base.config import ConfigError
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.daemon import run
 

@@ -71,3 +71,25 @@ def test_no_two_test_files_share_a_name() -> None:
         seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not clashes, f"test files sharing a name: {clashes}"
+
+
+def test_the_editable_install_resolves_through_a_static_path_file() -> None:
+    """Editors and type checkers follow `flywheel.*` to the repository's files: the editable install is setuptools'
+    strict mode (a .pth naming a folder of links), not an import hook they cannot read; every package file is linked
+    (a module added since the last `make setup` is not: make setup re-links)."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    assert not list(site.glob("__editable__*agent_flywheel*finder.py")), "an import-hook editable install: run make setup"
+    roots = [Path(line.strip()) for pth in site.glob("__editable__.agent_flywheel*.pth")
+             for line in pth.read_text().splitlines() if line.strip() and not line.startswith("import ")]
+    assert roots, f"no static .pth for agent-flywheel in {site}"
+    root = next(r for r in roots if (r / "flywheel").is_dir())
+    tasks = root / "flywheel" / "demo" / "tasks.py"
+    assert tasks.resolve() == REPO / "infra" / "demo" / "tasks.py", f"{tasks} resolves to {tasks.resolve()}"
+    folders = {"infra": "flywheel", "ingest": "flywheel/ingest", "rewards": "flywheel/rewards",
+               "learner": "flywheel/learner", "serving": "flywheel/serving"}
+    missing = [str(p.relative_to(REPO)) for folder, linked in folders.items() for p in (REPO / folder).rglob("*.py")
+               if "__pycache__" not in p.parts
+               and not (root / linked / p.relative_to(REPO / folder)).exists()]
+    assert not missing, f"package files without a link in {root} (run make setup): {missing}"

@@ -14,7 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from flywheel.ingest import lake, schema, wire
-from flywheel.ingest.lake_writer import DeadLetters, LakeWriter, LakeWriterConfig, Rejected, decode_record, rows_to_table
+from flywheel.ingest.lake_writer import (
+    DeadLetters,
+    LakeWriter,
+    LakeWriterConfig,
+    Rejected,
+    decode_record,
+    rows_to_table,
+)
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
