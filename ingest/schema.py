@@ -248,7 +248,13 @@ EPISODE_COLUMNS: tuple[Col, ...] = (
                                      "names its version"),
     Col("sampling", "json", False, "the llm_call's sampling parameters (temperature, top_p, top_k ...): the learner "
                                    "scores its tokens under the same distribution"),
-    Col("reward_detail", "json", False, "per outcome kind values, judge status, lambdas in force"),
+    Col("reward_detail", "json", False, "per outcome kind values, judge status, lambdas in force (for people and "
+                                       "reports: no process reads a key inside it)"),
+    Col("opens_session", "bool", False, "this row is the session's opening call (the main agent's first llm_call, "
+                                        "where it decides how to go about the request); null in rows written "
+                                        "before the column: read as false"),
+    Col("shaping_clock", "str", False, "the clock the row's PARL shaping anneals by ([parl] anneal_clock: "
+                                       "policy_version or learner_step); null on a row without shaping"),
     Col("critical_steps", "int", True, "longest chain of steps through the session's sub-agents"),
     Col("call_ts", "ts", True, "when the llm_call happened"),
     Col("session_end_ts", "ts", False, "when the session ended"),
@@ -570,6 +576,15 @@ def outcome_arrow_schema() -> Any:
 def episode_arrow_schema() -> Any:
     """Lake schema of lake/episodes."""
     return arrow_schema(EPISODE_COLUMNS)
+
+
+def episode_reward(r_outcome: float, r_turn: float | None, r_judge: float | None, r_parallel: float, r_finish: float,
+                   r_penalty: float) -> float:
+    """An episode row's `reward` from its parts: the turn's own check where one verified it, else the (session or
+    agent) outcome, plus the judge, the PARL shaping and the penalties, in this order. The one definition: the
+    builder writes it, and the learner calls it with the shaping at 0 for the reward an annealed step trains
+    (adding 0.0 is exact, so that reward equals an unshaped twin's bit for bit)."""
+    return (r_outcome if r_turn is None else r_turn) + (r_judge or 0.0) + r_parallel + r_finish + r_penalty
 
 
 def session_sampled(session_id: str, rate: float, salt: str = "") -> bool:

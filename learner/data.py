@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from flywheel.ingest import lake
+from flywheel.ingest import lake, schema
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class Episode:
     # the PARL shaping inside `reward` (r_parallel + r_finish): annealed by learner step (shaping_scale)
     r_shaping: float = 0.0
     r_unshaped: float | None = None  # `reward` without the shaping, summed from its parts as the builder sums them
-    shaping_clock: str | None = None  # [parl] anneal_clock the builder labelled a shaped row with (reward_detail)
-    # the session's opening call (reward_detail.opens_session): take() can reserve room for these
+    shaping_clock: str | None = None  # the shaped row's anneal clock (the shaping_clock column)
+    # the session's opening call (the opens_session column): take() can reserve room for these
     opens_session: bool = False
 
     def trained_reward(self, scale: float) -> float:
@@ -90,10 +90,9 @@ class Episode:
 def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode | str:
     """An Episode, or the reason the row cannot be trained (the caller logs and counts it)."""
     ident = row.get("episode_id") or "<no episode_id>"
-    for name in ("episode_id", "label_version", "task_type", "policy_version", "prompt_token_ids",
-                 "completion_token_ids", "completion_logprobs", "loss_mask", "reward"):
-        if row.get(name) is None:
-            return f"{ident}: {name} is null"
+    for col in schema.EPISODE_COLUMNS:  # the schema's required columns, not a list of our own
+        if col.required and row.get(col.name) is None:
+            return f"{ident}: {col.name} is null"
     completion, logprobs, mask = row["completion_token_ids"], row["completion_logprobs"], row["loss_mask"]
     prompt = row["prompt_token_ids"]
     if not (len(completion) == len(logprobs) == len(mask)):
@@ -115,7 +114,6 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
     reward = row["reward"]
     if not math.isfinite(reward):
         return f"{ident}: reward {reward} is not finite"
-    detail = _detail(row)
     sampling = parse_sampling(row.get("sampling"))
     if row.get("sampling") is not None and sampling is None:
         # the behaviour's distribution is unknown, so no ratio can be right: refused, not trained as T=1
@@ -135,35 +133,19 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
         r_penalty=float(row.get("r_penalty") or 0.0),
         r_shaping=float(row.get("r_parallel") or 0.0) + float(row.get("r_finish") or 0.0),
         r_unshaped=unshaped_reward(row),
-        shaping_clock=_shaping_clock(detail) if (row.get("r_parallel") or row.get("r_finish")) else None,
-        opens_session=detail.get("opens_session") is True,
+        shaping_clock=row.get("shaping_clock") if (row.get("r_parallel") or row.get("r_finish")) else None,
+        opens_session=row.get("opens_session") is True,
         sampling=sampling,
     )
 
 
-def _detail(row: dict[str, Any]) -> dict[str, Any]:
-    """The row's reward_detail as a dict ({} when absent or unreadable: it only steers batching and annealing)."""
-    try:
-        detail = json.loads(row.get("reward_detail") or "{}")
-    except ValueError:
-        return {}
-    return detail if isinstance(detail, dict) else {}
-
-
-def _shaping_clock(detail: dict[str, Any]) -> str | None:
-    """The anneal clock in a shaped row's reward_detail (parl.anneal_clock); None when absent."""
-    parl = detail.get("parl") or {}
-    return parl.get("anneal_clock") if isinstance(parl, dict) else None
-
-
 def unshaped_reward(row: dict[str, Any]) -> float | None:
-    """The row's reward without PARL shaping, in the builder's order of terms (rewards.builder.total_reward with
-    r_parallel = r_finish = 0; adding 0.0 is exact); None when a part is missing."""
-    picked = row.get("r_outcome") if row.get("r_turn") is None else row.get("r_turn")
-    if picked is None:
+    """The row's reward without PARL shaping: the schema's episode_reward with r_parallel = r_finish = 0 (the
+    builder's own sum, so it equals an unshaped twin's reward bit for bit); None when the outcome is missing."""
+    if row.get("r_outcome") is None and row.get("r_turn") is None:
         return None
-    base = float(picked)
-    return base + float(row.get("r_judge") or 0.0) + float(row.get("r_penalty") or 0.0)
+    return schema.episode_reward(float(row.get("r_outcome") or 0.0), row.get("r_turn"), row.get("r_judge"), 0.0, 0.0,
+                                 float(row.get("r_penalty") or 0.0))
 
 
 def shaping_scale(step: int, start: int, end: int) -> float:

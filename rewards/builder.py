@@ -570,13 +570,6 @@ def loss_mask_from(n: int, trained_from: int | None) -> list[int]:
     return [0] * trained_from + [1] * (n - trained_from)
 
 
-def total_reward(r_outcome: float, r_turn: float | None, r_judge: float | None, r_parallel: float, r_finish: float,
-                 r_penalty: float) -> float:
-    """A row's reward: its turn's own check where one verified it, else the (session or agent) outcome,
-    plus the rest."""
-    return (r_outcome if r_turn is None else r_turn) + (r_judge or 0.0) + r_parallel + r_finish + r_penalty
-
-
 def lifetime_counters(previous: dict[str, int], drops: Counter[str], res: "PassResult") -> dict[str, int]:
     """The state's lifetime totals after a pass."""
     counters = Counter(previous)
@@ -911,23 +904,23 @@ class Builder:
                                   detail=detail_base | {"outcomes": mine.detail, "penalty_this_call": r_penalty,
                                                         "penalty_parts": parts, "calls": list(made_here.calls),
                                                         "trained_from_token": trained_from,
-                                                        "opens_session": e["event_id"] == opening,
                                                         "turn": turn.detail or None,
                                                         "spawn_decision": None if decided is None else {
                                                             "n_spawned": decided.n_spawned,
                                                             "n_verified": decided.n_verified,
                                                             "n_spurious": decided.n_spurious}},
-                                  outcomes=due.outcomes, r_turn=turn.r_turn,
+                                  outcomes=due.outcomes, r_turn=turn.r_turn, opens_session=e["event_id"] == opening,
                                   judge_score=None if judged is None else judged.score, shaping=decided))
         return rows, index_row
 
     def _row(self, s: SessionEvents, e: dict[str, Any], label: int, r_outcome: float, r_judge: float | None,
              stats: parl.ParlStats, r_penalty: float, detail: dict[str, Any], outcomes: list[dict[str, Any]],
              r_turn: float | None = None, shaping: parl.RowShaping | None = None,
-             judge_score: int | None = None, trained_from: int | None = None) -> dict[str, Any]:
+             judge_score: int | None = None, trained_from: int | None = None,
+             opens_session: bool = False) -> dict[str, Any]:
         # PARL terms go to the row that decided the spawn (parl.row_shaping), none to the others
         r_parallel, r_finish = (shaping.r_parallel, shaping.r_finish) if shaping is not None else (0.0, 0.0)
-        reward = total_reward(r_outcome, r_turn, r_judge, r_parallel, r_finish, r_penalty)
+        reward = schema.episode_reward(r_outcome, r_turn, r_judge, r_parallel, r_finish, r_penalty)
         return {
             "episode_id": e["event_id"],
             "label_version": label,
@@ -952,6 +945,8 @@ class Builder:
             "judge_score": judge_score,
             "sampling": e.get("sampling"),
             "reward_detail": json.dumps(detail, sort_keys=True, default=str),
+            "opens_session": opens_session,
+            "shaping_clock": self.rewards.parl.anneal_clock if r_parallel or r_finish else None,
             "critical_steps": stats.critical_steps,
             "call_ts": e["ts"],
             "session_end_ts": s.end_ts,
@@ -1000,7 +995,8 @@ class Builder:
             if judged is not None:
                 r = r | {"r_judge": judged.r_judge(self.rewards.judge_weight(task)), "judge_score": judged.score}
                 detail["judge"] = judge_pass.judge_detail(self.rewards, self.judge.model, task, judged)
-            reward = total_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"], r_penalty)
+            reward = schema.episode_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"],
+                                           r_penalty)
             rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "r_turn": turn.r_turn,
                              "reward": reward, "r_penalty": r_penalty,
                              "reward_detail": json.dumps(detail, sort_keys=True), "last_outcome_ts": last_outcome})

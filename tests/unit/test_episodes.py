@@ -454,7 +454,7 @@ def test_only_the_main_agents_first_call_opens_the_session_in_every_label(rig: R
     rig.feed.write("events", b.events)
     rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 0.0, after(end, 1))])
     rig.run(after(end, 2))
-    opens = lambda rows: {r["episode_id"]: json.loads(r["reward_detail"])["opens_session"] for r in rows}  # noqa: E731
+    opens = lambda rows: {r["episode_id"]: r["opens_session"] for r in rows}  # noqa: E731
     assert opens(rig.labels("s1")[1]) == {first["event_id"]: True, kid["event_id"]: False, second["event_id"]: False}
     rig.feed.write("outcomes", [synthetic.outcome("s1", "task_success", 1.0, after(end, 900))])
     rig.run(after(end, 901))

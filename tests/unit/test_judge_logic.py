@@ -12,8 +12,8 @@ import pytest
 
 from bench.fixtures import sessions as synthetic
 from flywheel.ingest import schema
+from flywheel.ingest.schema import episode_reward as total_reward
 from flywheel.rewards import config, judge, judge_pass, transcript
-from flywheel.rewards.builder import total_reward
 from flywheel.rewards.session import assemble
 
 T0 = dt.datetime(2026, 1, 1, 12, tzinfo=dt.timezone.utc)

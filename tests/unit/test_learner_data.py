@@ -103,7 +103,7 @@ def test_newest_first_trains_the_latest_rows_and_the_backlog_ages_out(tmp_path: 
 
 
 def _opening(row: dict, opens: bool) -> dict:
-    return row | {"reward_detail": json.dumps({"opens_session": opens})}
+    return row | {"opens_session": opens}
 
 
 def test_openings_reserve_takes_session_openings_first_either_way_they_decided(tmp_path: Path) -> None:
@@ -142,12 +142,13 @@ def test_openings_reserve_never_exceeds_the_batch_and_counts_stale_rows_once(tmp
     assert len(batch) == 2 and stats.stale == 1 and s.counters["stale"] == 1 and not s.pending
 
 
-def test_parse_row_reads_opens_session_only_from_a_readable_detail() -> None:
+def test_parse_row_reads_opens_session_from_its_column_never_from_the_detail_text() -> None:
     row = random_rows(1, seed=6)[0]
     assert parse_row(_opening(row, True), 512, 256).opens_session is True
     assert parse_row(_opening(row, False), 512, 256).opens_session is False
-    assert parse_row(row | {"reward_detail": "{not json"}, 512, 256).opens_session is False
-    assert parse_row(row | {"reward_detail": None}, 512, 256).opens_session is False
+    assert parse_row(row | {"opens_session": None}, 512, 256).opens_session is False, "a row from before the column"
+    detail_only = row | {"opens_session": None, "reward_detail": json.dumps({"opens_session": True})}
+    assert parse_row(detail_only, 512, 256).opens_session is False, "reward_detail is for people, not a contract"
 
 
 def test_cursor_passes_a_file_only_when_all_its_rows_are_consumed(tmp_path: Path) -> None:
@@ -206,7 +207,7 @@ def test_rows_left_for_the_learner_to_anneal_warn_a_learner_that_does_not(caplog
     from flywheel.learner.daemon import Learner
 
     row = episode_row(prompt=[5], completion=[7], logprobs=[-0.5], reward=1.3)
-    row.update(r_outcome=1.0, r_parallel=0.3, reward_detail=json.dumps({"parl": {"anneal_clock": "learner_step"}}))
+    row.update(r_outcome=1.0, r_parallel=0.3, shaping_clock="learner_step")
     shaped = parse_row(row, 512, 64)
     assert shaped.shaping_clock == "learner_step"
     plain = parse_row(episode_row(prompt=[5], completion=[7], logprobs=[-0.5], reward=1.0), 512, 64)
@@ -218,3 +219,22 @@ def test_rows_left_for_the_learner_to_anneal_warn_a_learner_that_does_not(caplog
             Learner.check_shaping_clock(fake, batch)
         said = [r for r in caplog.records if "shaping_anneal_end_step is 0" in r.getMessage()]
         assert len(said) == (1 if warned else 0), f"end step {end_step}: {len(said)} warnings, want {int(warned)}"
+
+
+def test_the_learner_reads_episodes_through_schema_columns_only() -> None:
+    """The episode contract is the schema: the learner reads no key inside the reward_detail text, computes a
+    row's reward with the schema's one function, and refuses a row missing a column the schema requires."""
+    import inspect
+
+    from flywheel.ingest import schema
+    from flywheel.learner import daemon, data, loss, trainer
+
+    for module in (data, daemon, loss, trainer):
+        assert "reward_detail" not in inspect.getsource(module), f"{module.__name__} reads inside reward_detail"
+    row = episode_row(prompt=[5], completion=[7], logprobs=[-0.5], reward=0.9)
+    row.update(r_outcome=1.0, r_turn=0.5, r_judge=0.25, r_penalty=-0.1, r_parallel=0.2)
+    assert parse_row(row, 512, 64).r_unshaped == schema.episode_reward(1.0, 0.5, 0.25, 0.0, 0.0, -0.1)
+    required = [c.name for c in schema.EPISODE_COLUMNS if c.required]
+    for name in required:
+        reason = parse_row(row | {name: None}, 512, 64)
+        assert isinstance(reason, str) and name in reason, f"a row without {name} was not refused: {reason!r}"

@@ -371,9 +371,10 @@ def test_policy_version_clock_anneals_to_exactly_zero_and_learner_step_clock_lea
 
 
 def test_the_learner_trains_the_shaping_at_its_steps_weight() -> None:
-    row = {"episode_id": "e", "label_version": 1, "task_type": "tool_use.swarm_multi", "policy_version": 0,
-           "prompt_token_ids": [1, 2], "completion_token_ids": [3], "completion_logprobs": [-0.5], "loss_mask": [1],
-           "reward": 1.3, "r_parallel": 0.2, "r_finish": 0.1}
+    from bench.fixtures.episodes import episode_row
+
+    row = episode_row(prompt=[1, 2], completion=[3], logprobs=[-0.5], reward=1.3, task_type="tool_use.swarm_multi")
+    row.update(r_outcome=1.0, r_parallel=0.2, r_finish=0.1)
     ep = parse_row(row, vocab_size=512, max_seq_len=64)
     assert not isinstance(ep, str), ep
     assert ep.trained_reward(1.0) == pytest.approx(1.3) and ep.trained_reward(0.0) == pytest.approx(1.0)
