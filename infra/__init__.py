@@ -1,4 +1,4 @@
-"""agent-flywheel: online reinforcement learning from production agent traffic.
+"""flywheel (this folder, infra/, is the package root): online reinforcement learning from production agent traffic.
 
 The agent-facing API is importable from here on a base install (kafka-python only):
 
