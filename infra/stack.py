@@ -41,10 +41,10 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Literal
 
 from flywheel.base import defaults, tracking
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base.config import ConfigError, check_choices, load_config, setting, setup_logging
 from flywheel.base.kafka import (
     KafkaClientConfig,
     client_kwargs,
@@ -68,7 +68,7 @@ class StackError(RuntimeError):
 class StackConfig:
     """The local stack: ports, paths and limits of Kafka, MLflow and vLLM."""
 
-    action: str = setting("status", "up, down or status")
+    action: Literal["up", "down", "status", "restart"] = setting("status", "up, down, restart or status")
     parts: list[str] = setting(list(DEFAULT_PARTS), "which parts to act on (comma-separated): kafka, mlflow, vllm, "
                                                    "s3 (an S3-compatible server for an s3:// lake; not in the default)")
     var_dir: Path = setting(Path(defaults.VAR_DIR), "state directory (data, logs, pid files)")
@@ -121,8 +121,7 @@ class StackConfig:
         unknown = sorted(set(self.parts) - set(PARTS))
         if unknown:
             raise ConfigError(f"parts: unknown {unknown}; choose from {list(PARTS)}")
-        if self.action not in ("up", "down", "status", "restart"):
-            raise ConfigError(f"action: {self.action!r} is not up, down, restart or status")
+        check_choices(self)
         if self.vllm_servers < 1:
             raise ConfigError(f"vllm_servers: must be >= 1, got {self.vllm_servers}")
         ports = {"kafka_port": self.kafka_port, "kafka_controller_port": self.kafka_controller_port,

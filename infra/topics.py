@@ -18,10 +18,10 @@ import logging
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from flywheel.base import defaults
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base.config import ConfigError, check_choices, load_config, setting, setup_logging
 from flywheel.base.kafka import (
     RECORD_OVERHEAD_BYTES,
     client_kwargs,
@@ -43,7 +43,7 @@ DLQ_LARGEST_RECORD = 4 * math.ceil(schema.MAX_RECORD_BYTES / 3) + 4 * RECORD_OVE
 class TopicsConfig:
     """Create or check the flywheel topics on a Kafka cluster."""
 
-    action: str = setting("check", "create or check")
+    action: Literal["create", "check"] = setting("check", "create or check")
     kafka_bootstrap: str = setting(defaults.KAFKA_BOOTSTRAP, "Kafka bootstrap servers")
     events_topic: str = setting(schema.EVENTS_TOPIC, "topic of agent events")
     outcomes_topic: str = setting(schema.OUTCOMES_TOPIC, "topic of outcomes")
@@ -58,8 +58,7 @@ class TopicsConfig:
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
-        if self.action not in ("create", "check"):
-            raise ConfigError(f"action: {self.action!r} is not create or check")
+        check_choices(self)
         for name in ("partitions", "replication_factor", "min_insync_replicas", "retention_ms", "max_message_bytes"):
             if getattr(self, name) < 1 and not (name == "retention_ms" and getattr(self, name) == -1):
                 raise ConfigError(f"{name}: must be >= 1"

@@ -47,13 +47,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from flywheel.base import defaults
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base.config import ConfigError, check_choices, load_config, setting, setup_logging
 from flywheel.base.metrics import CONTENT_TYPE, Metrics, Reading
 from flywheel.base.versions import version_name
-from flywheel.ingest import schema, wire
+from flywheel.ingest import schema
 from flywheel.ingest.sdk import (
     HEADER_AGENT_ID,
     HEADER_PARENT_AGENT_ID,
@@ -100,7 +100,8 @@ class ProxyConfig:
     upstream: str = setting(defaults.VLLM_URL, "the vLLM server (OpenAI-compatible) requests are forwarded to")
     kafka_bootstrap: str = setting(defaults.KAFKA_BOOTSTRAP, "Kafka the llm_call events go to")
     events_topic: str = setting(schema.EVENTS_TOPIC, "topic of the events")
-    router: str = setting("static", "static (every session -> static_model) or serving (serving.router.Router)")
+    router: Literal["static", "serving"] = setting(
+        "static", "static (every session -> static_model) or serving (serving.router.Router)")
     static_model: str = setting(version_name(0), "served model name for the static router")
     static_policy_version: int = setting(0, "policy version for the static router")
     idle_timeout_s: float = setting(300.0, "a session started through the proxy ends (idle_timeout) after this long "
@@ -108,8 +109,9 @@ class ProxyConfig:
     log_completion_text: bool = setting(True, "log the completion text (redacted) next to the token ids")
     log_prompt_text: bool = setting(False, "log the rendered prompt text (redacted); token ids are always logged")
     upstream_timeout_s: float = setting(600.0, "longest a forwarded request may take")
-    wire_format: str = setting("packed", "how llm_calls travel (ingest/wire.py): packed (schema v3, token ids as "
-                               "base64 int32) or json (v2, for a lake writer older than v3)")
+    wire_format: Literal["json", "packed"] = setting(
+        "packed", "how llm_calls travel (ingest/wire.py): packed (schema v3, token ids as base64 int32) or json "
+                  "(v2, for a lake writer older than v3)")
     spool_name: str = setting("proxy",
                               "name of the SDK's spill spool (<FLYWHEEL_SPOOL_DIR or state dir>/<name>@<topic>), "
                               "stable so a restart replays it")
@@ -121,12 +123,9 @@ class ProxyConfig:
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
-        if self.router not in ("static", "serving"):
-            raise ConfigError(f"router: {self.router!r} is not static or serving")
+        check_choices(self)  # router, wire_format (ingest/wire.py FORMATS)
         if self.idle_timeout_s <= 0:
             raise ConfigError(f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}")
-        if self.wire_format not in wire.FORMATS:
-            raise ConfigError(f"wire_format: {self.wire_format!r} is not one of {wire.FORMATS}")
 
 
 def static_route(model: str, policy_version: int) -> RouteFn:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from flywheel.base import defaults
-from flywheel.base.config import ConfigError, setting
+from flywheel.base.config import ConfigError, check_choices, setting
 from flywheel.base.versions import version_name
 
 
@@ -31,15 +31,15 @@ class TierConfig:
                                         "when no server is free, as a one-server tier must; champion and challenger "
                                         "are then never served at the same time, so the gate has no concurrent "
                                         "sessions to compare")
-    transport: str = setting("http", "full-weight transport: http (reload_weights from a shared path) or nccl (GPU "
-                                     "tier, untested here)")
+    transport: Literal["http", "nccl"] = setting(
+        "http", "full-weight transport: http (reload_weights from a shared path) or nccl (GPU tier, untested here)")
     challenger_share: float = setting(0.1, "share of all sessions routed to the challenger while there is one (sticky "
                                            "per session)")
     control_share: float = setting(0.0, "share of all sessions always served by control_version, for the whole run: "
                                         "the concurrent baseline every version is compared with (0: no control arm)")
     control_version: int = setting(0, "the fixed version the control arm serves (0: the base model, policy-v0)")
-    control_kind: str = setting("full", "lora or full: how a registered control_version is served (version 0 is "
-                                        "always full)")
+    control_kind: Literal["lora", "full"] = setting(
+        "full", "lora or full: how a registered control_version is served (version 0 is always full)")
     alias_refresh_s: float = setting(2.0, "how often the router re-reads the aliases (a rollback re-routes "
                                           "within this)")
     http_timeout_s: float = setting(60.0, "timeout of one admin request to a server")
@@ -51,8 +51,7 @@ class TierConfig:
     def check(self) -> None:
         if not self.servers:
             raise ConfigError("servers: at least one vLLM server URL is required")
-        if self.transport not in ("http", "nccl"):
-            raise ConfigError(f"transport: {self.transport!r} is not http or nccl")
+        check_choices(self)  # transport, control_kind
         if not 0.0 <= self.challenger_share <= 1.0:
             raise ConfigError(f"challenger_share: {self.challenger_share} is not within [0, 1]")
         if not 0.0 <= self.control_share < 1.0:
@@ -60,8 +59,6 @@ class TierConfig:
         if self.control_share + self.challenger_share >= 1.0 and self.challenger_share > 0:
             raise ConfigError(f"control_share ({self.control_share}) + challenger_share ({self.challenger_share}) "
                               "exceeds 1: the champion would get no sessions")
-        if self.control_kind not in ("lora", "full"):
-            raise ConfigError(f"control_kind: {self.control_kind!r} is not lora or full")
         if self.control_version < 0:
             raise ConfigError(f"control_version: {self.control_version} is not a version")
         lora_control = self.control_share > 0 and self.control_version != 0 and self.control_kind == "lora"

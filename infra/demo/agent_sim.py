@@ -38,11 +38,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from flywheel.base import defaults
 from flywheel.base.config import (
     ConfigError,
+    check_choices,
     load_config,
     setting,
     setup_logging,
@@ -76,8 +77,9 @@ class AgentSimConfig:
     max_turns: int = setting(3, "model replies allowed per part")
     max_tokens: int = setting(40, "max_tokens per model call (a tool call is about 20-30 tokens)")
     temperature: float = setting(1.0, "sampling temperature (1.0: the policy's own distribution, what RL needs)")
-    scenario: str = setting("tool_use", "tool_use (tasks.py's sessions) or swarm (infra/demo/swarm.py: the policy "
-                                        "decides to spawn sub-agents, summarise or prune its context)")
+    scenario: Literal["tool_use", "swarm"] = setting(
+        "tool_use", "tool_use (tasks.py's sessions) or swarm (infra/demo/swarm.py: the policy decides to spawn "
+                    "sub-agents, summarise or prune its context)")
     swarm_long_share: float = setting(0.4, "swarm: share of long multi-turn sessions (the rest are "
                                            "multi-part requests)")
     swarm_context_budget_chars: int = setting(260, "swarm: history size (chars) past which a long session's model "
@@ -104,8 +106,7 @@ class AgentSimConfig:
             raise ConfigError(f"concurrency: must be >= 1, got {self.concurrency}")
         if not 0.0 <= self.multi_share <= 1.0:
             raise ConfigError(f"multi_share: must be in [0, 1], got {self.multi_share}")
-        if self.scenario not in ("tool_use", "swarm"):
-            raise ConfigError(f"scenario: {self.scenario!r} is not tool_use or swarm")
+        check_choices(self)
         if not 0.0 <= self.swarm_long_share <= 1.0:
             raise ConfigError(f"swarm_long_share: must be in [0, 1], got {self.swarm_long_share}")
         if self.max_turns < 1 or self.max_tokens < 1:
