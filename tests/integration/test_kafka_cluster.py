@@ -35,8 +35,11 @@ PARTITIONS = 4
 def _free_port_block(n: int) -> int:
     """The first of n consecutive free ports: node i listens on base + 2i and base + 2i + 1."""
     rng = random.Random()
+    # below the kernel's ephemeral range: a port there can be taken by any outgoing connection between this check
+    # and the broker's bind (one run lost node 3 to "Address already in use" on 37766)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
-        base = rng.randrange(20_000, 60_000, 2)
+        base = rng.randrange(10_000, max(low, 10_200) - n, 2)
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + n):
