@@ -133,7 +133,7 @@ def parse_row(row: dict[str, Any], vocab_size: int, max_seq_len: int) -> Episode
         r_penalty=float(row.get("r_penalty") or 0.0),
         r_shaping=float(row.get("r_parallel") or 0.0) + float(row.get("r_finish") or 0.0),
         r_unshaped=unshaped_reward(row),
-        shaping_clock=row.get("shaping_clock") if (row.get("r_parallel") or row.get("r_finish")) else None,
+        shaping_clock=row.get("shaping_clock"),  # the builder writes it on shaped rows only
         opens_session=row.get("opens_session") is True,
         sampling=sampling,
     )

@@ -282,7 +282,11 @@ def resolve(cls: type[T], toml_values: Mapping[str, Any], env: typing.Mapping[st
         if flags.get(name) is not None:
             raw = flags[name]
         values[name] = _convert(name, hints[name], raw) if raw is not dataclasses.MISSING else start
-    cfg = cls(**values)
+    return _checked(cls(**values))
+
+
+def _checked(cfg: T) -> T:
+    """`cfg` after its cross-field rules (a config's optional check()) passed."""
     check = getattr(cfg, "check", None)
     if callable(check):
         check()
@@ -341,11 +345,7 @@ def from_recipe(cls: type[T], recipe: str | Path, section: str | None = None, **
     cfg = resolve(cls, recipe_section(cls, recipe_values(recipe), section), {}, {})
     if not changes:
         return cfg
-    cfg = dataclasses.replace(cfg, **changes)  # type: ignore[type-var]
-    check = getattr(cfg, "check", None)
-    if callable(check):
-        check()
-    return cfg
+    return _checked(dataclasses.replace(cfg, **changes))  # type: ignore[type-var]
 
 
 def process_parser(cls: type, argv: list[str], prog: str,
