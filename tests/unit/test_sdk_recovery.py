@@ -450,9 +450,11 @@ while log.metrics()["spilled"] < 1:
     time.sleep(0.01)
 child = os.fork()
 if child == 0:
+    # os.fork() returns here only after the at-fork hooks ran: the child has let go of its copy of the lock by now
+    print("child ready", flush=True)
     time.sleep(30)
     os._exit(0)
-print(child, flush=True)
+print("child", child, flush=True)
 time.sleep(60)
 """
 
@@ -466,7 +468,15 @@ def test_a_forked_child_does_not_keep_the_parents_spool_locked(tmp_path: Path) -
     child = 0
     try:
         assert proc.stdout is not None
-        child = int(proc.stdout.readline().strip())
+        # Both lines, in either order: the parent's (the child's pid) and the child's (its at-fork hook ran). Without
+        # the second, a busy machine could kill the parent before the child was first scheduled (CI stop 44).
+        ready = False
+        while not (child and ready):
+            line = proc.stdout.readline().split()
+            assert line, "the forking script ended early"
+            if line[0] == "child" and line[1].isdigit():
+                child = int(line[1])
+            ready = ready or line == ["child", "ready"]
         proc.send_signal(signal.SIGKILL)  # the parent dies; its forked child lives on
         proc.wait(10)
         try:
