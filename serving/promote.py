@@ -1,16 +1,21 @@
 """Promotion gate and rollback: `flywheel promote [--auto]`, `flywheel rollback`, the serving part of `flywheel status`.
 
-The gate compares the challenger with the champion on
-  (a) their production sessions served at the same time (the router's arms, logged on every
-      llm_call), mature and stratified by task type, with an always-valid sequential test (the
-      rule and why it is valid: serving/decision.py), and
-  (b) an offline set of verifiable tasks run through vLLM against both (two-proportion z-test at
-      alpha; the task set is pluggable, see serving/evaluate.py), a veto on a promotion.
+The gate compares the challenger with the champion on their production sessions served at the
+same time (the router's arms, logged on every llm_call), mature and stratified by task type, with
+a sequential test (the rule and why it is valid: serving/decision.py), and on guardrails, each a
+non-inferiority test at its margin (serving/guardrails.py): errors, malformed tool calls, tail
+latency, tokens, the judge's score, and the offline task set run through vLLM when `guardrails`
+names it (otherwise the offline scores are a report in the decision, not a veto). One rule:
+promote iff the split is the router's AND the challenger is better AND every guardrail is within
+its margin, each test at alpha (docs/serving.md).
 Outcomes:
-  promote  the challenger is significantly better (or non-inferior within the margin): it becomes champion;
-  reject   it is significantly worse online, or offline: the challenger alias is cleared;
-  expire   max_sessions without a decision: cleared too, tagged expire (the learner keeps its line);
-  hold     not decided yet: nothing changes, the next round looks again (which the test allows).
+  promote  better, and every guardrail shown within its margin: it becomes champion;
+  reject   significantly worse, or a guardrail breached beyond its margin: the challenger alias is cleared;
+  expire   the last look (or max_sessions) without a decision: cleared too, tagged expire;
+  hold     not decided yet: nothing changes, the next round looks again (which the test allows);
+  halt     the arms' split is not the router's (sample ratio mismatch): no decision, an alert.
+With `stream` lord or daily each challenger's alpha comes from the stream of challengers
+(`stream_alpha`), so error is controlled over hundreds of challengers a day, not per challenger.
 Each round (with auto_rollback, the default) it also rolls back a champion that is significantly
 worse than the concurrent control arm (same test, on sessions since it became champion). With
 --auto it loops, and each round first makes sure the champion and the control are served. Every decision, its
@@ -42,13 +47,13 @@ from flywheel.base import defaults
 from flywheel.base.config import setting
 from flywheel.base.metrics import Metrics
 from flywheel.base.stop import stop_on_signals
-from flywheel.serving import evaluate, publisher, vllm_client
+from flywheel.serving import evaluate, guardrails, publisher, vllm_client
 from flywheel.serving.decision import GateRule, Verdict, concurrent
 from flywheel.serving.decision import decide as decide_online
 from flywheel.serving.decision import decide_rollback as decide_online_rollback
 from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
 from flywheel.serving.sessions import SessionRecord, read_sessions
-from flywheel.serving.stats import mean_ci, two_proportions
+from flywheel.serving.stats import daily_alpha, lord_alpha, mean_ci
 from flywheel.serving.tier import TierConfig
 
 log = logging.getLogger(__name__)
@@ -62,7 +67,8 @@ class PromoteConfig(TierConfig, GateRule):
                                                  "and /outcomes)")
     eval_tasks: str = setting("flywheel.serving.evaluate:arithmetic_tasks", "offline eval set: module:function "
                                                                             "returning EvalTasks")
-    require_offline_eval: bool = setting(True, "hold the promotion when a side has no offline score")
+    require_offline_eval: bool = setting(True, "with the offline guardrail on: hold the promotion when a side has no "
+                                               "offline score")
     experiment: str = setting("flywheel-promotion", "MLflow experiment receiving one run per decision")
     auto: bool = setting(False, "loop: gate every interval_s and roll back a regressed champion")
     auto_rollback: bool = setting(True, "with --auto, roll back a champion significantly worse than the control arm")
@@ -152,43 +158,60 @@ def offline_score(registry: Registry, version: int, kind: str, cfg: PromoteConfi
 # ---------------------------------------------------------------------------------------------
 # Decisions
 # ---------------------------------------------------------------------------------------------
-def _offline_veto(offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig,
-                  numbers: dict[str, float]) -> tuple[str, str] | None:
-    """(action, reason) when the offline eval stops a promotion (a regression: reject; no score: hold), else None."""
+def _offline(offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig, alpha: float,
+             numbers: dict[str, float]) -> tuple[str, str] | None:
+    """The offline task set: a guardrail when `guardrails` names it (a fixed-sample non-inferiority test at its
+    margin; no score: hold when require_offline_eval), otherwise a report in the decision's numbers only.
+    (action, reason) when it stops a promotion, else None."""
+    guarded = "offline" in cfg.guardrails
     if isinstance(offline, tuple):
         champ_s, chal_s = offline
-        off = two_proportions(champ_s.successes, champ_s.n, chal_s.successes, chal_s.n)
-        numbers.update({"offline_champion": off.mean_a, "offline_challenger": off.mean_b, "offline_n_champion": off.n_a,
-                        "offline_n_challenger": off.n_b, "offline_p_worse": off.p_worse})
-        if off.p_worse < cfg.alpha:
-            return "reject", (f"offline eval regressed: {chal_s.successes}/{chal_s.n} vs "
-                              f"{champ_s.successes}/{champ_s.n} (p={off.p_worse:.4f} < {cfg.alpha})")
+        numbers.update({"offline_champion": champ_s.rate, "offline_challenger": chal_s.rate,
+                        "offline_n_champion": champ_s.n, "offline_n_challenger": chal_s.n})
+        if not guarded:
+            return None
+        check = guardrails.check_offline(cfg.guardrails["offline"], champ_s.successes, champ_s.n, chal_s.successes,
+                                         chal_s.n, alpha)
+        numbers.update(check.numbers())
+        if check.breach:
+            return "reject", f"offline guardrail breached: {check.describe()}"
+        if not check.ok:
+            # greedy scores do not change between rounds: waiting would not show it
+            return "expire", f"better online, but the offline guardrail is not shown: {check.describe()}"
         return None
-    if cfg.require_offline_eval:
-        return "hold", f"better online, but no offline eval: {offline}"
+    if guarded and cfg.require_offline_eval:
+        return "hold", f"better online, but no offline eval for the offline guardrail: {offline}"
     return None
 
 
+def expected_challenger_share(cfg: TierConfig) -> float | None:
+    """The challenger's share of the champion's and the challenger's sessions under the router's split."""
+    champion = 1.0 - cfg.control_share - cfg.challenger_share
+    total = champion + cfg.challenger_share
+    return cfg.challenger_share / total if total > 0 and 0 < cfg.challenger_share < total else None
+
+
 def gate_round(champion: int, challenger: int | None, records: list[SessionRecord],
-           offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig,
-           now: float | None = None, champion_since: float | None = None) -> Decision:
+               offline: tuple[evaluate.EvalScore, evaluate.EvalScore] | str | None, cfg: PromoteConfig,
+               now: float | None = None, champion_since: float | None = None, alpha: float | None = None) -> Decision:
     """The gate as a pure function of the sessions: `offline` is (champion score, challenger score), or why there is
-    none; `champion_since`: when the champion became champion (only sessions from then on are concurrent with it)."""
+    none; `champion_since`: when the champion became champion (only sessions from then on are concurrent with it);
+    `alpha`: this challenger's level in the stream of challengers (None: the rule's alpha)."""
     if challenger is None or challenger == champion:
         return Decision("none", "no challenger", champion, None)
+    rule = cfg if alpha is None else dataclasses.replace(cfg, alpha=alpha)
     ev = concurrent(records, (champion, "champion"), (challenger, "challenger"), time.time() if now is None else now,
-                    cfg, since=champion_since)
-    verdict: Verdict = decide_online(ev, cfg)
+                    rule, since=champion_since, expected_b=expected_challenger_share(cfg))
+    verdict: Verdict = decide_online(ev, rule)
     numbers = {("online_" + k): v for k, v in verdict.numbers.items()}
-    if verdict.action == "promote":
-        veto = _offline_veto(offline, cfg, numbers)
-        if veto is not None:
-            return Decision(veto[0], veto[1], champion, challenger, numbers)
+    stop = _offline(offline, cfg, rule.alpha, numbers)
+    if verdict.action == "promote" and stop is not None:
+        return Decision(stop[0], stop[1], champion, challenger, numbers)
     return Decision(verdict.action, verdict.reason, champion, challenger, numbers)
 
 
 def rollback_round(champion: int, records: list[SessionRecord], cfg: PromoteConfig, champion_since: float | None,
-                    now: float | None = None) -> Decision:
+                   now: float | None = None) -> Decision:
     """Roll back a champion significantly worse than the concurrent control arm (sessions since its promotion)."""
     if cfg.control_share <= 0:
         return Decision("keep", "no control arm: nothing concurrent to judge the champion against", champion, None)
@@ -276,8 +299,10 @@ def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | 
     client.log_param(run_id, "champion", decision.champion)
     client.log_param(run_id, "challenger", decision.challenger)
     for key in ("test", "looks", "spending", "alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s",
-                "outcome_kind", "eval_tasks", "control_share", "control_version", "challenger_share"):
+                "outcome_kind", "eval_tasks", "control_share", "control_version", "challenger_share", "srm_alpha",
+                "stream"):
         client.log_param(run_id, key, getattr(cfg, key))
+    client.log_param(run_id, "guardrails", json.dumps(cfg.guardrails, sort_keys=True))
     for key, value in decision.numbers.items():
         if value is not None and math.isfinite(float(value)):
             client.log_metric(run_id, key, float(value))
@@ -327,7 +352,7 @@ def rollback_to_served(registry: Registry, tier: TierConfig) -> int | None:
 def show(decision: Decision, console: Any) -> None:
     from rich.table import Table
 
-    colour = {"promote": "green", "reject": "red", "expire": "red", "rollback": "red",
+    colour = {"promote": "green", "reject": "red", "expire": "red", "rollback": "red", "halt": "red",
               "hold": "yellow"}.get(decision.action, "white")
     table = Table(title=f"gate: [{colour}]{decision.action}[/{colour}]  champion policy-v{decision.champion}"
                         + (f", challenger policy-v{decision.challenger}" if decision.challenger is not None else ""))
@@ -358,10 +383,40 @@ def _offline_scores(cfg: PromoteConfig, registry: Registry, sides: list[tuple[in
     return scores, missing
 
 
+def stream_alpha(cfg: PromoteConfig, registry: Registry, challenger: int) -> float | None:
+    """This challenger's level in the stream of challengers (None: per-challenger, the rule's alpha).
+
+    Fixed the first time the gate sees the challenger and kept as tags on its model version (gate_stream_index,
+    gate_alpha): a test's level must not move while it runs, and a gate restarted mid-test reads it back.
+    lord: LORD++ over every challenger the gate has tested, in order, with the promoted ones as its discoveries
+    (serving/stats.py lord_alpha: the false discovery rate among promotions stays <= alpha). daily: the day's
+    i-th challenger gets alpha 6 / (pi^2 i^2) (any false promotion in a UTC day: <= alpha)."""
+    if cfg.stream == "per-challenger":
+        return None
+    versions = registry.versions()
+    mine = next((v for v in versions if v.policy_version == challenger), None)
+    if mine is not None and "gate_alpha" in mine.tags:
+        return float(mine.tags["gate_alpha"])
+    tested = [v for v in versions if "gate_stream_index" in v.tags and v.policy_version != challenger]
+    index = 1 + max((int(v.tags["gate_stream_index"]) for v in tested), default=0)
+    day = _dt.datetime.now(_dt.timezone.utc).date().isoformat()
+    if cfg.stream == "lord":
+        discoveries = [int(v.tags["gate_stream_index"]) for v in tested if v.tags.get("gate_decision") == "promote"]
+        level = lord_alpha(index, discoveries, cfg.alpha)
+    else:
+        level = daily_alpha(1 + sum(v.tags.get("gate_stream_day") == day for v in tested), cfg.alpha)
+    registry.tag_version(challenger, {"gate_stream_index": index, "gate_stream_day": day, "gate_alpha": repr(level),
+                                      "gate_stream": cfg.stream})
+    log.info("promote: policy-v%d is challenger %d of the stream (%s): tested at alpha %.3g", challenger, index,
+             cfg.stream, level)
+    return level
+
+
 def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalTask] | None = None,
               records: list[SessionRecord] | None = None, now: float | None = None) -> list[Decision]:
     """One round: the challenger gate, then (with auto_rollback) the champion against the control."""
-    records = read_sessions(cfg.lake_root, cfg.outcome_kind, cfg.maturity_s) if records is None else records
+    records = (read_sessions(cfg.lake_root, cfg.outcome_kind, cfg.maturity_s, judge="judge" in cfg.guardrails)
+               if records is None else records)
     slots = registry.alias_versions()
     champion = slots[CHAMPION].policy_version if CHAMPION in slots else 0
     champion_kind = slots[CHAMPION].kind if CHAMPION in slots else "full"
@@ -376,8 +431,10 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
     if challenger is not None and not missing and len(scores) == 2:
         offline = (scores[champion], scores[challenger.policy_version])
     since = _champion_since(registry, champion)
+    level = (stream_alpha(cfg, registry, challenger.policy_version)
+             if challenger is not None and challenger.policy_version != champion else None)
     decision = gate_round(champion, challenger.policy_version if challenger else None,
-                          records, offline, cfg, now, since)
+                          records, offline, cfg, now, since, level)
     apply(decision, registry, cfg)
     record(decision, cfg, registry)
     decisions = [decision]
@@ -389,7 +446,7 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
         decisions.append(back)
     return decisions
 
-ACTIONS = ("promote", "reject", "expire", "hold", "rollback", "keep", "none")
+ACTIONS = ("promote", "reject", "expire", "hold", "halt", "rollback", "keep", "none")
 ROUND_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # decisions[0] tests the challenger against the champion, decisions[1] (auto_rollback) the champion against control
 _TESTS = (("challenger", "champion", "challenger"), ("rollback", "control", "champion"))
@@ -412,6 +469,8 @@ class GateMetrics:
         self.round_seconds = m.histogram("round_duration", "seconds", "one gate round, lake read to MLflow record",
                                          ROUND_BUCKETS_S)
         self.champion = m.gauge("champion", "version", "the champion's policy version after the last round")
+        self.srm = m.gauge("srm_log_lr", "log LR", "the sample-ratio check's evidence of a split unlike the router's "
+                           "(the challenger test; the decision halts at log(1 / srm_alpha))")
 
     def observe_round(self, decisions: list[Decision], seconds: float, failed: bool) -> None:
         self.round_seconds.observe(seconds)
@@ -425,6 +484,8 @@ class GateMetrics:
                 self.compared.labels(test, arm_b).set(d.numbers["online_n_b"])
         if decisions[0].champion >= 0:
             self.champion.set(decisions[0].champion)
+        if "online_srm_log_lr" in decisions[0].numbers:
+            self.srm.set(decisions[0].numbers["online_srm_log_lr"])
 
 
 def run(cfg: PromoteConfig) -> int:
@@ -468,8 +529,13 @@ def _rounds(cfg: PromoteConfig, registry: Registry, stop: threading.Event, metri
         for d in decisions:
             show(d, console)
         rounds += 1
-        write_status("promote", {"round": rounds, "champion": decisions[0].champion,
-                                 "challenger": decisions[0].challenger, "last": decisions[0].action}, cfg.var_dir)
+        first = decisions[0]
+        if first.action == "halt":
+            log.error("promote: ALERT %s", first.reason)
+        write_status("promote", {"round": rounds, "champion": first.champion, "challenger": first.challenger,
+                                 "last": first.action, "reason": first.reason[:500],
+                                 "srm": {k[len("online_srm_"):]: v for k, v in first.numbers.items()
+                                         if k.startswith("online_srm_")}}, cfg.var_dir)
         if not cfg.auto or (cfg.rounds and rounds >= cfg.rounds) or stop.wait(cfg.interval_s):
             return 0
 
@@ -521,12 +587,12 @@ def print_status(console: Any, cfg: PromoteConfig | None = None) -> None:
     aliases = registry.aliases()
     champion = aliases.get(CHAMPION, 0)
     shares = arm_shares(cfg, champion, aliases.get(CHALLENGER))
-    try:
-        counted = mature(read_sessions(cfg.lake_root, cfg.outcome_kind), time.time(), cfg.maturity_s,
-                         cfg.error_statuses).counted
+    try:  # as the gate reads them: an outcome counts when it came within the maturity window
+        records = read_sessions(cfg.lake_root, cfg.outcome_kind, cfg.maturity_s, judge="judge" in cfg.guardrails)
     except Exception as exc:  # an empty or unreadable lake must not break the status view
         log.warning("status: lake %s unreadable (%s)", cfg.lake_root, exc)
-        counted = []
+        records = []
+    counted = mature(records, time.time(), cfg.maturity_s, cfg.error_statuses).counted
     rewards: dict[int, list[float]] = {}
     for r in counted:
         if r.version is not None:
@@ -549,6 +615,41 @@ def print_status(console: Any, cfg: PromoteConfig | None = None) -> None:
                       (rv.tags.get("gate_decision", "") if rv else "")
                       + (" rolled back" if rv and rv.tags.get("rolled_back") else ""))
     console.print(table)
+    challenger = aliases.get(CHALLENGER)
+    if challenger is not None and challenger != champion:
+        print_looks(console, cfg, records, champion, challenger, _champion_since(registry, champion))
+
+
+def print_looks(console: Any, cfg: PromoteConfig, records: list[SessionRecord], champion: int, challenger: int,
+                since: float | None) -> None:
+    """The current challenger's test as the gate sees it now: each planned look reached (the primary's z against
+    its boundary, each guardrail's statistic), the sample-ratio check, and what the rule says."""
+    from rich.table import Table
+
+    from flywheel.serving.decision import looks
+
+    ev = concurrent(records, (champion, "champion"), (challenger, "challenger"), time.time(), cfg, since=since,
+                    expected_b=expected_challenger_share(cfg))
+    verdict = decide_online(ev, cfg)
+    table = Table(title=f"policy-v{challenger} against policy-v{champion}: {cfg.test}, looks at "
+                        f"{cfg.look_sizes() if cfg.test == 'group-sequential' else 'every round'} sessions a side "
+                        f"(now {ev.n_a} / {ev.n_b})")
+    names = sorted(cfg.guardrails)
+    for column in ("look", "sessions", "diff", "z better", "z worse", "bound", *names):
+        table.add_column(column, justify="right")
+    for row in looks(ev, cfg):
+        guards = row["guards"]
+        assert isinstance(guards, dict)
+        table.add_row(str(row["look"]), str(row["sessions"]), f"{row['diff']:+.3f}", f"{row['z_better']:.2f}",
+                      f"{row['z_worse']:.2f}", f"{row['bound']:.2f}", *(str(guards.get(n, "")) for n in names))
+    console.print(table)
+    if verdict.srm is not None:
+        console.print(f"sample ratio: challenger {verdict.srm.n_b} of {verdict.srm.n_a + verdict.srm.n_b} "
+                      f"({verdict.srm.observed_b:.1%}, expected {verdict.srm.expected_b:.1%}), always-valid p "
+                      f"{verdict.srm.p_value:.3g}{' MISMATCH' if verdict.srm.mismatch else ''}")
+    for g in verdict.guards:
+        console.print(f"  {g.describe()}")
+    console.print(f"gate now: {verdict.action}: {verdict.reason}")
 
 
 def as_dict(decision: Decision) -> dict[str, Any]:

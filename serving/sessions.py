@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     import duckdb
@@ -39,6 +39,16 @@ class SessionRecord:
     status: str | None  # the main agent's session_end status
     outcome: float | None  # the latest value of the outcome kind; None: none arrived yet
     outcome_ts: float | None = None
+    # what the gate's guardrails read (serving/decision.py): what a reward-hacking policy moves first
+    malformed: int = 0  # tool calls in the session (any agent) the harness could not parse
+    tool_calls: int = 0  # tool calls in the session (any agent), parsed or not
+    tokens: int = 0  # prompt + completion tokens over its llm_calls (the session's cost)
+    judge: float | None = None  # the LLM judge's score of the session (None: not judged, or not read)
+
+    @property
+    def latency_s(self) -> float | None:
+        """Wall time from the session's start to the main agent's end; None while it runs."""
+        return None if self.ended is None else max(0.0, self.ended - self.started)
 
 
 @dataclass
@@ -106,13 +116,15 @@ def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", lake_root: str, out
     con.execute(f"CREATE VIEW oc AS SELECT session_id, kind, value, ts FROM oc_all WHERE {narrow}")
 
 
-def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_within_s: float | None = None
-                  ) -> list[SessionRecord]:
+def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_within_s: float | None = None,
+                  judge: bool = False) -> list[SessionRecord]:
     """Every session in the lake's events, with its serving version and arm, end and latest outcome.
 
     outcome_within_s: only outcomes that arrived within this many seconds of the session's end count
     (the gate passes its maturity window), so a session counted at one look keeps its value at every
     later one: a late or revised outcome cannot change a sample the sequential test already saw.
+    judge: also read each session's judge score from the episodes (its latest label's), for the gate's judge
+    guardrail; off, `judge` stays None and the episodes are not read.
     """
     import duckdb
 
@@ -126,17 +138,23 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
     try:
         con.execute("SET TimeZone='UTC'")
         lake_view(con, "ev", lake_root, "events", events)
-        has_arm = "arm" in {r[0] for r in con.execute("DESCRIBE ev").fetchall()}
+        columns = {r[0] for r in con.execute("DESCRIBE ev").fetchall()}
+        has_arm = "arm" in columns
         arm = "min(arm)" if has_arm else "NULL"
+        malformed = ("count(*) FILTER (WHERE type = 'tool_call' AND malformed)" if "malformed" in columns else "0")
         _session_outcomes_view(con, lake_root, outcomes)
+        _judge_view(con, lake_root, judge)
         rows = con.execute(
             f"""
             WITH firsts AS (SELECT session_id, min(ts) AS first_ts FROM ev GROUP BY 1),
                  starts AS (SELECT session_id, min(ts) AS start_ts, arg_min(task_type, ts) AS task_type
                             FROM ev WHERE type = 'session_start' AND parent_agent_id IS NULL GROUP BY 1),
                  calls AS (SELECT session_id, min(policy_version) AS vmin, max(policy_version) AS vmax,
-                                  {arm} AS arm, count(DISTINCT {"arm" if has_arm else "NULL"}) AS arms
+                                  {arm} AS arm, count(DISTINCT {"arm" if has_arm else "NULL"}) AS arms,
+                                  sum(len(prompt_token_ids) + len(completion_token_ids)) AS tokens
                            FROM ev WHERE type = 'llm_call' GROUP BY 1),
+                 bad AS (SELECT session_id, {malformed} AS malformed,
+                                count(*) FILTER (WHERE type = 'tool_call') AS tool_calls FROM ev GROUP BY 1),
                  ends AS (SELECT session_id, max(ts) AS end_ts, arg_max(status, ts) AS status
                           FROM ev WHERE type = 'session_end' AND parent_agent_id IS NULL GROUP BY 1),
                  verdicts AS (SELECT o.session_id, arg_max(o.value, o.ts) AS value, max(o.ts) AS outcome_ts
@@ -145,20 +163,40 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
                                                     OR epoch(o.ts) <= epoch(e2.end_ts) + ?)
                               GROUP BY 1)
             SELECT f.session_id, s.task_type, c.vmin, c.vmax, c.arm, c.arms, coalesce(s.start_ts, f.first_ts),
-                   e.end_ts, e.status, d.value, d.outcome_ts
+                   e.end_ts, e.status, d.value, d.outcome_ts, b.malformed, b.tool_calls, c.tokens, j.score
             FROM firsts f LEFT JOIN starts s USING (session_id) LEFT JOIN calls c USING (session_id)
                  LEFT JOIN ends e USING (session_id) LEFT JOIN verdicts d USING (session_id)
+                 LEFT JOIN bad b USING (session_id) LEFT JOIN judged j USING (session_id)
             """, [outcome_kind, outcome_within_s, outcome_within_s or 0.0]).fetchall()
     finally:
         con.close()
-    out = []
-    for sid, task_type, vmin, vmax, arm_value, arms, start, end, status, value, outcome_ts in rows:
-        version = int(vmin) if vmin is not None and vmin == vmax else None
-        out.append(SessionRecord(str(sid), task_type or "unknown", version, arm_value if (arms or 0) <= 1 else None,
-                                 epoch(start) or 0.0, epoch(end), status,
-                                 float(value) if value is not None and math.isfinite(value) else None,
-                                 epoch(outcome_ts)))
-    return out
+    return [_record(row) for row in rows]
+
+
+def _record(row: tuple[Any, ...]) -> SessionRecord:
+    sid, task_type, vmin, vmax, arm_value, arms, start, end, status, value, outcome_ts, bad, calls, tokens, score = row
+    version = int(vmin) if vmin is not None and vmin == vmax else None
+    return SessionRecord(str(sid), task_type or "unknown", version, arm_value if (arms or 0) <= 1 else None,
+                         epoch(start) or 0.0, epoch(end), status,
+                         float(value) if value is not None and math.isfinite(value) else None,
+                         epoch(outcome_ts), int(bad or 0), int(calls or 0), int(tokens or 0),
+                         float(score) if score is not None else None)
+
+
+def _judge_view(con: "duckdb.DuckDBPyConnection", lake_root: str, wanted: bool) -> None:
+    """View `judged`: each session's judge score, from its episodes' latest label (none unless `wanted`)."""
+    from flywheel.ingest import lake
+
+    episodes = [f.path for f in lake.list_files(lake_root, "episodes")] if wanted else []
+    if not episodes:
+        con.execute("CREATE VIEW judged AS SELECT NULL::VARCHAR AS session_id, NULL::DOUBLE AS score WHERE false")
+        return
+    lake_view(con, "ep", lake_root, "episodes", episodes)
+    if "judge_score" not in {r[0] for r in con.execute("DESCRIBE ep").fetchall()}:
+        con.execute("CREATE VIEW judged AS SELECT NULL::VARCHAR AS session_id, NULL::DOUBLE AS score WHERE false")
+        return
+    con.execute("CREATE VIEW judged AS SELECT session_id, arg_max(judge_score, label_version)::DOUBLE AS score "
+                "FROM ep WHERE judge_score IS NOT NULL GROUP BY 1")
 
 
 def mature(records: Iterable[SessionRecord], now: float, maturity_s: float,

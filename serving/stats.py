@@ -339,3 +339,154 @@ def group_sequential_look(a: dict[str, Moments], b: dict[str, Moments], look: in
     se = math.sqrt(est.var)
     return GroupSequentialLook(est, margin, look, len(bounds), (est.diff + margin) / se, -est.diff / se,
                                bounds[look - 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Guardrails: non-inferiority of a metric where lower is better (errors, malformed calls, latency, cost)
+# ---------------------------------------------------------------------------------------------
+def _side_var(m: Moments) -> float:
+    """One side's sample variance, floored as `_pooled_var` floors a pooled one (a 0/1 metric at the largest
+    variance its smoothed mean allows): a side with no malformed call yet must not look infinitely precise."""
+    if m.n < 1:
+        return math.nan
+    mean = m.total / m.n
+    var = max(0.0, (m.squares - m.n * mean * mean) / max(m.n - 1, 1))
+    if m.graded == 0 and abs(m.squares - m.total) <= 1e-9 * max(m.n, 1) and m.total >= -1e-9:
+        smoothed = (m.total + 1.0) / (m.n + 2.0)  # every value 0 or 1
+        return max(var, smoothed * (1.0 - smoothed))
+    return max(var, VAR_FLOOR * max(1.0, mean * mean))  # a relative floor (cv 0.1) for counts such as tokens
+
+
+@dataclass(frozen=True)
+class NonInferiority:
+    """B against A on a guardrail metric: is B no worse than A by `margin`?
+
+    The contrast is c = limit - mean_b, where limit is mean_a + margin (absolute margin) or mean_a (1 + margin)
+    (relative: at most `margin` more, e.g. 0.1 = ten percent more tokens). c > 0 is "not worse at the margin"; its
+    variance is var_b / n_b + k^2 var_a / n_a with k = 1 or 1 + margin, so a relative margin is tested exactly as
+    the linear hypothesis mean_b - (1 + margin) mean_a < 0 (no ratio estimator, no delta method).
+    """
+
+    n_a: int
+    n_b: int
+    mean_a: float
+    mean_b: float
+    margin: float
+    relative: bool
+    contrast: float  # limit - mean_b: > 0 when B is within the margin
+    var: float  # variance of the contrast
+
+    @property
+    def limit(self) -> float:
+        return self.mean_a * (1.0 + self.margin) if self.relative else self.mean_a + self.margin
+
+    @property
+    def z_ok(self) -> float:
+        """Evidence that B is within the margin (non-inferior)."""
+        return self.contrast / math.sqrt(self.var)
+
+    @property
+    def breach_contrast(self) -> float:
+        """mean_b - limit: > 0 when B is beyond the margin."""
+        return -self.contrast
+
+
+def noninferiority(a: Moments, b: Moments, margin: float, relative: bool = False) -> NonInferiority | None:
+    """The guardrail's contrast on two sides' moments (lower is better); None with fewer than two sessions a side."""
+    if a.n < 2 or b.n < 2:
+        return None
+    k = 1.0 + margin if relative else 1.0
+    limit = a.mean * k if relative else a.mean + margin
+    var = _side_var(b) / b.n + k * k * _side_var(a) / a.n
+    return NonInferiority(a.n, b.n, a.mean, b.mean, margin, relative, limit - b.mean, var)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample-ratio mismatch: an always-valid test of the arms' split
+# ---------------------------------------------------------------------------------------------
+SRM_CONCENTRATION = 100.0  # the mixture's Beta(c p0, c (1 - p0)): a prior sd of about 0.05 around a share of 0.5
+
+
+@dataclass(frozen=True)
+class RatioCheck:
+    """The two arms' session counts against the split the router was told to make."""
+
+    n_a: int
+    n_b: int
+    expected_b: float  # B's expected share of the two arms' sessions
+    log_lr: float  # the mixture likelihood ratio of "the split is not expected_b", log
+    threshold: float  # log(1 / alpha)
+
+    @property
+    def observed_b(self) -> float:
+        total = self.n_a + self.n_b
+        return self.n_b / total if total else math.nan
+
+    @property
+    def mismatch(self) -> bool:
+        return self.log_lr >= self.threshold
+
+    @property
+    def p_value(self) -> float:
+        """Always-valid p-value of "the split is as configured" (1 / Lambda, capped at 1)."""
+        return min(1.0, math.exp(-self.log_lr))
+
+
+def sample_ratio(n_a: int, n_b: int, expected_b: float, alpha: float,
+                 concentration: float = SRM_CONCENTRATION) -> RatioCheck:
+    """The sequential sample-ratio-mismatch test (Lindon and Malek 2022, "Anytime-valid inference for multinomial
+    count data", for two arms: a beta-binomial mixture).
+
+    Under the configured split each session lands on B with probability p0 = expected_b, independently (the router
+    hashes session ids). The likelihood ratio of a Beta(c p0, c (1 - p0)) mixture over p against p0,
+        Lambda_n = B(x + c p0, n - x + c (1 - p0)) / B(c p0, c (1 - p0)) / (p0^x (1 - p0)^(n - x)),
+    is a non-negative martingale under p0, so by Ville's inequality P(Lambda ever reaches 1/alpha) <= alpha: the
+    gate may check the split every round, for as long as it likes.
+    """
+    from scipy.special import betaln
+
+    if not 0.0 < expected_b < 1.0:
+        raise ValueError(f"sample_ratio: expected_b must be within (0, 1), got {expected_b}")
+    x, n = n_b, n_a + n_b
+    a0, b0 = concentration * expected_b, concentration * (1.0 - expected_b)
+    log_lr = (float(betaln(x + a0, n - x + b0) - betaln(a0, b0))
+              - x * math.log(expected_b) - (n - x) * math.log(1.0 - expected_b))
+    return RatioCheck(n_a, n_b, expected_b, log_lr, math.log(1.0 / alpha))
+
+
+# ---------------------------------------------------------------------------------------------
+# Error over a stream of challengers
+# ---------------------------------------------------------------------------------------------
+def lord_gamma(j: int) -> float:
+    """LORD's default spending sequence (Javanmard and Montanari 2018): sums to 1 over j = 1, 2, ..."""
+    if j < 1:
+        return 0.0
+    return 0.07720838 * math.log(max(j, 2)) / (j * math.exp(math.sqrt(math.log(j))))
+
+
+def lord_alpha(index: int, discoveries: list[int], alpha: float, w0: float | None = None) -> float:
+    """LORD++ (Ramdas et al. 2017): the level of the `index`-th test (1-based) in a stream, given the indices of
+    the earlier tests that rejected (here: challengers promoted).
+
+        alpha_i = gamma_i W0 + (alpha - W0) gamma_{i - tau_1} + alpha sum_{j >= 2} gamma_{i - tau_j}
+
+    Starting wealth W0 = alpha / 2. Under independence of the null p-values from each other and from the non-nulls
+    this keeps the false discovery rate (the expected share of promotions that were of no-better challengers) at
+    most alpha at every point of the stream; with no promotion at all, the levels sum to less than W0, so the chance
+    of any false promotion over the whole stream stays below alpha / 2.
+    """
+    w0 = alpha / 2.0 if w0 is None else w0
+    assert 0.0 < w0 <= alpha, f"lord_alpha: w0 {w0} must be within (0, alpha]"
+    taus = sorted(t for t in discoveries if t < index)
+    out = lord_gamma(index) * w0
+    for k, tau in enumerate(taus):
+        out += (alpha - w0 if k == 0 else alpha) * lord_gamma(index - tau)
+    return out
+
+
+def daily_alpha(index_in_day: int, alpha_day: float) -> float:
+    """The level of the day's `index_in_day`-th challenger (1-based) under an alpha budget per day: alpha_day
+    6 / (pi^2 i^2), which sums to alpha_day, so the chance of any false promotion in a day is at most alpha_day
+    (a union bound: no independence needed)."""
+    assert index_in_day >= 1
+    return alpha_day * 6.0 / (math.pi ** 2 * index_in_day ** 2)

@@ -3,6 +3,7 @@ and `flywheel bench gate`'s JSON line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import pytest
 from flywheel.serving import decision
 from flywheel.serving.decision import Evidence, GateRule, Verdict
 from flywheel.serving.gate_sim import (
+    Guards,
     Scenario,
+    at_null,
     binomial_se,
     false_promotion_rate,
     simulate,
@@ -70,14 +73,67 @@ def test_false_promotion_rate_tests_a_challenger_margin_worse() -> None:
 def test_bench_gate_prints_a_json_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from bench import gate
 
-    assert gate.main(["--challengers", "30", "--max-sessions", "150", "--out-dir", str(tmp_path)]) == 0
+    assert gate.main(["--challengers", "30", "--gate.max-sessions", "150", "--stream-days", "0.1",
+                      "--out-dir", str(tmp_path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last)
     required = {"false_promotion_rate", "false_promotion_se", "alpha", "power_5pt", "power_10pt",
                 "median_sessions_to_decision", "challengers", "tau", "margin", "min_sessions", "max_sessions",
-                "challenger_per_look", "champion_ratio"}
+                "challenger_per_look", "champion_ratio", "false_promotion_rate_guardrails_at_margin",
+                "malformed_breach_promote_rate", "srm_detected_before_last_look", "srm_false_alarm_rate",
+                "power_10pt_primary_only", "false_promotions_per_day_demo_per_challenger",
+                "false_promotions_per_day_every_5_min_lord", "false_promotions_per_day_hourly_daily",
+                "mixed_every_5_min_lord"}
     assert required <= set(result), f"missing {sorted(required - set(result))}"
     assert result["challengers"] == 30 and result["max_sessions"] == 150
+    # the rule measured is the recipe's (the demo's), not a copy of it
+    assert result["guardrails"]["malformed"] == 0.04 and result["test"] == "group-sequential"
     assert 0.0 <= result["false_promotion_rate"] <= 1.0 and 0.0 <= result["power_10pt"] <= 1.0
     assert (tmp_path / "power_vs_lift.png").stat().st_size > 0
     assert (tmp_path / "config.toml").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole rule: guardrails, the sample-ratio check, a stream of challengers
+# ---------------------------------------------------------------------------------------------
+GUARDED = GateRule(test="group-sequential", looks=3, alpha=0.05, min_sessions=30, max_sessions=240,
+                   guardrails={"errors": 0.02, "malformed": 0.04, "slow": 0.06, "tokens": 0.25})
+DEMO_LIKE = Scenario(rates={"add": 0.10, "weather": 0.5}, mix={"add": 0.6, "weather": 0.4}, guards=Guards())
+
+
+def test_a_challenger_better_on_success_but_beyond_a_guardrails_margin_is_not_promoted() -> None:
+    n = 300
+    worse = dataclasses.replace(Guards(), malformed_shift=0.05)
+    res = simulate(GUARDED, dataclasses.replace(DEMO_LIKE, lift=0.15, guards=worse), n, seed=4)
+    assert res.promote_rate <= GUARDED.alpha + 2 * binomial_se(GUARDED.alpha, n), res
+    # the same challenger without the malformed calls is promoted most of the time: the guardrail is what stops it
+    fine = simulate(GUARDED, dataclasses.replace(DEMO_LIKE, lift=0.15), n, seed=4)
+    assert fine.promote_rate > 0.3 + res.promote_rate, (fine, res)
+
+
+def test_at_every_guardrails_margin_and_no_better_the_rule_promotes_at_most_alpha() -> None:
+    n = 400
+    res = simulate(GUARDED, at_null(GUARDED, DEMO_LIKE), n, seed=6)
+    assert res.promote_rate <= GUARDED.alpha + 2 * binomial_se(GUARDED.alpha, n), res
+
+
+def test_a_lost_third_of_one_arms_sessions_halts_before_the_last_look() -> None:
+    n = 200
+    rule = dataclasses.replace(GUARDED, srm_alpha=0.05)
+    lost = simulate(rule, dataclasses.replace(DEMO_LIKE, challenger_loss=1 / 3), n, seed=7)
+    assert lost.halted_before_last_look >= 0.85 * n, lost
+    sound = simulate(rule, DEMO_LIKE, n, seed=7)
+    assert sound.halted <= 0.05 * n + 2 * binomial_se(0.05, n) * n, sound
+
+
+def test_a_stream_under_lord_spends_less_than_its_wealth_and_per_challenger_does_not() -> None:
+    from flywheel.serving.gate_sim import simulate_stream
+
+    rule = dataclasses.replace(GUARDED, guardrails={})
+    null = dataclasses.replace(DEMO_LIKE, guards=None)
+    per = simulate_stream(rule, null, 3600.0, 0.8, 20, "per-challenger", seed=1)
+    lord = simulate_stream(rule, null, 3600.0, 0.8, 20, "lord", seed=1)
+    assert per.challengers == lord.challengers == 480
+    assert sum(lord.levels) < rule.alpha / 2, "with no discovery LORD++ spends less than its starting wealth"
+    assert per.false_promotions >= 5, f"480 null challengers at alpha 0.05 each: {per.false_promotions} promoted"
+    assert lord.false_promotions <= 2, lord.false_promotions
