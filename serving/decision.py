@@ -38,12 +38,20 @@ enough, which is not evidence that it is worse.
 Rollback (`decide_rollback`) runs the mSPRT, whatever the promotion test, on the champion's sessions
 since its promotion against the control arm's, concurrent: a champion significantly worse than the
 control is rolled back. A champion is watched for as long as it serves, with no planned size, which is
-what an always-valid test is for. So is the error-rate guard below.
+what an always-valid test is for. The guardrails are watched the same way.
 
-Excluding infrastructure errors from the comparison is not a blind spot: the same test runs on the
-share of sessions that ended in an error, and a challenger that errs significantly more is rejected.
-alpha is per challenger: over a run of k challengers the chance that at least one no-better
-challenger is promoted is up to 1 - (1 - alpha)^k.
+Guardrails (serving/guardrails.py): the rule is one formula, promote iff the split is the router's
+(the sample-ratio check, `stats.sample_ratio`) AND the primary test says better AND every guardrail
+(errors, malformed calls, tail latency, tokens, the judge's score, optionally the offline set) is
+shown within its margin, each test at alpha; a guardrail shown beyond its margin rejects (and rolls
+back a champion against the control). Excluding infrastructure errors from the comparison is not a
+blind spot: the error share is a guardrail. Promoting needs every one of those tests to reject its
+null, so the rule's chance of a false promotion is at most alpha with no split of alpha (Berger's
+intersection-union principle); `flywheel bench gate` measures it with every guardrail at its margin.
+
+alpha is per challenger: over k challengers the chance that at least one no-better challenger is
+promoted is up to 1 - (1 - alpha)^k. `GateRule.stream` (lord, daily) sets each challenger's level from
+the stream instead (serving/promote.py `stream_alpha`).
 """
 
 from __future__ import annotations

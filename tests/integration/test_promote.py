@@ -34,7 +34,10 @@ def cfg(vllm_url: str, mlflow_uri: str, base_model_dir: Path, tmp_path: Path) ->
     config = promote.PromoteConfig(servers=[vllm_url], mlflow_tracking_uri=mlflow_uri, base_model=str(base_model_dir),
                                    policies_dir=str(tmp_path), registered_model=f"test-gate-{tag}",
                                    experiment=f"test-gate-{tag}", lake_root=str(tmp_path / "lake"), min_sessions=30,
-                                   alias_refresh_s=1.0)
+                                   alias_refresh_s=1.0, challenger_share=0.5,
+                                   # the gate's mechanics on a few dozen sessions, which cannot show a guardrail
+                                   # within its margin: the guardrails' own test is below (and in tests/unit)
+                                   guardrails={})
     yield config
     resident = set(vllm_client.served_models(vllm_url))
     for rv in Registry(mlflow_uri, config.registered_model).versions():
@@ -82,7 +85,7 @@ def test_gate_promotes_rejects_and_holds_with_decisions_in_mlflow(cfg: promote.P
     assert decision.action == "promote", decision.reason
     assert registry.aliases() == {"champion": b}, registry.aliases()
     assert registry.find(b).tags["gate_decision"] == "promote"
-    assert "offline_p_worse" in decision.numbers, "the offline eval ran through vLLM for both versions"
+    assert "offline_challenger" in decision.numbers, "the offline eval ran through vLLM for both versions"
 
     c = _publish(cfg, base_model_dir, tmp_path, 3)  # clearly worse online
     # b's sessions as champion, concurrent with c's and after b became champion (the sessions that
@@ -188,7 +191,7 @@ def test_full_weight_champion_and_challenger_are_served_at_once_and_a_reject_mov
         write_arm_sessions(cfg.lake_root, b, "challenger", _rates(0.8, 60, 42))
         decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
         assert decision.action == "promote", decision.reason
-        assert "offline_p_worse" in decision.numbers, "both versions were scored where they are served"
+        assert "offline_challenger" in decision.numbers, "both versions were scored where they are served"
 
         assert publisher.publish(dirs[2], cfg).pushed == [second], "C replaces the old champion A, not B"
         after = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1)  # B's time as champion
@@ -213,7 +216,8 @@ def test_promote_auto_loop_from_the_command_line(cfg: promote.PromoteConfig, bas
     write_arm_sessions(cfg.lake_root, b, "challenger", _rates(0.9, 40, 51))
     argv = ["--auto", "--rounds", "2", "--var-dir", str(tmp_path / "var"), "--interval-s", "0.1", "--registered-model", cfg.registered_model,
             "--mlflow-tracking-uri", cfg.mlflow_tracking_uri, "--experiment", cfg.experiment,
-            "--lake-root", cfg.lake_root, "--servers", cfg.servers[0], "--eval-tasks", f"{__file__}:small_tasks"]
+            "--lake-root", cfg.lake_root, "--servers", cfg.servers[0], "--eval-tasks", f"{__file__}:small_tasks",
+            "--challenger-share", "0.5", "--guardrails", ""]
     assert promote.main(argv) == 0
     assert registry.aliases() == {"champion": b}
     assert [r["decision"] for r in _runs(cfg)] == ["promote"], "round 2 has no challenger: nothing to record"
@@ -222,3 +226,51 @@ def test_promote_auto_loop_from_the_command_line(cfg: promote.PromoteConfig, bas
 def small_tasks() -> list[evaluate.EvalTask]:
     """A pluggable task set, as the demo passes its own."""
     return evaluate.arithmetic_tasks(n=8, seed=1)
+
+
+def test_a_challenger_arm_that_lost_sessions_halts_the_gate_until_they_land(cfg: promote.PromoteConfig,
+                                                                            base_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """The router splits sessions 20 / 40 / 40 (control, challenger, champion); the capture loses 40% of the
+    challenger arm's. The gate must not compare what is left (it would be biased), and says why, in MLflow and
+    in its heartbeat; once the lost sessions land, the same gate decides."""
+    from flywheel.base.heartbeat import read_statuses
+    from flywheel.serving.decision import DEFAULT_GUARDRAILS
+
+    split = cfg.with_changes(control_share=0.2, challenger_share=0.4, guardrails=dict(DEFAULT_GUARDRAILS))
+    registry = Registry(split.mlflow_tracking_uri, split.registered_model)
+    a = _publish(split, base_model_dir, tmp_path, 60)
+    registry.make_champion(a)
+    b = _publish(split, base_model_dir, tmp_path, 61)
+    router = Router(split)  # the real router, hashing session ids into arms with the configured shares
+    routed: dict[str, int] = {}
+    for i in range(700):
+        arm = router.route(f"s-{i}-{uuid.uuid4().hex[:6]}").arm
+        routed[arm] = routed.get(arm, 0) + 1
+    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+    lost = int(routed["challenger"] * 0.4)
+    write_arm_sessions(split.lake_root, 0, "control", _rates(0.3, routed["control"], 62), start=start)
+    write_arm_sessions(split.lake_root, a, "champion", _rates(0.3, routed["champion"], 63), start=start)
+    write_arm_sessions(split.lake_root, b, "challenger", _rates(0.8, routed["challenger"] - lost, 64), start=start)
+    var = tmp_path / "var"
+    argv = ["--auto", "--rounds", "1", "--var-dir", str(var), "--registered-model", split.registered_model,
+            "--mlflow-tracking-uri", split.mlflow_tracking_uri, "--experiment", split.experiment,
+            "--lake-root", split.lake_root, "--servers", split.servers[0], "--eval-tasks", f"{__file__}:small_tasks",
+            "--control-share", "0.2", "--challenger-share", "0.4"]
+    assert promote.main(argv) == 0
+    runs = _runs(split)
+    assert [r["decision"] for r in runs] == ["halt"], [(r["decision"], r["reason"]) for r in runs]
+    assert "sample ratio mismatch" in runs[0]["reason"], runs[0]["reason"]
+    metrics = runs[0]["metrics"]
+    assert metrics["online_srm_mismatch"] == 1.0 and metrics["online_srm_expected_b"] == pytest.approx(0.5), metrics
+    assert metrics["online_srm_n_b"] == routed["challenger"] - lost, metrics
+    status = read_statuses(var)["promote"]
+    assert status["last"] == "halt" and status["srm"]["mismatch"] == 1.0, status
+    assert registry.aliases() == {"champion": a, "challenger": b}, "a halt moves nothing"
+
+    # the capture replays what it lost (the SDK's spool, say): the split is the router's again, and the gate decides
+    write_arm_sessions(split.lake_root, b, "challenger", _rates(0.8, lost, 65), start=start + dt.timedelta(seconds=1))
+    assert promote.main(argv) == 0
+    decisions = [r["decision"] for r in _runs(split)]
+    assert sorted(decisions) == ["halt", "promote"], decisions
+    assert registry.aliases() == {"champion": b}
