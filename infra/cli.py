@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("flywheel.demo.model_init:main", "init: build the tiny base model (tokenizer + Qwen2-style LM)"),
     "proxy": ("flywheel.serving.proxy:main", "OpenAI-compatible capture proxy in front of vLLM"),
     "lake-writer": ("flywheel.ingest.lake_writer:main", "Kafka -> exactly-once Parquet lake daemon"),
-    "compact": ("flywheel.ingest.lake_writer:compact_main", "merge small files of closed lake partitions"),
+    "compact": ("flywheel.ingest.compact:main", "merge small files of closed lake partitions"),
     "episodes": ("flywheel.rewards.builder:main", "build episodes (outcome join + rewards) from the lake"),
     "judge": ("flywheel.rewards.calibrate:main", "calibrate: the LLM judge's agreement with verified "
                                                  "outcomes over a lake"),

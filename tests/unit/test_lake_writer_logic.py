@@ -16,8 +16,8 @@ import pytest
 from kafka import TopicPartition
 
 from flywheel.ingest import lake, schema
+from flywheel.ingest.compact import CompactConfig, compact, plan_compaction
 from flywheel.ingest.lake_writer import (
-    CompactConfig,
     DeadLetters,
     LakeWriter,
     LakeWriterConfig,
@@ -28,9 +28,7 @@ from flywheel.ingest.lake_writer import (
     _NeverJoined,
     _Rebalance,
     _StallWatch,
-    compact,
     decode_record,
-    plan_compaction,
 )
 
 TOPIC = "flywheel.events"
@@ -416,7 +414,7 @@ def test_compact_command_and_stale_temps(tmp_path: Path) -> None:
     import os
     import time
 
-    from flywheel.ingest.lake_writer import compact_main
+    from flywheel.ingest.compact import main as compact_main
 
     w = make_writer(tmp_path, roll_max_records=2)
     w.assign([(TOPIC, 0)])
