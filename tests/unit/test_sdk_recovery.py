@@ -450,11 +450,12 @@ while log.metrics()["spilled"] < 1:
     time.sleep(0.01)
 child = os.fork()
 if child == 0:
-    # os.fork() returns here only after the at-fork hooks ran: the child has let go of its copy of the lock by now
-    print("child ready", flush=True)
+    # os.fork() returns here only after the at-fork hooks ran: the child has let go of its copy of the lock by now.
+    # One write each (print may split a line in two, and the parent's line then lands in the middle)
+    os.write(1, b"child ready\n")
     time.sleep(30)
     os._exit(0)
-print("child", child, flush=True)
+os.write(1, f"child {child}\n".encode())
 time.sleep(60)
 """
 
