@@ -452,10 +452,10 @@ child = os.fork()
 if child == 0:
     # os.fork() returns here only after the at-fork hooks ran: the child has let go of its copy of the lock by now.
     # One write each (print may split a line in two, and the parent's line then lands in the middle)
-    os.write(1, b"child ready\n")
+    os.write(1, b"child ready\\n")
     time.sleep(30)
     os._exit(0)
-os.write(1, f"child {child}\n".encode())
+os.write(1, f"child {child}\\n".encode())
 time.sleep(60)
 """
 
