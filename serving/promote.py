@@ -469,7 +469,7 @@ class GateMetrics:
         self.round_seconds = m.histogram("round_duration", "seconds", "one gate round, lake read to MLflow record",
                                          ROUND_BUCKETS_S)
         self.champion = m.gauge("champion", "version", "the champion's policy version after the last round")
-        self.srm = m.gauge("srm_log_lr", "log LR", "the sample-ratio check's evidence of a split unlike the router's "
+        self.srm = m.gauge("srm", "log_lr", "the sample-ratio check's evidence of a split unlike the router's "
                            "(the challenger test; the decision halts at log(1 / srm_alpha))")
 
     def observe_round(self, decisions: list[Decision], seconds: float, failed: bool) -> None:

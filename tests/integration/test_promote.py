@@ -98,10 +98,9 @@ def test_gate_promotes_rejects_and_holds_with_decisions_in_mlflow(cfg: promote.P
     assert decision.numbers["online_log_lr_worse"] >= decision.numbers["online_threshold_log_lr"], decision.numbers
     assert registry.aliases() == {"champion": b}, "a rejected challenger must lose its traffic"
 
-    d = _publish(cfg, base_model_dir, tmp_path, 4)  # clearly better but only 10 sessions
-    write_arm_sessions(cfg.lake_root, d, "challenger", [1.0] * 10, start=dt.datetime.now(dt.timezone.utc)
-                       - dt.timedelta(minutes=30))
-    decision = promote.gate_once(cfg, registry, tasks=TASKS)[0]
+    d = _publish(cfg, base_model_dir, tmp_path, 4)  # clearly better but only 10 sessions, after b's last
+    write_arm_sessions(cfg.lake_root, d, "challenger", [1.0] * 10, start=after + dt.timedelta(seconds=10))
+    decision = promote.gate_once(cfg, registry, tasks=TASKS, now=time.time() + 600)[0]
     assert decision.action == "hold" and "too few" in decision.reason, decision
     assert registry.aliases() == {"champion": b, "challenger": d}
 
@@ -231,7 +230,7 @@ def small_tasks() -> list[evaluate.EvalTask]:
 def test_a_challenger_arm_that_lost_sessions_halts_the_gate_until_they_land(cfg: promote.PromoteConfig,
                                                                             base_model_dir: Path,
                                                                             tmp_path: Path) -> None:
-    """The router splits sessions 20 / 40 / 40 (control, challenger, champion); the capture loses 40% of the
+    """The router splits sessions 20 / 40 / 40 (control, challenger, champion); the capture loses half of the
     challenger arm's. The gate must not compare what is left (it would be biased), and says why, in MLflow and
     in its heartbeat; once the lost sessions land, the same gate decides."""
     from flywheel.base.heartbeat import read_statuses
@@ -244,11 +243,11 @@ def test_a_challenger_arm_that_lost_sessions_halts_the_gate_until_they_land(cfg:
     b = _publish(split, base_model_dir, tmp_path, 61)
     router = Router(split)  # the real router, hashing session ids into arms with the configured shares
     routed: dict[str, int] = {}
-    for i in range(700):
-        arm = router.route(f"s-{i}-{uuid.uuid4().hex[:6]}").arm
+    for i in range(700):  # fixed ids: the hash's split is the same at every run
+        arm = router.route(f"lost-arm-{i}").arm
         routed[arm] = routed.get(arm, 0) + 1
     start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
-    lost = int(routed["challenger"] * 0.4)
+    lost = routed["challenger"] // 2
     write_arm_sessions(split.lake_root, 0, "control", _rates(0.3, routed["control"], 62), start=start)
     write_arm_sessions(split.lake_root, a, "champion", _rates(0.3, routed["champion"], 63), start=start)
     write_arm_sessions(split.lake_root, b, "challenger", _rates(0.8, routed["challenger"] - lost, 64), start=start)
