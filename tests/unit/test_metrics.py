@@ -285,7 +285,8 @@ def test_gate_counts_decisions_by_action_and_the_sessions_it_compared() -> None:
         return [SessionRecord(f"{name}-{i}", "t", version, name, 1000.0 + i, 1005.0 + i, "ok",
                               float(rng.random() < rate), 1007.0 + i) for i in range(n)]
 
-    cfg = PromoteConfig(min_sessions=30, max_sessions=2000, maturity_s=10.0)
+    # the router's split for these arms (55 / 45), and no guardrails: the records carry no guardrail metrics
+    cfg = PromoteConfig(min_sessions=30, max_sessions=2000, maturity_s=10.0, challenger_share=0.45, guardrails={})
     records = arm(1, "champion", 0.3, 300) + arm(2, "challenger", 0.7, 250)
     promoted = gate_round(1, 2, records, (EvalScore("t", 64, 20), EvalScore("t", 64, 30)), cfg, 10_000.0)
     assert promoted.action == "promote", promoted.reason
