@@ -575,6 +575,16 @@ def rollback_main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------------------------
 # flywheel status
 # ---------------------------------------------------------------------------------------------
+def running_config(var_dir: str = defaults.VAR_DIR) -> PromoteConfig:
+    """The rule of the gate running from this state folder (`flywheel promote --auto` writes its resolved config
+    to <var_dir>/run/promote.toml), so that status tests the split and the looks as that gate does; the defaults
+    (with the environment) when none ran here."""
+    from flywheel.base.config import load_config
+
+    path = Path(var_dir) / "run" / "promote.toml"
+    return load_config(PromoteConfig, ["--config", str(path)] if path.is_file() else [], "flywheel status")
+
+
 def print_status(console: Any, cfg: PromoteConfig | None = None) -> None:
     """Versions, aliases, traffic shares and per-version success with 95% intervals (mature sessions)."""
     from rich.table import Table
@@ -582,7 +592,7 @@ def print_status(console: Any, cfg: PromoteConfig | None = None) -> None:
     from flywheel.serving.router import shares as arm_shares
     from flywheel.serving.sessions import mature
 
-    cfg = cfg or PromoteConfig()
+    cfg = cfg or running_config()
     registry = Registry(cfg.mlflow_tracking_uri, cfg.registered_model)
     aliases = registry.aliases()
     champion = aliases.get(CHAMPION, 0)

@@ -254,3 +254,18 @@ def test_status_shows_the_challengers_looks_guardrails_and_split() -> None:
     assert all(name in text for name in ("errors", "malformed", "slow", "tokens")), text
     assert "sample ratio: challenger 200 of 400 (50.0%, expected 50.0%)" in text, text
     assert "gate now: hold: undecided" in text and "next look at 240" in text, text
+
+
+def test_status_reads_the_running_gates_rule(tmp_path: pytest.TempPathFactory) -> None:
+    from pathlib import Path
+
+    from flywheel.base.config import write_resolved
+    from flywheel.serving.promote import running_config
+
+    var = Path(str(tmp_path))
+    assert running_config(str(var)).test == "msprt", "no gate ran here: the defaults"
+    ran = dataclasses.replace(CFG, test="group-sequential", max_sessions=240, guardrails={"malformed": 0.03})
+    write_resolved(ran, var / "run" / "promote.toml")
+    got = running_config(str(var))
+    assert (got.test, got.guardrails, got.challenger_share, got.control_share) == \
+        ("group-sequential", {"malformed": 0.03}, 0.4, 0.2)
