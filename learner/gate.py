@@ -146,12 +146,12 @@ class GateFollower:
             if newest is None:
                 return None
             champion_lag = self.state.lags().get(target)
-            if newest.tags.get("gate_decision") == "expire" and champion_lag is not None \
+            if newest.tags.get("gate_decision") in ("expire", "halt") and champion_lag is not None \
                     and champion_lag <= cfg.max_staleness_steps:
-                # undecided at the gate's sample cap: not shown worse, so the line goes on (a new challenger
-                # follows); but once the weights are more than max_staleness_steps past the champion (or the
-                # champion is off the line), the champion's rows are all stale and only a rebase lets the
-                # learner step again
+                # undecided at the gate's sample cap, or a void test (halt): not shown worse, so the line goes on
+                # (a new challenger follows); but once the weights are more than max_staleness_steps past the
+                # champion (or the champion is off the line), the champion's rows are all stale and only a rebase
+                # lets the learner step again
                 return None
             found = self.registry().find(target) if target != 0 else None
         except Exception as exc:  # MLflow unreachable: keep training; the next read decides

@@ -116,7 +116,8 @@ class GateRule:
                                            "points), offline (points); each must be shown no worse than the champion "
                                            "by its margin (serving/guardrails.py); leave one out to switch it off")
     srm_alpha: float = setting(0.05, "error rate of the sample-ratio check (always valid, every round): a split "
-                                     "unlike the router's shares halts the decision")
+                                     "unlike the router's shares voids the test (0: no check, for arms this "
+                                     "project's router does not assign)")
     stream: Stream = setting("per-challenger", "error over a stream of challengers: per-challenger (alpha each), "
                                                "lord (LORD++ online FDR at alpha) or daily (at most alpha of any "
                                                "false promotion per UTC day)")
@@ -145,8 +146,8 @@ class GateRule:
             raise ConfigError(f"guardrails: unknown {unknown}; known: {sorted(guardrails.GUARDRAILS)}")
         if any(not m >= 0.0 for m in self.guardrails.values()):
             raise ConfigError(f"guardrails: margins must be >= 0, got {self.guardrails}")
-        if not 0.0 < self.srm_alpha < 0.5:
-            raise ConfigError(f"srm_alpha: {self.srm_alpha} is not within (0, 0.5)")
+        if not 0.0 <= self.srm_alpha < 0.5:
+            raise ConfigError(f"srm_alpha: {self.srm_alpha} is not within [0, 0.5) (0: no check)")
         if self.test == "group-sequential":
             if self.looks < 1:
                 raise ConfigError(f"looks: {self.looks} must be >= 1")
@@ -236,7 +237,7 @@ class Evidence:
 @dataclass
 class Verdict:
     """What the rule says: promote | reject | expire | hold (challenger), rollback | keep (champion), halt (the
-    split is not the router's: no decision on biased evidence)."""
+    split is not the router's: the test is void, no decision on biased evidence)."""
 
     action: str
     reason: str
@@ -324,7 +325,7 @@ def _online_guards(rule: GateRule) -> list[tuple[str, float]]:
 
 
 def _srm(ev: Evidence, rule: GateRule) -> RatioCheck | None:
-    if ev.expected_b is None or not 0.0 < ev.expected_b < 1.0 or sum(ev.assigned) == 0:
+    if rule.srm_alpha == 0 or ev.expected_b is None or not 0.0 < ev.expected_b < 1.0 or sum(ev.assigned) == 0:
         return None
     return sample_ratio(ev.assigned[0], ev.assigned[1], ev.expected_b, rule.srm_alpha)
 
@@ -333,17 +334,9 @@ def _srm_halt(srm: RatioCheck, ev: Evidence, rule: GateRule, who: str) -> Verdic
     return _verdict("halt", f"sample ratio mismatch: {who} got {srm.n_b} of {srm.n_a + srm.n_b} sessions "
                     f"({srm.observed_b:.1%}), the router's split gives {srm.expected_b:.1%} (always-valid p "
                     f"{srm.p_value:.2g} < {rule.srm_alpha}); sessions are being lost or mis-routed on one arm, so "
-                    "the comparison is biased and no decision is taken until the split is fixed",
+                    "the comparison is biased: the test is void (neither promoted nor rejected; the next version is "
+                    "tested on a fresh window, which halts too until the split is fixed)",
                     _numbers(ev, None, rule), srm=srm)
-
-
-def _capped(ev: Evidence, rule: GateRule) -> bool:
-    """Whether the challenger's test has run its course: the msprt's max_sessions, the group-sequential last look
-    (or twice max_sessions of the challenger's when the champion's side never got there)."""
-    if rule.test == "group-sequential":
-        last = rule.look_sizes()[-1]
-        return min(ev.n_a, ev.n_b) >= last or ev.n_b >= last + rule.max_sessions
-    return ev.n_b >= rule.max_sessions
 
 
 def _error_guard(ev: Evidence, rule: GateRule, alpha: float | None = None) -> GuardCheck | None:
@@ -364,33 +357,34 @@ def _breached(guards: list[GuardCheck]) -> GuardCheck | None:
 def _look_guards(ev: Evidence, rule: GateRule, n: int, bound: float) -> list[GuardCheck]:
     """Every online guardrail on the first n sessions a side, and the error share when it is tracked per look."""
     ga, gb = ev.first_guards(n)
-    guards = [guardrails.check_at_look(name, m, ga, gb, bound, rule.min_sessions) for name, m in _online_guards(rule)]
+    guards = [guardrails.check_at_look(name, m, ga, gb, bound, rule.min_sessions) for name, m in _online_guards(rule)
+              if name != "judge"]  # the judge's scores arrive late: always valid, on every judged session (decide)
     at_look = ev.errors_at(n) if "errors" in rule.guardrails else None
     if at_look is not None:  # the error share at this look, against its boundary, like the others
         guards.append(guardrails.check_z("errors", rule.guardrails["errors"], *at_look, bound, rule.min_sessions))
     return guards
 
 
-def _missing(guards: list[GuardCheck], shown: set[str], errors: GuardCheck | None) -> list[GuardCheck]:
-    """The guardrails that apply and have not been shown within their margins (at this look or an earlier one)."""
-    out = [g for g in guards if g.applies and g.name not in shown]
-    return out + ([errors] if errors is not None and errors.applies and not errors.ok else [])
+def _missing(guards: list[GuardCheck], shown: set[str], extra: list[GuardCheck]) -> list[GuardCheck]:
+    """The guardrails that apply and have not been shown within their margins (at this look or an earlier one; the
+    always-valid `extra` ones now)."""
+    return [g for g in guards if g.applies and g.name not in shown] + [g for g in extra if g.applies and not g.ok]
 
 
-def _decide_group_sequential(ev: Evidence, rule: GateRule, errors: GuardCheck | None) -> Verdict:
+def _decide_group_sequential(ev: Evidence, rule: GateRule, extra: list[GuardCheck]) -> Verdict:
     """The planned looks the evidence has reached, in order, each on the first n sessions of each side.
 
     At each look the primary test and every online guardrail are tested against the look's boundary. Promote at
     the first look by which the primary has crossed "better" and each guardrail has crossed "within its margin"
     (each at some look so far: every one of those events has probability <= alpha under its own null, so the
-    intersection-union bound holds) and the error guardrail is shown now. A primary "worse" or a guardrail
-    breached at a look rejects. All looks without that: expire; looks still to come: hold."""
+    intersection-union bound holds) and the always-valid `extra` ones (errors when not tracked per look, the judge)
+    are shown now. A primary "worse" or a guardrail breached at a look rejects. All looks without that: expire;
+    looks still to come: hold."""
     bounds, sizes = rule.bounds(), rule.look_sizes()
     last: GroupSequentialLook | None = None
     better_at: GroupSequentialLook | None = None
     shown: set[str] = set()
     guards: list[GuardCheck] = []
-    extra = [errors] if errors else []
     for k, n in enumerate(sizes, start=1):
         if min(ev.n_a, ev.n_b) < n:
             break
@@ -411,12 +405,12 @@ def _decide_group_sequential(ev: Evidence, rule: GateRule, errors: GuardCheck | 
             return _verdict("reject", f"guardrail breached: {breach.describe()} ({text})", _gs_numbers(ev, look, rule),
                             guards + extra)
         better_at = better_at or (look if look.better else None)
-        if better_at is not None and not _missing(guards, shown, errors):
+        if better_at is not None and not _missing(guards, shown, extra):
             return _verdict("promote", f"better{'' if not rule.margin else f' than champion - {rule.margin}'} at "
                             f"look {better_at.look} (z {better_at.z_better:.2f} >= {better_at.bound:.2f}) and every "
                             f"guardrail within its margin: {text}", _gs_numbers(ev, better_at, rule), guards + extra)
     waiting = ("better, but not yet shown within its margin: "
-               + "; ".join(g.describe() for g in _missing(guards, shown, errors)) if better_at is not None else "")
+               + "; ".join(g.describe() for g in _missing(guards, shown, extra)) if better_at is not None else "")
     return _undecided(ev, rule, last, waiting, _gs_numbers(ev, better_at or last, rule), guards + extra)
 
 
@@ -459,6 +453,26 @@ def looks(ev: Evidence, rule: GateRule) -> list[dict[str, object]]:
     return rows
 
 
+def _always_valid_guards(ev: Evidence, rule: GateRule, srm: RatioCheck | None
+                         ) -> tuple[GuardCheck | None, GuardCheck | None, Verdict | None]:
+    """The guardrails tested on every session so far at every round, whatever the test: the error share and the
+    judge's score (its scores arrive late, so a look's sessions would not stay fixed). (errors, judge, a reject
+    when either is breached)."""
+    errors = _error_guard(ev, rule)
+    if errors is not None and errors.breach:
+        return errors, None, _verdict(
+            "reject", f"more sessions ended in an error: challenger {ev.excluded.get('errored_b', 0)} of "
+            f"{errors.test.n_b if errors.test else 0}, champion {ev.excluded.get('errored_a', 0)} of "
+            f"{errors.test.n_a if errors.test else 0}; {errors.describe()}", _numbers(ev, None, rule), [errors], srm)
+    judge = (guardrails.check_online_always_valid("judge", rule.guardrails["judge"], ev.guards_a, ev.guards_b,
+                                                  rule.alpha, rule.min_sessions)
+             if "judge" in rule.guardrails else None)
+    if judge is not None and judge.breach:
+        return errors, judge, _verdict("reject", f"guardrail breached: {judge.describe()}", _numbers(ev, None, rule),
+                                       [judge], srm)
+    return errors, judge, None
+
+
 def decide(ev: Evidence, rule: GateRule) -> Verdict:
     """The challenger (b) against the champion (a): promote, reject, expire, hold, or halt (sample ratio mismatch).
 
@@ -466,17 +480,10 @@ def decide(ev: Evidence, rule: GateRule) -> Verdict:
     better AND every guardrail says within its margin, each test at alpha."""
     srm = _srm(ev, rule)
     if srm is not None and srm.mismatch:
-        if _capped(ev, rule):  # expiring decides nothing about the challenger: the cap still ends its test
-            return _verdict("expire", f"the test reached its cap with a sample ratio mismatch (challenger {srm.n_b} "
-                            f"of {srm.n_a + srm.n_b} sessions, expected {srm.expected_b:.1%}): not promoted",
-                            _numbers(ev, None, rule), srm=srm)
         return _srm_halt(srm, ev, rule, "the challenger")
-    errors = _error_guard(ev, rule)
-    if errors is not None and errors.breach:  # always valid, so checked at every round, whatever the test
-        return _verdict("reject", f"more sessions ended in an error: challenger {ev.excluded.get('errored_b', 0)} of "
-                        f"{errors.test.n_b if errors.test else 0}, champion {ev.excluded.get('errored_a', 0)} of "
-                        f"{errors.test.n_a if errors.test else 0}; {errors.describe()}", _numbers(ev, None, rule),
-                        [errors], srm)
+    errors, judge, breached = _always_valid_guards(ev, rule, srm)
+    if breached is not None:
+        return breached
     if ev.n_a < rule.min_sessions or ev.n_b < rule.min_sessions:
         # the cap first: a champion with no concurrent sessions must not keep a challenger on hold for ever
         action = "expire" if ev.n_b >= rule.max_sessions else "hold"
@@ -486,7 +493,8 @@ def decide(ev: Evidence, rule: GateRule) -> Verdict:
         # with the error share tracked per look it is tested there like every guardrail (more power at the planned
         # size); its always-valid test above still stops a challenger that breaks sessions between looks
         tracked = bool(ev.errored_before_a) and bool(ev.errored_before_b)
-        verdict = _decide_group_sequential(ev, rule, None if tracked else errors)
+        extra = [g for g in (None if tracked else errors, judge) if g is not None]
+        verdict = _decide_group_sequential(ev, rule, extra)
         if srm is not None:
             verdict = _verdict(verdict.action, verdict.reason, verdict.numbers, verdict.guards, srm)
         return verdict
@@ -497,7 +505,7 @@ def decide(ev: Evidence, rule: GateRule) -> Verdict:
         action = "expire" if ev.n_b >= rule.max_sessions else "hold"
         return _verdict(action, "no task type has enough sessions on both sides yet", numbers, srm=srm)
     guards = [guardrails.check_online_always_valid(name, m, ev.guards_a, ev.guards_b, rule.alpha, rule.min_sessions)
-              for name, m in _online_guards(rule)] + ([errors] if errors else [])
+              for name, m in _online_guards(rule) if name != "judge"] + [g for g in (errors, judge) if g is not None]
     e = test.estimate
     text = (f"challenger {e.mean_b:.3f} (n {e.n_b}) vs champion {e.mean_a:.3f} (n {e.n_a}), diff {e.diff:+.3f} "
             f"+- {1.96 * math.sqrt(e.var):.3f}")

@@ -31,7 +31,6 @@ rolls back a champion against the control.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -55,7 +54,7 @@ class GuardValues:
 
     malformed: int = 0  # malformed tool calls
     latency_s: float | None = None
-    tokens: int = 0
+    tokens: int | None = None  # None: the session made no llm_call (or the record does not say)
     judge: float | None = None
     tool_calls: int = 0  # all tool calls, malformed or not
 
@@ -145,23 +144,45 @@ def malformed_test(a: Sequence[GuardValues], b: Sequence[GuardValues], margin: f
     return NonInferiority(ra[0], rb[0], ra[1], rb[1], margin, False, ra[1] + margin - rb[1], ra[2] + rb[2])
 
 
-def guard_moments(name: str, a: Sequence[GuardValues], b: Sequence[GuardValues]
-                  ) -> tuple[Moments, Moments, str]:
-    """Each side's moments of guardrail `name` in lower-is-better units, and a note (the slow threshold)."""
+def _smoothed(count: int, n: int) -> float:
+    return (count + 0.5) / (n + 1.0)
+
+
+def slow_test(a: Sequence[GuardValues], b: Sequence[GuardValues], margin: float
+              ) -> tuple[NonInferiority | None, str]:
+    """The share of sessions beyond the champion's p95 latency q, challenger against champion (Mood's quantile test
+    with a margin): share_b <= share_a + margin.
+
+    q is estimated from the champion's own sessions, and that noise reaches the challenger's share through the
+    ratio of the two latency densities at q: var(share_b - share_a) = p_b (1 - p_b) / n_b
+    + r^2 p_a (1 - p_a) / n_a, r = f_b(q) / f_a(q). r is 1 when the two are alike and about 1.8 at an 11% share
+    beyond q; taking it as 1 made the test show a challenger at its margin 8.5% of the time at a 5% level. r is
+    estimated from each side's share of sessions between the champion's 90th and 99th percentiles."""
+    la = sorted(v.latency_s for v in a if v.latency_s is not None)
+    lb = [v.latency_s for v in b if v.latency_s is not None]
+    if len(la) < 2 or len(lb) < 2:
+        return None, ""
+    q = _quantile(la, SLOW_QUANTILE)
+    low, high = _quantile(la, 0.90), _quantile(la, 0.99)
+    n_a, n_b = len(la), len(lb)
+    p_a = sum(x > q for x in la) / n_a
+    p_b = sum(x > q for x in lb) / n_b
+    r = (_smoothed(sum(low <= x <= high for x in lb), n_b) / _smoothed(sum(low <= x <= high for x in la), n_a))
+    sa, sb = _smoothed(round(p_a * n_a), n_a), _smoothed(round(p_b * n_b), n_b)
+    var = max(p_b * (1 - p_b), sb * (1 - sb)) / n_b + r * r * max(p_a * (1 - p_a), sa * (1 - sa)) / n_a
+    return (NonInferiority(n_a, n_b, p_a, p_b, margin, False, p_a + margin - p_b, var),
+            f"beyond the champion's p95 {q:.3g} s")
+
+
+def guard_moments(name: str, a: Sequence[GuardValues], b: Sequence[GuardValues]) -> tuple[Moments, Moments]:
+    """Each side's moments of a mean guardrail (tokens, judge) in lower-is-better units."""
     if name == "tokens":
-        return Moments.of([float(v.tokens) for v in a]), Moments.of([float(v.tokens) for v in b]), ""
+        return (Moments.of([float(v.tokens) for v in a if v.tokens is not None]),
+                Moments.of([float(v.tokens) for v in b if v.tokens is not None]))
     if name == "judge":
         return (Moments.of([-v.judge for v in a if v.judge is not None]),
-                Moments.of([-v.judge for v in b if v.judge is not None]), "")
-    if name == "slow":
-        la = [v.latency_s for v in a if v.latency_s is not None]
-        lb = [v.latency_s for v in b if v.latency_s is not None]
-        if not la:
-            return Moments(), Moments.of([0.0 for _ in lb]), ""
-        cut = _quantile(la, SLOW_QUANTILE)
-        return (Moments.of([float(x > cut) for x in la]), Moments.of([float(x > cut) for x in lb]),
-                f"beyond the champion's p95 {cut:.3g} s")
-    raise ValueError(f"guard_moments: {name!r} is not an online guardrail ({ONLINE})")
+                Moments.of([-v.judge for v in b if v.judge is not None]))
+    raise ValueError(f"guard_moments: {name!r} is not a mean guardrail (tokens, judge)")
 
 
 def _test(name: str, a: Moments, b: Moments, margin: float, min_sessions: int) -> NonInferiority | None:
@@ -170,16 +191,26 @@ def _test(name: str, a: Moments, b: Moments, margin: float, min_sessions: int) -
     return noninferiority(a, b, margin, GUARDRAILS[name])
 
 
+def online_test(name: str, margin: float, a: Sequence[GuardValues], b: Sequence[GuardValues],
+                min_sessions: int) -> tuple[NonInferiority | None, str]:
+    """Guardrail `name` on two sides' sessions: its contrast and variance (None: it does not apply), and a note."""
+    if name == "malformed":
+        t = malformed_test(a, b, margin)
+        return t, "" if t is not None else "no tool calls"
+    if name == "slow":
+        return slow_test(a, b, margin)
+    if name in ("tokens", "judge"):
+        return _test(name, *guard_moments(name, a, b), margin, min_sessions), ""
+    raise ValueError(f"online_test: {name!r} is not an online guardrail ({ONLINE})")
+
+
 def check_at_look(name: str, margin: float, a: Sequence[GuardValues], b: Sequence[GuardValues], bound: float,
                   min_sessions: int) -> GuardCheck:
     """Group-sequential: the guardrail's z statistics on one look's sessions, against that look's boundary."""
-    if name == "malformed":
-        t = malformed_test(a, b, margin)
-        if t is None:
-            return GuardCheck(name, margin, None, math.nan, math.nan, bound, "z", "no tool calls")
-        return GuardCheck(name, margin, t, t.z_ok, -t.z_ok, bound, "z")
-    ma, mb, note = guard_moments(name, a, b)
-    return dataclasses.replace(check_z(name, margin, ma, mb, bound, min_sessions), note=note)
+    t, note = online_test(name, margin, a, b, min_sessions)
+    if t is None:
+        return GuardCheck(name, margin, None, math.nan, math.nan, bound, "z", note)
+    return GuardCheck(name, margin, t, t.z_ok, -t.z_ok, bound, "z", note)
 
 
 def check_z(name: str, margin: float, a: Moments, b: Moments, bound: float, min_sessions: int) -> GuardCheck:
@@ -200,7 +231,7 @@ def check_always_valid(name: str, margin: float, a: Moments, b: Moments, alpha: 
                        min_sessions: int, note: str = "", test: NonInferiority | None = None) -> GuardCheck:
     """The guardrail's two one-sided mixture SPRTs (serving/stats.py): valid at any look, with no planned size."""
     threshold = math.log(1.0 / alpha)
-    t = test if test is not None else _test(name, a, b, margin, min_sessions)
+    t = test if test is not None else _test(name, a, b, margin, min_sessions)  # a test given: a ratio, a quantile
     if t is None:
         return GuardCheck(name, margin, None, math.nan, math.nan, threshold, "log_lr", note)
     tau = _tau(t)
@@ -210,11 +241,9 @@ def check_always_valid(name: str, margin: float, a: Moments, b: Moments, alpha: 
 
 def check_online_always_valid(name: str, margin: float, a: Sequence[GuardValues], b: Sequence[GuardValues],
                               alpha: float, min_sessions: int) -> GuardCheck:
-    if name == "malformed":
-        return check_always_valid(name, margin, Moments(), Moments(), alpha, min_sessions, "",
-                                  malformed_test(a, b, margin))
-    ma, mb, note = guard_moments(name, a, b)
-    return check_always_valid(name, margin, ma, mb, alpha, min_sessions, note)
+    t, note = online_test(name, margin, a, b, min_sessions)
+    return check_always_valid(name, margin, Moments(), Moments(), alpha, min_sessions, note, t) if t is not None \
+        else GuardCheck(name, margin, None, math.nan, math.nan, math.log(1.0 / alpha), "log_lr", note)
 
 
 def error_moments(errored: int, counted: int) -> Moments:

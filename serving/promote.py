@@ -13,7 +13,8 @@ Outcomes:
   reject   significantly worse, or a guardrail breached beyond its margin: the challenger alias is cleared;
   expire   the last look (or max_sessions) without a decision: cleared too, tagged expire;
   hold     not decided yet: nothing changes, the next round looks again (which the test allows);
-  halt     the arms' split is not the router's (sample ratio mismatch): no decision, an alert.
+  halt     the arms' split is not the router's (sample ratio mismatch): the test is void, the challenger is
+           cleared as on expire (not evidence that it is worse), and the gate alerts.
 With `stream` lord or daily each challenger's alpha comes from the stream of challengers
 (`stream_alpha`), so error is controlled over hundreds of challengers a day, not per challenger.
 Each round (with auto_rollback, the default) it also rolls back a champion that is significantly
@@ -298,7 +299,8 @@ def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | 
     run_id = run.info.run_id
     client.log_param(run_id, "champion", decision.champion)
     client.log_param(run_id, "challenger", decision.challenger)
-    for key in ("test", "looks", "spending", "alpha", "tau", "margin", "min_sessions", "max_sessions", "maturity_s",
+    client.log_param(run_id, "alpha", decision.numbers.get("online_alpha", cfg.alpha))  # the stream's level, if any
+    for key in ("test", "looks", "spending", "tau", "margin", "min_sessions", "max_sessions", "maturity_s",
                 "outcome_kind", "eval_tasks", "control_share", "control_version", "challenger_share", "srm_alpha",
                 "stream"):
         client.log_param(run_id, key, getattr(cfg, key))
@@ -307,7 +309,7 @@ def record(decision: Decision, cfg: PromoteConfig, registry: Registry) -> str | 
         if value is not None and math.isfinite(float(value)):
             client.log_metric(run_id, key, float(value))
     client.set_terminated(run_id)
-    if decision.challenger is not None and decision.action in ("promote", "reject", "expire", "hold"):
+    if decision.challenger is not None and decision.action in ("promote", "reject", "expire", "hold", "halt"):
         registry.tag_version(decision.challenger, {"gate_decision": decision.action,
                                                    "gate_reason": decision.reason[:4000],
                                                    "gate_ts": decision.ts, "gate_run_id": run_id})
@@ -322,7 +324,7 @@ def apply(decision: Decision, registry: Registry, tier: TierConfig) -> None:
         registry.make_champion(decision.challenger)
         now = f"{time.time():.3f}"
         registry.tag_version(decision.challenger, {"promoted_ts": now, "champion_since_ts": now})
-    elif decision.action in ("reject", "expire"):
+    elif decision.action in ("reject", "expire", "halt"):  # halt: a void test ends like an expired one
         registry.clear_alias(CHALLENGER)
     elif decision.action == "rollback":
         rollback_to_served(registry, tier)
@@ -627,7 +629,9 @@ def print_status(console: Any, cfg: PromoteConfig | None = None) -> None:
     console.print(table)
     challenger = aliases.get(CHALLENGER)
     if challenger is not None and challenger != champion:
-        print_looks(console, cfg, records, champion, challenger, _champion_since(registry, champion))
+        level = versions[challenger].tags.get("gate_alpha") if challenger in versions else None
+        rule = dataclasses.replace(cfg, alpha=float(level)) if level else cfg  # the level its test runs at
+        print_looks(console, rule, records, champion, challenger, _champion_since(registry, champion))
 
 
 def print_looks(console: Any, cfg: PromoteConfig, records: list[SessionRecord], champion: int, challenger: int,

@@ -42,8 +42,8 @@ class SessionRecord:
     # what the gate's guardrails read (serving/decision.py): what a reward-hacking policy moves first
     malformed: int = 0  # tool calls in the session (any agent) the harness could not parse
     tool_calls: int = 0  # tool calls in the session (any agent), parsed or not
-    tokens: int = 0  # prompt + completion tokens over its llm_calls (the session's cost)
-    judge: float | None = None  # the LLM judge's score of the session (None: not judged, or not read)
+    tokens: int | None = None  # prompt + completion tokens over its llm_calls (the session's cost); None: no call
+    judge: float | None = None  # the LLM judge's first score of the session (None: not judged, or not read)
 
     @property
     def latency_s(self) -> float | None:
@@ -179,12 +179,13 @@ def _record(row: tuple[Any, ...]) -> SessionRecord:
     return SessionRecord(str(sid), task_type or "unknown", version, arm_value if (arms or 0) <= 1 else None,
                          epoch(start) or 0.0, epoch(end), status,
                          float(value) if value is not None and math.isfinite(value) else None,
-                         epoch(outcome_ts), int(bad or 0), int(calls or 0), int(tokens or 0),
+                         epoch(outcome_ts), int(bad or 0), int(calls or 0), None if tokens is None else int(tokens),
                          float(score) if score is not None else None)
 
 
 def _judge_view(con: "duckdb.DuckDBPyConnection", lake_root: str, wanted: bool) -> None:
-    """View `judged`: each session's judge score, from its episodes' latest label (none unless `wanted`)."""
+    """View `judged`: each session's judge score, from the first of its episodes' labels that carries one (none
+    unless `wanted`). The first, not the latest: a score the gate has tested must not change under it."""
     from flywheel.ingest import lake
 
     episodes = [f.path for f in lake.list_files(lake_root, "episodes")] if wanted else []
@@ -195,7 +196,7 @@ def _judge_view(con: "duckdb.DuckDBPyConnection", lake_root: str, wanted: bool) 
     if "judge_score" not in {r[0] for r in con.execute("DESCRIBE ep").fetchall()}:
         con.execute("CREATE VIEW judged AS SELECT NULL::VARCHAR AS session_id, NULL::DOUBLE AS score WHERE false")
         return
-    con.execute("CREATE VIEW judged AS SELECT session_id, arg_max(judge_score, label_version)::DOUBLE AS score "
+    con.execute("CREATE VIEW judged AS SELECT session_id, arg_min(judge_score, label_version)::DOUBLE AS score "
                 "FROM ep WHERE judge_score IS NOT NULL GROUP BY 1")
 
 

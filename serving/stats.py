@@ -458,7 +458,8 @@ def sample_ratio(n_a: int, n_b: int, expected_b: float, alpha: float,
 # Error over a stream of challengers
 # ---------------------------------------------------------------------------------------------
 def lord_gamma(j: int) -> float:
-    """LORD's default spending sequence (Javanmard and Montanari 2018): sums to 1 over j = 1, 2, ..."""
+    """LORD's default spending sequence (Javanmard and Montanari 2018), gamma_j proportional to
+    log(max(j, 2)) / (j e^sqrt(log j)); with this constant it sums to about 0.98 (at most 1 is what LORD needs)."""
     if j < 1:
         return 0.0
     return 0.07720838 * math.log(max(j, 2)) / (j * math.exp(math.sqrt(math.log(j))))

@@ -199,9 +199,13 @@ def test_a_challenger_that_ends_more_sessions_in_errors_is_rejected() -> None:
 
 
 def test_a_capped_challenger_expires_even_without_concurrent_champion_sessions() -> None:
-    capped = PromoteConfig(min_sessions=30, max_sessions=100, maturity_s=10.0, **SPLIT)
     records = _sessions(1, "champion", 0.3, 300, 34, start=0.0) + _sessions(2, "challenger", 0.3, 120, 35, start=2000.0)
-    assert gate_round(1, 2, records, _scores(30, 30), capped, NOW).action == "expire"
+    # arms assigned elsewhere (no split to check): the cap ends the test
+    unchecked = PromoteConfig(min_sessions=30, max_sessions=100, maturity_s=10.0, srm_alpha=0.0, **SPLIT)
+    assert gate_round(1, 2, records, _scores(30, 30), unchecked, NOW).action == "expire"
+    # under this project's router 120 to 0 is no split it makes: the test is void before the cap
+    capped = PromoteConfig(min_sessions=30, max_sessions=100, maturity_s=10.0, **SPLIT)
+    assert gate_round(1, 2, records, _scores(30, 30), capped, NOW).action == "halt"
 
 
 def test_the_window_starts_when_the_champion_became_champion() -> None:

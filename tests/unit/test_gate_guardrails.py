@@ -233,7 +233,7 @@ def test_read_sessions_takes_the_guardrails_columns_from_the_lake(tmp_path: pyte
     assert (plain.malformed, plain.tool_calls, plain.tokens) == (2, 3, 20 + 5 + 30 + 7), plain
     assert plain.judge is None, "the episodes are read only when the judge guardrail asks"
     assert plain.latency_s == pytest.approx(plain.ended - plain.started)  # type: ignore[operator]
-    assert read_sessions(root, judge=True)[0].judge == 4.0, "the latest label's score"
+    assert read_sessions(root, judge=True)[0].judge == 2.0, "the first label's score: a tested score never changes"
 
 
 def test_status_shows_the_challengers_looks_guardrails_and_split() -> None:
