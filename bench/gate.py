@@ -65,8 +65,8 @@ class GateBenchConfig:
     challenger_sessions_per_s: float = setting(0.8, "a stream's challenger sessions per second (the demo's runs: "
                                                     "0.81, docs/runs/*-r.json gate_sim_basis)")
     demo_cadence_s: float = setting(420.0, "seconds between the demo's versions (its publish_supersede_s)")
-    stream_days: float = setting(3.0, "simulated days of each stream, at least 200 challengers (more at a cadence "
-                                      "that gives fewer)")
+    stream_days: float = setting(3.0, "simulated days of each stream, and at least min(200, challengers) "
+                                      "challengers (more days at a cadence that gives fewer)")
     out_dir: str = setting(f"{defaults.VAR_DIR}/bench/gate", "where the plot and the resolved config go")
     gate: GateRule = field(default_factory=lambda: from_recipe(GateRule, DEFAULT_RECIPE),
                            metadata={"help": "the rule measured: the recipe's [gate] (flywheel promote --help)"})
@@ -193,7 +193,7 @@ def run_streams(cfg: GateBenchConfig) -> list[StreamResult]:
             for mode in ("per-challenger", "lord", "daily")]
         runs += [(300.0, mode, better, MIXED_SHARE) for mode in ("per-challenger", "lord", "daily")]
         for cadence, mode, alt, share in runs:
-            days = max(cfg.stream_days, 200 * cadence / 86400.0)
+            days = max(cfg.stream_days, min(200, cfg.challengers) * cadence / 86400.0)
             n = round(86400.0 / cadence * days)
             task = progress.add_task(f"stream: every {cadence:.0f} s, {mode}{', mixed' if alt else ''}", total=n)
             out.append(simulate_stream(rule, null, cadence, cfg.challenger_sessions_per_s, days, mode, alt, share,

@@ -43,7 +43,7 @@ SMALL: dict[str, list[str]] = {
     # its pass bar lowered to what it does, so it exits 0 only when nothing was lost or landed twice
     "chaos": ["--minutes", "2.2", "--kills", "2", "--outage-s", "10", "--drain-s", "60", "--var-dir", "{tmp}",
               "--min-kills", "2", "--min-outage-s", "10"],
-    "gate": ["--challengers", "20", "--out-dir", "{tmp}"],  # ~10 s
+    "gate": ["--challengers", "20", "--stream-days", "0.01", "--out-dir", "{tmp}"],  # ~20 s
 }
 SLOW = {"chaos"}  # over ~4 min even when small
 
@@ -112,7 +112,9 @@ def check_chaos(r: dict[str, Any]) -> None:
 
 
 def check_gate(r: dict[str, Any]) -> None:
-    _rate(r, "false_promotion_rate", "power_5pt", "power_10pt", "msprt_false_promotion_rate", "msprt_power_10pt")
+    _rate(r, "false_promotion_rate", "power_5pt", "power_10pt", "msprt_false_promotion_rate", "msprt_power_10pt",
+          "malformed_breach_promote_rate", "srm_detected_before_last_look", "srm_false_alarm_rate")
+    assert r.get("false_promotions_per_day_demo_per_challenger", -1) >= 0, r
     assert r.get("challengers") == 20, f"challengers = {r.get('challengers')!r}"
     assert Path(str(r.get("plot"))).is_file(), f"no plot at {r.get('plot')!r}"
 
