@@ -204,21 +204,23 @@ def online_test(name: str, margin: float, a: Sequence[GuardValues], b: Sequence[
     raise ValueError(f"online_test: {name!r} is not an online guardrail ({ONLINE})")
 
 
-def check_at_look(name: str, margin: float, a: Sequence[GuardValues], b: Sequence[GuardValues], bound: float,
-                  min_sessions: int) -> GuardCheck:
-    """Group-sequential: the guardrail's z statistics on one look's sessions, against that look's boundary."""
-    t, note = online_test(name, margin, a, b, min_sessions)
+def _z_check(name: str, margin: float, t: NonInferiority | None, bound: float, note: str = "") -> GuardCheck:
+    """A guardrail's z statistics (within the margin, beyond it) against a z boundary; n/a without a test."""
     if t is None:
         return GuardCheck(name, margin, None, math.nan, math.nan, bound, "z", note)
     return GuardCheck(name, margin, t, t.z_ok, -t.z_ok, bound, "z", note)
 
 
+def check_at_look(name: str, margin: float, a: Sequence[GuardValues], b: Sequence[GuardValues], bound: float,
+                  min_sessions: int) -> GuardCheck:
+    """Group-sequential: the guardrail's z statistics on one look's sessions, against that look's boundary."""
+    t, note = online_test(name, margin, a, b, min_sessions)
+    return _z_check(name, margin, t, bound, note)
+
+
 def check_z(name: str, margin: float, a: Moments, b: Moments, bound: float, min_sessions: int) -> GuardCheck:
     """Group-sequential, on moments: the guardrail's z statistics against one look's boundary."""
-    t = _test(name, a, b, margin, min_sessions)
-    if t is None:
-        return GuardCheck(name, margin, None, math.nan, math.nan, bound, "z")
-    return GuardCheck(name, margin, t, t.z_ok, -t.z_ok, bound, "z")
+    return _z_check(name, margin, _test(name, a, b, margin, min_sessions), bound)
 
 
 def _tau(t: NonInferiority) -> float:
@@ -264,4 +266,4 @@ def check_offline(margin: float, successes_a: int, n_a: int, successes_b: int, n
     b = Moments(n_b, float(n_b - successes_b), float(n_b - successes_b))
     t = noninferiority(a, b, margin)
     assert t is not None
-    return GuardCheck("offline", margin, t, t.z_ok, -t.z_ok, bound, "z")
+    return _z_check("offline", margin, t, bound)

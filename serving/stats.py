@@ -193,6 +193,11 @@ def msprt_log_lr(diff: float, var: float, theta0: float, tau: float) -> float:
             + t2 * x * x / (2.0 * var * (var + t2)))
 
 
+def always_valid_p(log_lr: float) -> float:
+    """The always-valid p-value of a mixture likelihood ratio: 1 / Lambda, capped at 1 (Ville's inequality)."""
+    return min(1.0, math.exp(-log_lr))
+
+
 @dataclass(frozen=True)
 class SequentialDecision:
     """One look of the gate's two one-sided mSPRTs on a stratified difference (B minus A)."""
@@ -213,12 +218,12 @@ class SequentialDecision:
 
     @property
     def p_better(self) -> float:
-        """Always-valid p-value of this look for "no better" (1 / Lambda, capped at 1)."""
-        return min(1.0, math.exp(-self.log_lr_better))
+        """Always-valid p-value of this look for "no better"."""
+        return always_valid_p(self.log_lr_better)
 
     @property
     def p_worse(self) -> float:
-        return min(1.0, math.exp(-self.log_lr_worse))
+        return always_valid_p(self.log_lr_worse)
 
 
 def sequential_test(a: dict[str, Moments], b: dict[str, Moments], alpha: float, tau: float, margin: float = 0.0,
@@ -428,8 +433,8 @@ class RatioCheck:
 
     @property
     def p_value(self) -> float:
-        """Always-valid p-value of "the split is as configured" (1 / Lambda, capped at 1)."""
-        return min(1.0, math.exp(-self.log_lr))
+        """Always-valid p-value of "the split is as configured"."""
+        return always_valid_p(self.log_lr)
 
 
 def sample_ratio(n_a: int, n_b: int, expected_b: float, alpha: float,
