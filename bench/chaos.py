@@ -438,6 +438,14 @@ def trained_log(learner_dir: Path) -> list[dict[str, Any]]:
     return read_trained(learner_dir)
 
 
+def checkpoint_step(learner_dir: Path) -> int | None:
+    """The step of the learner's newest checkpoint (None: none yet): where its weights stand once it stopped."""
+    from flywheel.learner.checkpoint import latest_state
+
+    found = latest_state(learner_dir)
+    return found[1].step if found is not None else None
+
+
 def registered_versions(tracking_uri: str, model: str) -> set[int]:
     from flywheel.serving.registry import Registry
 
@@ -495,6 +503,7 @@ class Facts:
     rewards: Any = None  # flywheel.rewards.config.RewardConfig the builder ran with
     spooled: list[dict[str, Any]] = field(default_factory=list)  # events left in the SDK spools: TRAIL_FIELDS + spool
     faults: list[dict[str, Any]] = field(default_factory=list)  # the faults as done: ChaosRun.fault_timeline()
+    checkpoint_step: int | None = None  # the learner's newest checkpoint: trained lines above it are of lost weights
 
 
 EVENT_COLUMNS = ["event_id", "session_id", "agent_id", "type", "seq", "ts", "task_type", "policy_version", "model",
@@ -552,7 +561,8 @@ def gather(plan: ChaosPlan, ends: Endpoints, horizon: float, full: bool = True,
         events=read_table(plan.lake_root, "events", EVENT_COLUMNS),
         outcomes=read_table(plan.lake_root, "outcomes", ["session_id", "agent_id", "kind", "_ingest_ts"]),
         episodes=read_table(plan.lake_root, "episodes", ["episode_id", "label_version", "session_id"]),
-        trained=trained_log(plan.learner_dir), registered=registered, kafka=kafka, kafka_ends=kafka_ends,
+        trained=trained_log(plan.learner_dir), checkpoint_step=checkpoint_step(plan.learner_dir),
+        registered=registered, kafka=kafka, kafka_ends=kafka_ends,
         lake_ranges={t: lake_ranges(plan.lake_root, t, plan.topics[t]) for t in ("events", "outcomes")}, dlq=dlq,
         spools=spools, horizon=horizon, proxy_kills=list(proxy_kills or []), rewards=reward_config.load(None),
         spooled=spooled, faults=list(faults or []))
@@ -752,20 +762,23 @@ def episode_checks(f: Facts) -> dict[str, Any]:
             "sessions_without_outcome": sessions_without_outcome}
 
 
-def trained_checks(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trained log: a step appears twice when the learner was killed between logging it and checkpointing it;
-    only its last run changed the weights, so a step number counts once, with its last list of ids. An episode
-    in two different steps was trained twice."""
-    by_step, steps_of = _trained_steps(lines)
+def trained_checks(lines: list[dict[str, Any]], checkpoint_step: int | None = None) -> dict[str, Any]:
+    """The trained log read along the weights' lineage (learner.checkpoint.trained_lineage): a SIGKILL sends the learner
+    back to its last checkpoint, which may be up to checkpoint_every_steps steps old, and the steps after it are
+    logged again under the same numbers, trained from the checkpoint's weights; the lines of the weights the kill
+    lost count as redone, not as training. checkpoint_step: the newest checkpoint once the learner stopped (lines
+    above it are of lost weights too). An episode in two steps of the lineage was trained twice."""
+    by_step, steps_of = _trained_steps(lines, checkpoint_step)
     return {"episodes_trained_twice": sum(1 for s in steps_of.values() if len(s) > 1), "learner_steps": len(by_step),
             "episodes_trained": len(steps_of), "learner_steps_redone": len(lines) - len(by_step)}
 
 
-def _trained_steps(lines: list[dict[str, Any]]) -> tuple[dict[int, dict[str, Any]], dict[str, list[int]]]:
-    """Each step's last line in the trained log, and per episode id the steps that trained it, in order."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in lines:
-        by_step[int(line["step"])] = line
+def _trained_steps(lines: list[dict[str, Any]],
+                   checkpoint_step: int | None = None) -> tuple[dict[int, dict[str, Any]], dict[str, list[int]]]:
+    """The lineage's line of each step, and per episode id the steps of the lineage that trained it, in order."""
+    from flywheel.learner.checkpoint import trained_lineage
+
+    by_step = {int(line["step"]): line for line in trained_lineage(lines, checkpoint_step)}
     steps_of: dict[str, list[int]] = defaultdict(list)
     for step, line in sorted(by_step.items()):
         for episode_id in set(line["episode_ids"]):
@@ -807,8 +820,8 @@ def kafka_checks(f: Facts) -> dict[str, Any]:
 
 def audit(f: Facts) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for part in (session_counts(f), event_checks(f), episode_checks(f), trained_checks(f.trained), served_checks(f),
-                 kafka_checks(f) if f.kafka_ends else {}):
+    for part in (session_counts(f), event_checks(f), episode_checks(f), trained_checks(f.trained, f.checkpoint_step),
+                 served_checks(f), kafka_checks(f) if f.kafka_ends else {}):
         out.update(part)
     out["spool_records_left"] = sum(n for n in f.spools.values() if n > 0)
     out["spools"] = f.spools
@@ -1032,7 +1045,7 @@ def duplicate_items(f: Facts, tr: Trails) -> dict[str, list[dict[str, Any]]]:
 
 def trained_twice_items(f: Facts, tr: Trails) -> list[dict[str, Any]]:
     """Episode ids trained in two steps, each with those steps (policy version, when) and the faults around them."""
-    by_step, steps_of = _trained_steps(f.trained)
+    by_step, steps_of = _trained_steps(f.trained, f.checkpoint_step)
     out = []
     for episode_id, steps in steps_of.items():
         if len(steps) < 2:
@@ -1140,7 +1153,7 @@ class ChaosRun:
         self.say(f"run {self.plan.run_id} under {self.plan.run_dir}")
         ensure_models(self.cfg)
         self.scfg = stack.replace_config(stack.load_stack_config([]), base_model=policy_v0(self.cfg),
-                                         vllm_servers=self.cfg.vllm_servers)
+                                         vllm_servers=self.cfg.vllm_servers, vllm_lora=self.cfg.learner.mode == "lora")
         stack.init_mlflow_store(self.scfg)  # the processes use the sqlite store itself; the UI server is not needed
         self.stack_started = stack.ensure_up(self.scfg, ["vllm"])
         if not stack.vllm_serves_base(self.scfg):
@@ -1383,7 +1396,7 @@ CHECKS = (
     ("matured_sessions_incomplete_episodes", "  of which missing some llm_call rows"),
     ("sessions_without_outcome", "completed ok sessions with no outcome in the lake"),
     ("episodes_trained_twice", "episode ids trained in two learner steps (must be 0)"),
-    ("learner_steps_redone", "steps logged twice (killed between log and checkpoint; allowed)"),
+    ("learner_steps_redone", "steps logged of weights a kill lost (trained again from the last checkpoint; allowed)"),
     ("unregistered_served_versions", "served policy versions missing from the registry (must be none)"),
     ("kafka_events_not_in_lake", "event_ids in the topic, not in the lake, not dead-lettered"),
     ("lake_behind_kafka", "topic records no lake file covers"),

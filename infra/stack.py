@@ -16,7 +16,8 @@ a busy port with one line naming it, and stops what it started if a later part f
 - MLflow: the embedded default store is a sqlite file and a local artifact folder under var/,
   usable with no server at all; `up` also starts `mlflow server` on the same store for its UI.
 - vLLM: the OpenAI-compatible server on CPU serving the base model as `policy-v0`, with
-  runtime LoRA loading and the dev-mode endpoints (reload_weights, pause/resume, weight version).
+  runtime LoRA loading (unless `--no-vllm-lora`: a tier that only takes full weights) and the
+  dev-mode endpoints (reload_weights, pause/resume, weight version).
   `--vllm-servers N` runs N of them on consecutive ports (a full-weight tier needs a server per
   live version: control, champion, challenger), each its own process, pid file and log.
 """
@@ -101,6 +102,11 @@ class StackConfig:
                                                               "`flywheel model init`)")
     served_model_name: str = setting(version_name(0), "name vLLM serves the base model under")
     vllm_max_model_len: int = setting(2048, "context length vLLM allocates for")
+    vllm_lora: bool = setting(True, "start the servers with --enable-lora and runtime LoRA loading: needed when "
+                                    "LoRA versions are published (the learner's --mode lora); a tier that only takes "
+                                    "full weights (--mode full) runs without, so vLLM does not wrap its layers for "
+                                    "adapters that never come. A server of ours running without it is restarted by "
+                                    "an `up` that wants it; one with it is kept by an `up` that does not")
     vllm_max_loras: int = setting(4, "LoRA adapters resident at once (--max-loras)")
     vllm_max_lora_rank: int = setting(32, "largest LoRA rank vLLM accepts (--max-lora-rank)")
     vllm_kv_cache_gib: int = setting(1, "VLLM_CPU_KVCACHE_SPACE, GiB of KV cache on CPU")
@@ -758,6 +764,7 @@ def start_s3(cfg: StackConfig) -> dict[str, Any]:
 # vLLM
 # ---------------------------------------------------------------------------------------------
 VLLM_MARKER = "vllm.entrypoints.openai.api_server"
+LORA_FLAG = "--enable-lora"
 
 
 def vllm_name(i: int) -> str:
@@ -807,6 +814,13 @@ def _vllm_base(cfg: StackConfig) -> Path:
     return base.resolve()
 
 
+def _lora_args(cfg: StackConfig) -> list[str]:
+    """vLLM's LoRA flags, only for a tier that loads adapters (vllm_lora)."""
+    if not cfg.vllm_lora:
+        return []
+    return [LORA_FLAG, "--max-loras", str(cfg.vllm_max_loras), "--max-lora-rank", str(cfg.vllm_max_lora_rank)]
+
+
 def _vllm_command(cfg: StackConfig, base: Path, port: int) -> list[str]:
     # processed_logprobs: the logprob vLLM returns (and the proxy logs as the behaviour logprob) is
     # that of the distribution the token was drawn from, after temperature and top-k/top-p; the
@@ -814,8 +828,7 @@ def _vllm_command(cfg: StackConfig, base: Path, port: int) -> list[str]:
     # T=1 without truncation. The learner scores tokens under the same processing (docs/serving.md).
     return [sys.executable, "-m", VLLM_MARKER, "--model", str(base), "--served-model-name", cfg.served_model_name,
             "--host", cfg.vllm_host, "--port", str(port), "--dtype", cfg.vllm_dtype,
-            "--max-model-len", str(cfg.vllm_max_model_len), "--enable-lora",
-            "--max-loras", str(cfg.vllm_max_loras), "--max-lora-rank", str(cfg.vllm_max_lora_rank),
+            "--max-model-len", str(cfg.vllm_max_model_len), *_lora_args(cfg),
             "--logprobs-mode", "processed_logprobs", "--disable-log-stats", *cfg.vllm_extra_args]
 
 
@@ -823,11 +836,12 @@ def _vllm_env(cfg: StackConfig, i: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib),
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # POST /v1/load_lora_adapter
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc reload_weights, /pause, /resume, /update_weight_version
         "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "TOKENIZERS_PARALLELISM": "false",
     })
+    if cfg.vllm_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # POST /v1/load_lora_adapter
     if cfg.vllm_servers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # Each server's OpenMP threads on a core of their own: with the default binding two servers on
         # this 2-core machine made 511 tokens/s in all (one alone: 1097-1181), bound to cores 0 and 1
@@ -862,13 +876,18 @@ def _vllm_ready(cfg: StackConfig, i: int) -> bool:
     a process that is not ours is refused with one line."""
     url, name, port = cfg.vllm_urls[i], vllm_name(i), cfg.vllm_ports[i]
     if _serves_name(cfg, url):
-        if _serves_base_at(cfg, url):
+        record = _read_pid(cfg, name)
+        # a server of ours started without LoRA cannot load the adapters a LoRA tier publishes; one with LoRA
+        # serves full weights too (only slower), so it is kept for whoever shares it
+        lacks_lora = cfg.vllm_lora and record is not None and LORA_FLAG not in record.get("cmd", [LORA_FLAG])
+        if _serves_base_at(cfg, url) and not lacks_lora:
             log.info("%s: already healthy at %s", name, url)
             return True
-        if _read_pid(cfg, name) is None:
+        if record is None:
             raise StackError(f"vllm on port {port} serves another model than {cfg.base_model} "
                              "and was not started by this stack; stop it or pass --vllm-port")
-        log.info("%s: serves another base model; restarting it on %s", name, cfg.base_model)
+        log.info("%s: %s; restarting it on %s", name, "started without LoRA" if lacks_lora else
+                 "serves another base model", cfg.base_model)
     _stop_one(cfg, name)  # ours but unhealthy (still starting, or hung), or on another model
     if _port_busy(cfg.vllm_host, port):
         raise StackError(f"vllm: port {port} is already in use by another process; stop it or choose another port "

@@ -9,10 +9,17 @@ Layout under run_dir:
 
 A checkpoint is written into a hidden temp directory, fsynced and renamed; only then does
 LATEST (itself replaced atomically) point at it. A SIGKILL at any moment leaves either the old
-or the new checkpoint complete, never half of one. The trained log is appended (and fsynced)
-before the checkpoint of the same step, so after a kill between the two the step is trained
-again on restart and appears twice in the log with the same step number: exactly the
-"interrupted step" the resume guarantee allows.
+or the new checkpoint complete, never half of one: weights, optimizer, cursor and trained ids
+always come from one checkpoint. The learner writes one every checkpoint_every_steps steps, at
+every version and at a graceful stop (learner/daemon.py), not after every step.
+
+The trained log is appended (and fsynced) after every step, before any checkpoint of that step.
+After a SIGKILL the learner resumes from the last checkpoint and trains the steps after it again,
+from that checkpoint's weights and cursor, under the same step numbers: those steps (up to
+checkpoint_every_steps of them) appear twice in the log, once per line of weights. No episode is
+trained twice into the weights that go on; the earlier lines are of weights the kill discarded.
+`trained_lineage` reads the log as the weights saw it: a line supersedes every earlier line of a step
+number at or above its own.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from flywheel.base.atomic import Durability, publish, temp_path, write_text
+
+if TYPE_CHECKING:  # torch is loaded by the functions that write and read tensors: the log readers run without it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +91,8 @@ class TrainerState:
 def save(run_dir: Path, state: TrainerState, weights: dict[str, torch.Tensor], optimizer: dict[str, Any],
          keep: int = 2) -> Path:
     """Write a complete checkpoint atomically and point LATEST at it; returns its directory."""
+    import torch
+
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:08d}"
@@ -109,18 +119,27 @@ def _prune(root: Path, keep: int, newest: str) -> None:
 
 def load_latest(run_dir: Path, map_location: str | torch.device = "cpu") -> tuple[TrainerState, dict[str, Any]] | None:
     """(state, {"weights", "optimizer"}) of the newest complete checkpoint, or None if there is none."""
+    import torch
+
+    found = latest_state(run_dir)
+    if found is None:
+        return None
+    directory, state = found
+    tensors = torch.load(directory / "trainer.pt", map_location=map_location, weights_only=True)
+    log.info("checkpoint: resuming from %s (step %d, policy_version %d, %d episodes trained)", directory,
+             state.step, state.policy_version, len(state.trained))
+    return state, tensors
+
+
+def latest_state(run_dir: Path) -> tuple[Path, TrainerState] | None:
+    """(directory, state) of the newest complete checkpoint without its tensors, or None if there is none."""
     root = Path(run_dir) / "checkpoints"
     try:
         name = (root / LATEST).read_text().strip()
     except FileNotFoundError:
         return None
     directory = root / name
-    raw = json.loads((directory / "state.json").read_text())
-    state = TrainerState(**raw)
-    tensors = torch.load(directory / "trainer.pt", map_location=map_location, weights_only=True)
-    log.info("checkpoint: resuming from %s (step %d, policy_version %d, %d episodes trained)", directory,
-             state.step, state.policy_version, len(state.trained))
-    return state, tensors
+    return directory, TrainerState(**json.loads((directory / "state.json").read_text()))
 
 
 def append_trained(run_dir: Path, step: int, policy_version: int, episode_ids: list[str],
@@ -130,8 +149,13 @@ def append_trained(run_dir: Path, step: int, policy_version: int, episode_ids: l
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({"step": step, "policy_version": policy_version, "episode_ids": episode_ids,
                        **(extra or {})}) + "\n"
-    with open(path, "a") as fh:
-        fh.write(line)
+    with open(path, "a+b") as fh:  # appends go to the end wherever the read position is
+        size = fh.seek(0, os.SEEK_END)
+        if size:
+            fh.seek(size - 1)
+            if fh.read(1) != b"\n":  # a line a kill cut short: end it, or this line would be unreadable with it
+                line = "\n" + line
+        fh.write(line.encode())
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -148,3 +172,20 @@ def read_trained(run_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def trained_lineage(lines: list[dict[str, Any]], upto: int | None = None) -> list[dict[str, Any]]:
+    """The lines of trained.jsonl (read_trained) whose steps made the weights, in step order.
+
+    A restart resumes at its checkpoint's step s and logs the steps after it again, so a line at step s+1
+    supersedes every line logged before it at a step >= s+1: the weights those steps trained were lost
+    with the kill. upto: the step of the checkpoint the weights are at (latest_state), when the learner has
+    stopped: lines above it trained weights no checkpoint kept (a kill, and no restart got as far again).
+    """
+    kept: list[dict[str, Any]] = []
+    for line in lines:
+        step = int(line["step"])
+        while kept and int(kept[-1]["step"]) >= step:
+            kept.pop()
+        kept.append(line)
+    return [line for line in kept if upto is None or int(line["step"]) <= upto]

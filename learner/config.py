@@ -109,6 +109,12 @@ class LearnerConfig:
     run_dir: str = setting("var/learner", "checkpoints, trained-episode log and resolved config live here")
     keep_checkpoints: int = setting(2, "checkpoints kept on disk (older ones are deleted after a newer one "
                                        "is complete)")
+    checkpoint_every_steps: int = setting(10, "checkpoint every this many steps, and at every version written and "
+                                              "at a graceful stop. A checkpoint is the weights and both Adam moments "
+                                              "(3x the trainable size, fsynced), which the step waits for; the price "
+                                              "of fewer is that a SIGKILL sends the learner back to the last one, and "
+                                              "the up to this many steps after it are trained again from its weights "
+                                              "(1: every step)")
     start_version: int = setting(0, "policy version of the untrained weights when no checkpoint exists (0 = "
                                     "the base model)")
     publish_every_steps: int = setting(10, "publish a policy version after this many steps (0: never by count)")
@@ -138,6 +144,12 @@ class LearnerConfig:
     parity_samples: int = setting(8, "episodes scored by vLLM at each publish for the train/inference "
                                      "mismatch (0: off)")
     mlflow_tracking_uri: str = setting(defaults.MLFLOW_TRACKING_URI, "MLflow tracking URI ('' disables tracking)")
+    mlflow_flush_every_steps: int = setting(10, "the steps' metrics are kept and sent to MLflow in one log_batch "
+                                                "call every this many steps (or mlflow_flush_every_s), at each "
+                                                "version and at stop, so a step does not wait for a tracking-store "
+                                                "round trip (1: every step)")
+    mlflow_flush_every_s: float = setting(30.0, "also send the kept metrics once this many seconds passed since the "
+                                                "last send, so a slow learner's run stays current (0: by count only)")
     experiment: str = setting("flywheel-learner", "MLflow experiment of the learner's runs")
     max_steps: int = setting(0, "stop after this many steps in this process lifetime (0: run forever)")
     idle_exit_s: float = setting(0.0, "exit when no trainable episode arrived for this long (0: wait forever)")
@@ -157,7 +169,8 @@ class LearnerConfig:
             # rank 0 scores the parity sample alone, and a sharded forward needs every rank's all-gather
             raise ConfigError(f"shard fsdp2 needs parity_samples 0 (got {self.parity_samples}) while publish is on: "
                               "the served-parity forward runs on rank 0 alone")
-        for name in ("batch_size", "min_batch", "micro_batch", "lora_rank", "keep_checkpoints", "max_seq_len"):
+        for name in ("batch_size", "min_batch", "micro_batch", "lora_rank", "keep_checkpoints", "max_seq_len",
+                     "checkpoint_every_steps", "mlflow_flush_every_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.min_batch > self.batch_size:
@@ -185,6 +198,8 @@ class LearnerConfig:
             raise ConfigError(f"lr: must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if self.mlflow_flush_every_s < 0:
+            raise ConfigError(f"mlflow_flush_every_s: must be >= 0, got {self.mlflow_flush_every_s}")
         if self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads: must be >= 0, got {self.cpu_threads}")
         if self.start_version < 0:

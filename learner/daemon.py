@@ -6,10 +6,11 @@
 
 One loop: wait for a batch of matured episodes (backpressure: at least min_batch fresh rows,
 sleeping with back-off while the stream is empty) -> one optimizer step of the
-importance-corrected policy gradient -> log the step's episode ids -> checkpoint (atomic) ->
-every N steps or T seconds write var/policies/policy-v<N>/ and hand it to serving. SIGTERM/SIGINT
-finish the current step, checkpoint, exit 0; a SIGKILL loses at most the step in progress
-(learner/checkpoint.py).
+importance-corrected policy gradient -> log the step's episode ids -> every N steps or T seconds
+write var/policies/policy-v<N>/ and hand it to serving -> checkpoint (atomic) at each version and
+every checkpoint_every_steps steps. SIGTERM/SIGINT finish the current step, checkpoint, exit 0; a
+SIGKILL sends the learner back to its last checkpoint, and the steps after it (up to
+checkpoint_every_steps) are trained again from its weights (learner/checkpoint.py).
 
 `Learner` owns the shared state (weights, optimizer, TrainerState, episode stream) and composes
 the parts that act on it:
@@ -96,6 +97,8 @@ class Learner:
         self.run_id: str | None = None  # the learner's MLflow run (run() sets it): each version names it
         self._last_beat = 0.0
         self._publish_checked = 0.0
+        self.checkpointed_step = self.state.step  # the newest checkpoint's step (at start: the one resumed from)
+        self.unsaved = False  # a step or a rebase since that checkpoint
         self.prom: LearnerMetrics | None = None  # rank 0's Prometheus metrics (run() makes them)
 
     def _resume(self) -> TrainerState:
@@ -126,6 +129,7 @@ class Learner:
         rebase_onto(self.policy, self.optimizer, self.state, self.stream, version,
                     local_source(source) if source else None)
         self.versions.adopt(version)  # the champion's weights get their own steps before the next version
+        self.unsaved = True
 
     # -- rank 0: data -------------------------------------------------------------------------
     def plan(self, batch: list[Episode]) -> BatchPlan:
@@ -244,21 +248,28 @@ class Learner:
                                   [e.episode_id for e in batch],
                                   extra={"t": round(time.time(), 3), "shaping_scale": self.shaping_scale_trained,
                                          "kl": result.kl, "kl_coef": result.kl_coef})
-        aliases = self.gate.read_aliases() if self.cfg.publish_wait_for_gate else None
+        self.unsaved = True
+        # the aliases only matter here when a version may be due: a rejection is followed before it is written (or
+        # the next version would grow out of the refused line and take the challenger slot), and the verdict may be
+        # what makes it due. Between versions next_batch follows the gate every follow_gate_every_s, as it does
+        # without publish_wait_for_gate, instead of a registry read per step.
+        may_publish = self.cfg.publish_wait_for_gate and self.versions.due(gate_ruled=True)
+        aliases = self.gate.read_aliases() if may_publish else None
         if aliases is not None:
-            # the verdict that makes the next version due may be a rejection: follow it first, or
-            # the next version would grow out of the refused line and take the challenger slot
             self.follow_gate(aliases)
         published = self.publish_due(aliases)
         if published:
             self.versions.write(tracker.run_id)
-        self.save_checkpoint()
+        # a version written always has its checkpoint (a restart resumes on its line); between versions one every
+        # checkpoint_every_steps steps
+        if published or self.state.step - self.checkpointed_step >= self.cfg.checkpoint_every_steps:
+            self.save_checkpoint()
         self.last_batch = batch
         counters = self.stream.counters
         metrics = step_metrics(batch, lags, result, self.state, counters, self.cfg.max_staleness_steps)
         if published:
             metrics.update(self.versions.push(batch))
-        tracker.log(self.state.step, metrics)
+        tracker.log(self.state.step, metrics, flush=published)
         if self.prom is not None:
             self.prom.observe_step(lags, result.tokens_per_s)
         mean_r, mean_lag = metrics["reward_mean"], metrics["policy_lag_mean"]
@@ -281,6 +292,14 @@ class Learner:
         self.state.baseline = self.baseline.state() if self.baseline is not None else {}
         checkpoint.save(self.run_dir, self.state, self.policy.weights_state(), self.optimizer.state_dict(),
                         keep=self.cfg.keep_checkpoints)
+        self.checkpointed_step, self.unsaved = self.state.step, False
+
+    def save_at_stop(self) -> None:
+        """A graceful stop keeps what was trained (or rebased onto) since the last checkpoint."""
+        if self.unsaved:
+            log.info("checkpoint: stopping at step %d (last checkpoint at step %d); saving", self.state.step,
+                     self.checkpointed_step)
+            self.save_checkpoint()
 
     def heartbeat(self, phase: str, **extra: Any) -> None:
         from flywheel.base.heartbeat import write_status
@@ -372,6 +391,8 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
             if cfg.max_steps and learner.steps_this_run >= cfg.max_steps:
                 log.info("learner: max_steps %d reached", cfg.max_steps)
                 stop.set()  # rank 0 then broadcasts the stop; the other ranks follow it
+        if world.is_main:
+            learner.save_at_stop()
     except BaseException:
         status = "FAILED"
         raise

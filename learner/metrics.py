@@ -20,12 +20,28 @@ if TYPE_CHECKING:  # torch-backed types: the daemon imports this module before i
 log = logging.getLogger(__name__)
 
 
+# MLflow's LogBatch request limit (mlflow.utils.validation.MAX_METRICS_PER_BATCH): a flush sends chunks of this size
+MAX_METRICS_PER_CALL = 1000
+# metrics kept while the store refuses them (about 200 steps at the default max_staleness_steps); the oldest go first
+MAX_KEPT_METRICS = 10_000
+
+
 class Tracker:
-    """Metrics of one daemon lifetime in one MLflow run ('' tracking URI: logging only)."""
+    """Metrics of one daemon lifetime in one MLflow run ('' tracking URI: logging only).
+
+    A step's metrics are kept and sent in one log_batch call every mlflow_flush_every_steps steps or
+    mlflow_flush_every_s seconds, when the caller asks (a version), and at end(): each metric keeps its own
+    step and the time it was logged, so the run reads as if each step were sent at once.
+    """
 
     def __init__(self, cfg: LearnerConfig) -> None:
         self.client: Any = None
         self.run_id: str | None = None
+        self.flush_every_steps = cfg.mlflow_flush_every_steps
+        self.flush_every_s = cfg.mlflow_flush_every_s
+        self.kept: list[Any] = []  # mlflow.entities.Metric, oldest first
+        self.kept_steps = 0  # steps logged since the last flush
+        self.flushed_at = time.monotonic()
         if not cfg.mlflow_tracking_uri:
             log.warning("mlflow: tracking disabled (mlflow_tracking_uri is empty); metrics go to the log only")
             return
@@ -42,17 +58,41 @@ class Tracker:
         self.client.log_batch(self.run_id, params=params)
         log.info("mlflow: run %s in experiment %s (%s)", self.run_id, cfg.experiment, cfg.mlflow_tracking_uri)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], flush: bool = False) -> None:
+        """Keep one step's metrics; send what is kept when it is due (or `flush`)."""
         if self.client is None:
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and math.isfinite(v)]
+        self.kept.extend(Metric(k, float(v), now, step) for k, v in metrics.items()
+                         if v is not None and math.isfinite(v))
+        self.kept_steps += 1
+        due = (self.kept_steps >= self.flush_every_steps
+               or (self.flush_every_s > 0 and time.monotonic() - self.flushed_at >= self.flush_every_s))
+        if flush or due:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the kept metrics. A refused send keeps what was not sent for the next flush (tracking is advisory:
+        a locked sqlite file must not stop training), up to MAX_KEPT_METRICS."""
+        if self.client is None or not self.kept:
+            return
+        self.flushed_at, self.kept_steps = time.monotonic(), 0  # a failed send waits for the next due flush too
+        sent = 0
         try:
-            self.client.log_batch(self.run_id, metrics=items)
-        except Exception as exc:  # tracking is advisory: a locked sqlite file must not stop training
-            log.warning("mlflow: metrics of step %d not logged (%s)", step, exc)
+            while sent < len(self.kept):
+                chunk = self.kept[sent:sent + MAX_METRICS_PER_CALL]
+                self.client.log_batch(self.run_id, metrics=chunk)
+                sent += len(chunk)
+        except Exception as exc:
+            self.kept = self.kept[sent:]
+            dropped = max(0, len(self.kept) - MAX_KEPT_METRICS)
+            self.kept = self.kept[dropped:]
+            log.warning("mlflow: %d metrics not logged (%s); kept for the next flush%s", len(self.kept), exc,
+                        f", the oldest {dropped} dropped" if dropped else "")
+            return
+        self.kept = []
 
     def tag(self, key: str, value: str) -> None:
         if self.client is not None:
@@ -60,6 +100,8 @@ class Tracker:
                 self.client.set_tag(self.run_id, key, value)
 
     def end(self, status: str) -> None:
+        """Send what is kept, then close the run."""
+        self.flush()
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.set_terminated(self.run_id, status)

@@ -189,6 +189,24 @@ def test_trained_twice_ignores_a_step_redone_after_a_kill() -> None:
     assert chaos.trained_checks(lines)["episodes_trained_twice"] == 1
 
 
+def test_trained_twice_follows_the_weights_back_to_an_older_checkpoint() -> None:
+    # checkpoints every 3 steps: killed after step 5 was logged, the learner resumed from step 3's checkpoint and
+    # trained steps 4 and 5 again from its weights, in other batches (e4 moved to step 5, e6 to step 4)
+    lines = [{"step": s, "episode_ids": [f"e{s}"]} for s in (1, 2, 3, 4, 5)]
+    lines += [{"step": 4, "episode_ids": ["e6", "e5"]}, {"step": 5, "episode_ids": ["e4"]},
+              {"step": 6, "episode_ids": ["e7"]}]
+    assert chaos.trained_checks(lines) == {"episodes_trained_twice": 0, "learner_steps": 6, "episodes_trained": 7,
+                                           "learner_steps_redone": 2}, "steps 4-5 of the lost weights do not count"
+    # killed again after step 8 was logged (checkpoint at 6); the restart stopped before a step: steps 7-8 trained
+    # weights no checkpoint kept, which the newest checkpoint's step tells
+    lines += [{"step": 7, "episode_ids": ["e8"]}, {"step": 8, "episode_ids": ["e9"]}]
+    assert chaos.trained_checks(lines, checkpoint_step=6) == {
+        "episodes_trained_twice": 0, "learner_steps": 6, "episodes_trained": 7, "learner_steps_redone": 4}
+    assert chaos.trained_checks(lines)["learner_steps"] == 8, "without the checkpoint's step the lost lines count"
+    assert chaos.trained_checks(lines + [{"step": 9, "episode_ids": ["e3"]}])["episodes_trained_twice"] == 1, \
+        "one lineage training e3 at steps 3 and 9"
+
+
 def test_served_versions_must_be_registered_except_the_base() -> None:
     events = [_event("a" * 32, "llm_call", policy_version=v, model="policy-v0") for v in (0, 1, 2, 3)]
     r = chaos.served_checks(_facts(events, chaos.Ledger(), registered={1, 2}))

@@ -121,8 +121,9 @@ def test_stale_episodes_never_reach_a_step(tmp_path: Path, model_dir: Path) -> N
     assert [line["step"] for line in log] == [1, 2, 3] and trained == expected, \
         "v10's rows while they lag <= 2 steps (policy-v11 at step 2 does not reset their lag); v9's never"
     state, _ = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
-    # file 0's rows were all dropped and files 1-3 trained by step 3's checkpoint (file 4 was dropped after it)
-    assert state.cursor == {"synthetic/0": 3}, "dropped rows are consumed: the cursor moves past them"
+    # file 0's rows were all dropped, files 1-3 trained, and file 4's dropped while the learner waited after step 3:
+    # the graceful stop's checkpoint holds all of it
+    assert state.cursor == {"synthetic/0": 4}, "dropped rows are consumed: the cursor moves past them"
     assert state.lineage == {10: 0, 11: 2}, state.lineage
 
 
@@ -357,3 +358,54 @@ def test_a_version_due_while_every_row_is_stale_is_published_without_a_step(tmp_
     learner._publish_checked = 0.0
     learner.publish_while_waiting()
     assert learner.state.published == [1], "nothing trained since: nothing to publish"
+
+
+def test_checkpoints_every_n_steps_at_each_version_and_at_a_graceful_stop(tmp_path: Path, model_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    saved: list[int] = []
+    real = checkpoint.save
+
+    def recording(run_dir: Path, state: checkpoint.TrainerState, *args: object, **kw: object) -> Path:
+        saved.append(state.step)
+        return real(run_dir, state, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpoint, "save", recording)
+    for i in range(7):
+        write_episodes(tmp_path / "lake", random_rows(8, seed=40 + i, vocab_size=512), seq=i)
+    assert run(_cfg(tmp_path, model_dir, checkpoint_every_steps=2, publish_every_steps=3)) == 0
+    assert [line["step"] for line in checkpoint.read_trained(tmp_path / "run")] == [1, 2, 3, 4, 5, 6, 7]
+    # 2: two steps since the start; 3 and 6: versions (a version always has its checkpoint); 5: two since 3;
+    # 7: the graceful stop after it
+    assert saved == [2, 3, 5, 6, 7], saved
+    state, _ = checkpoint.load_latest(tmp_path / "run")  # type: ignore[misc]
+    assert (state.step, state.policy_version) == (7, 2)
+
+
+def test_a_kill_between_checkpoints_trains_the_steps_after_the_last_one_again_from_its_weights(
+        tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.learner.daemon import Learner
+
+    for i in range(5):
+        write_episodes(tmp_path / "lake", random_rows(8, seed=50 + i, vocab_size=512), seq=i)
+    common = dict(lake_root=str(tmp_path / "lake"), checkpoint_every_steps=3, publish_every_steps=0)
+    assert run(_cfg(tmp_path / "clean", model_dir, **common)) == 0
+    # a SIGKILL after step 4 was logged: no checkpoint after step 3's (the graceful stop's save left out)
+    with monkeypatch.context() as m:
+        m.setattr(Learner, "save_at_stop", lambda self: None)
+        assert run(_cfg(tmp_path / "killed", model_dir, max_steps=4, **common)) == 0
+    assert checkpoint.load_latest(tmp_path / "killed" / "run")[0].step == 3  # type: ignore[index]
+    assert run(_cfg(tmp_path / "killed", model_dir, **common)) == 0
+
+    clean = checkpoint.read_trained(tmp_path / "clean" / "run")
+    log = checkpoint.read_trained(tmp_path / "killed" / "run")
+    assert [line["step"] for line in log] == [1, 2, 3, 4, 4, 5], "step 4 trained again, from step 3's weights"
+    assert log[3]["episode_ids"] == log[4]["episode_ids"], "the same batch: the cursor came from step 3's checkpoint"
+    along = checkpoint.trained_lineage(log, upto=5)
+    assert [(x["step"], x["episode_ids"]) for x in along] == [(x["step"], x["episode_ids"]) for x in clean], \
+        "along the weights, the same steps with the same episodes as a run never killed"
+    ids = [i for line in along for i in line["episode_ids"]]
+    assert len(ids) == len(set(ids)) == 40, "each episode once in the weights"
+    _, killed = checkpoint.load_latest(tmp_path / "killed" / "run")  # type: ignore[misc]
+    _, never = checkpoint.load_latest(tmp_path / "clean" / "run")  # type: ignore[misc]
+    worst = max(float((killed["weights"][k] - never["weights"][k]).abs().max()) for k in never["weights"])
+    assert worst < 1e-6, f"the weights after the kill and restart differ from the clean run's by {worst:.2e}"

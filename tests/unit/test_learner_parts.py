@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flywheel.learner.checkpoint import TrainerState
+from flywheel.learner.checkpoint import TrainerState, append_trained, read_trained, trained_lineage
 from flywheel.learner.config import LearnerConfig
 from flywheel.learner.data import iso_ts
 from flywheel.learner.gate import abandoned_above, gate_ruled
@@ -22,7 +22,7 @@ from flywheel.learner.loss import (
     std_scale,
     task_means,
 )
-from flywheel.learner.metrics import step_metrics
+from flywheel.learner.metrics import MAX_METRICS_PER_CALL, Tracker, step_metrics
 from flywheel.learner.trainer import StepResult, rows_worth_running, warmup_factor_at
 from flywheel.learner.versions import (
     Versions,
@@ -146,6 +146,79 @@ def test_step_metrics_report_reward_lag_and_drops() -> None:
     assert m["tokens_per_s"] == 200.0 and m["dropped_stale_total"] == 7 and m["relabel_after_train_total"] == 0
     assert m["abandoned_versions_total"] == 1.0 and m["mismatch_behaviour_max"] == 3e-4
     assert (m["kl"], m["kl_coef"], m["session_openings"]) == (0.01, 0.4, 2.0)
+
+
+def test_a_line_torn_by_a_kill_does_not_take_the_next_one_with_it(tmp_path: Path) -> None:
+    append_trained(tmp_path, 1, 0, ["a"])
+    with open(tmp_path / "trained.jsonl", "a") as fh:
+        fh.write('{"step": 2, "policy_ver')  # the kill came mid-write
+    append_trained(tmp_path, 2, 0, ["b"])
+    assert [(x["step"], x["episode_ids"]) for x in read_trained(tmp_path)] == [(1, ["a"]), (2, ["b"])]
+
+
+def test_trained_lineage_keeps_the_lines_of_the_weights_that_went_on() -> None:
+    steps = [1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 7]  # resumed from step 3's checkpoint, later from step 6's
+    lines = [{"step": s, "episode_ids": [f"{s}.{n}"]} for n, s in enumerate(steps)]
+    kept = [x["episode_ids"][0] for x in trained_lineage(lines)]
+    assert kept == ["1.0", "2.1", "3.2", "4.5", "5.6", "6.7", "7.10"], kept
+    assert [x["step"] for x in trained_lineage(lines[:10], upto=6)] == [1, 2, 3, 4, 5, 6], \
+        "stopped at step 6's checkpoint: steps 7-8 trained weights no checkpoint kept"
+    assert trained_lineage([]) == []
+    assert [x["step"] for x in trained_lineage(lines[:3] + lines[:2])] == [1, 2], "a fresh start: a new lineage"
+
+
+class _Store:
+    """An MLflow client's log_batch that records each call, and refuses while `down`."""
+
+    def __init__(self) -> None:
+        self.calls: list[list] = []
+        self.down = False
+
+    def log_batch(self, run_id: str, metrics: list) -> None:
+        if self.down:
+            raise ConnectionError("store down")
+        self.calls.append(list(metrics))
+
+    def set_terminated(self, run_id: str, status: str) -> None:
+        self.status = status
+
+
+def _tracker(**kw: object) -> tuple[Tracker, _Store]:
+    tracker = Tracker(LearnerConfig(mlflow_tracking_uri="", **kw))  # type: ignore[arg-type]
+    store = _Store()
+    tracker.client, tracker.run_id = store, "run"
+    return tracker, store
+
+
+def test_tracker_sends_the_steps_metrics_in_one_call_every_k_steps_at_a_version_and_at_the_end() -> None:
+    tracker, store = _tracker(mlflow_flush_every_steps=3, mlflow_flush_every_s=0.0)
+    for step in (1, 2):
+        tracker.log(step, {"loss": 0.5, "nan": float("nan")})
+    assert store.calls == [], "kept until the third step"
+    tracker.log(3, {"loss": 0.25})
+    assert [[(m.key, m.step) for m in call] for call in store.calls] == [[("loss", 1), ("loss", 2), ("loss", 3)]], \
+        "one call, each metric with its own step (a NaN left out)"
+    tracker.log(4, {"loss": 0.1}, flush=True)  # a version: sent at once
+    assert len(store.calls) == 2 and store.calls[1][0].step == 4
+    tracker.log(5, {"loss": 0.2})
+    tracker.end("FINISHED")
+    assert [m.step for m in store.calls[2]] == [5] and store.status == "FINISHED", "a stop sends what is kept"
+
+
+def test_tracker_keeps_what_the_store_refused_and_splits_at_the_batch_limit() -> None:
+    tracker, store = _tracker(mlflow_flush_every_steps=1)
+    store.down = True
+    tracker.log(1, {"a": 1.0})
+    tracker.log(2, {"a": 2.0})
+    assert store.calls == [] and len(tracker.kept) == 2, "a refused send is kept for the next flush"
+    store.down = False
+    tracker.log(3, {f"k{i}": float(i) for i in range(MAX_METRICS_PER_CALL)})
+    assert [len(c) for c in store.calls] == [MAX_METRICS_PER_CALL, 2], "1002 metrics: two calls within the limit"
+    assert [m.step for m in store.calls[0][:2]] == [1, 2] and tracker.kept == []
+    timed, timed_store = _tracker(mlflow_flush_every_steps=100, mlflow_flush_every_s=5.0)
+    timed.flushed_at -= 6.0
+    timed.log(1, {"a": 1.0})
+    assert len(timed_store.calls) == 1, "mlflow_flush_every_s passed: sent without waiting for the count"
 
 
 def test_advantage_helpers() -> None:

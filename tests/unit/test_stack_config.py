@@ -42,6 +42,31 @@ def test_each_of_several_servers_is_bound_to_its_own_core_unless_the_user_chose(
     assert {stack._vllm_env(three, i)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(3)} == {"all"}
 
 
+def test_servers_get_lora_only_when_the_tier_loads_adapters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lora, full = _cfg(tmp_path), _cfg(tmp_path, vllm_lora=False)
+    command = stack._vllm_command(lora, tmp_path, 8000)
+    flags = command[command.index("--enable-lora"):][:5]
+    assert flags == ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "32"], command
+    assert stack._vllm_env(lora, 0)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert not {"--enable-lora", "--max-loras", "--max-lora-rank"} & set(stack._vllm_command(full, tmp_path, 8000))
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in stack._vllm_env(full, 0)
+    assert stack._vllm_env(full, 0)["VLLM_SERVER_DEV_MODE"] == "1", "full-weight reloads need the dev routes"
+    assert stack.load_stack_config(["--no-vllm-lora"]).vllm_lora is False
+
+    # a healthy server of ours: a LoRA tier restarts it when it was started without LoRA; a full tier keeps either
+    stopped: list[str] = []
+    monkeypatch.setattr(stack, "_serves_name", lambda cfg, url: True)
+    monkeypatch.setattr(stack, "_serves_base_at", lambda cfg, url: True)
+    monkeypatch.setattr(stack, "_stop_one", lambda cfg, name: stopped.append(name))
+    monkeypatch.setattr(stack, "_port_busy", lambda host, port: False)
+    for started_with, cfg, ready in ((full, lora, False), (lora, lora, True), (full, full, True), (lora, full, True)):
+        record = {"cmd": stack._vllm_command(started_with, tmp_path, 8000)}
+        monkeypatch.setattr(stack, "_read_pid", lambda c, name, r=record: r)
+        stopped.clear()
+        assert stack._vllm_ready(cfg, 0) is ready and stopped == ([] if ready else ["vllm"]), \
+            f"started with LoRA {started_with.vllm_lora}, wanted {cfg.vllm_lora}"
+
+
 def test_the_vllm_part_names_every_server_and_any_an_earlier_up_left(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, vllm_servers=2)
     run_dir = tmp_path / "var" / "run"
