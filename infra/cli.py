@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench.cli:main", "benchmarks: sidecar | ingest | episodes | learner | weights"),
     "agent-sim": ("flywheel.demo.agent_sim:main", "simulated production agent"),
     "outcome-sim": ("flywheel.demo.outcome_sim:main", "simulated outcome sources (verifier, user)"),
+    "preflight": ("flywheel.demo.preflight:main", "offline on-policy check of the demo's headroom from its warm "
+                                                  "start (no stack)"),
     "demo": ("flywheel.demo.closed_loop:main", "the whole closed loop with a live view and a report"),
     "report": ("flywheel.demo.report:main", "rewrite a demo run's report.md and summary.json from its "
                                             "folder (--run-dir)"),

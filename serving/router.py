@@ -5,7 +5,7 @@ so every call of one session goes to one version):
   control     `control_share` of all sessions, always served by `control_version` (the base,
               policy-v0, unless configured), for the whole run: the concurrent baseline;
   challenger  `challenger_share` of all sessions while there is a challenger;
-  champion    the rest.
+  champion    the rest (without a challenger, `spare_to_control` gives the challenger's range to the control).
 The arm is logged on every llm_call (the capture proxy takes it from the Route), so the gate and the
 report compare versions only on sessions served at the same time. Aliases are read from the MLflow registry and cached
 for `alias_refresh_s` seconds, so a promotion or rollback re-routes within seconds. No champion yet
@@ -63,16 +63,20 @@ def bucket(session_id: str) -> float:
 ARMS = ("control", "champion", "challenger")
 
 
-def arm_of(session_id: str, challenger_share: float, has_challenger: bool, control_share: float = 0.0) -> str:
+def arm_of(session_id: str, challenger_share: float, has_challenger: bool, control_share: float = 0.0,
+           spare_to_control: bool = False) -> str:
     """The session's arm: control for the first control_share of the hash range, then the challenger, then the champion.
 
     The control's range does not depend on whether there is a challenger, so a session of the
-    control arm stays there for the whole run.
+    control arm stays there for the whole run. With spare_to_control and no challenger, the
+    challenger's range is the control's too (the champion's range never changes).
     """
     b = bucket(session_id)
     if b < control_share:
         return "control"
-    return "challenger" if has_challenger and b < control_share + challenger_share else "champion"
+    if b < control_share + challenger_share:
+        return "challenger" if has_challenger else ("control" if spare_to_control else "champion")
+    return "champion"
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,8 @@ class Router:
         challenger = slots.get("challenger")
         if challenger is not None and challenger.version == champion.version:
             challenger = None
-        arm = arm_of(session_id, self.tier.challenger_share, challenger is not None, self.tier.control_share)
+        arm = arm_of(session_id, self.tier.challenger_share, challenger is not None, self.tier.control_share,
+                     self.tier.spare_to_control)
         if arm == "control":
             slot = self._control_slot(slots)
         else:
@@ -235,10 +240,11 @@ class Router:
 def shares(tier: TierConfig, champion: int, challenger: int | None) -> dict[int, float]:
     """policy version -> the share of sessions its arms get (control and champion add up when they are one version)."""
     out: dict[int, float] = {}
-    control = tier.control_share
     has_challenger = challenger is not None and challenger != champion
+    spare = tier.challenger_share if has_challenger or tier.spare_to_control else 0.0  # not the champion's
+    control = tier.control_share + (tier.challenger_share if tier.spare_to_control and not has_challenger else 0.0)
     out[tier.control_version] = out.get(tier.control_version, 0.0) + control
-    out[champion] = out.get(champion, 0.0) + 1.0 - control - (tier.challenger_share if has_challenger else 0.0)
+    out[champion] = out.get(champion, 0.0) + 1.0 - tier.control_share - spare
     if has_challenger and challenger is not None:
         out[challenger] = out.get(challenger, 0.0) + tier.challenger_share
     return {v: s for v, s in out.items() if s > 0}

@@ -38,6 +38,10 @@ class TierConfig:
     control_share: float = setting(0.0, "share of all sessions always served by control_version, for the whole run: "
                                         "the concurrent baseline every version is compared with (0: no control arm)")
     control_version: int = setting(0, "the fixed version the control arm serves (0: the base model, policy-v0)")
+    spare_to_control: bool = setting(False, "while there is no challenger, its share goes to the control arm instead "
+                                            "of the champion: a larger concurrent control when the champion is "
+                                            "measured alone (the demo's final window), at no cost to a gate test, "
+                                            "which compares challenger with champion while one is live")
     control_kind: Literal["lora", "full"] = setting(
         "full", "lora or full: how a registered control_version is served (version 0 is always full)")
     alias_refresh_s: float = setting(2.0, "how often the router re-reads the aliases (a rollback re-routes "

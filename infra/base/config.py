@@ -66,7 +66,7 @@ SHARED_FIELDS: frozenset[str] = frozenset({
     "mlflow_tracking_uri", "registered_model", "var_dir", "lake_root", "base_model", "policies_dir",
     # the serving tier (flywheel.serving.tier.TierConfig)
     "servers", "base_served_name", "keep_loras", "max_loras", "max_lora_rank", "replace_live", "transport",
-    "challenger_share", "control_share", "control_version", "control_kind", "alias_refresh_s",
+    "challenger_share", "control_share", "control_version", "control_kind", "spare_to_control", "alias_refresh_s",
     "http_timeout_s", "pause_timeout_s",
 })
 # FLYWHEEL_<name...> owned by other readers than load_config (the Kafka client settings, the SDK,

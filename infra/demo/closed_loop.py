@@ -128,13 +128,11 @@ class Processes:
 # ---------------------------------------------------------------------------------------------
 def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
     from flywheel.demo import warm_start
-    from flywheel.demo.model_init import ensure_base_model, is_model_dir
+    from flywheel.demo.model_init import ensure_base_model
 
     ensure_base_model(cfg.base_model)
     if not cfg.warm_start:
         return {}
-    record_path = Path(cfg.warm_model) / "warm_start.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else {}
     build: Callable[[Path, Path], dict[str, Any]]
     if cfg.scenario == "swarm":  # its own policy-v0: the tools' format taught on a minority of demonstrations
         from flywheel.demo import swarm
@@ -142,10 +140,10 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
         rule, build = swarm.warm_rule(), swarm.warm_start_model
     else:
         rule, build = warm_start.RULE, warm_start.run
-    if not is_model_dir(cfg.warm_model) or record.get("rule") != rule:
+    if not warm_start.is_current(Path(cfg.warm_model), Path(cfg.base_model), rule):
         log.info("demo: warm-starting %s into %s (rule %s)", cfg.base_model, cfg.warm_model, rule)
-        record = build(cfg.base_model, cfg.warm_model)
-    return record
+        return build(cfg.base_model, cfg.warm_model)
+    return json.loads((Path(cfg.warm_model) / "warm_start.json").read_text())
 
 
 def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
@@ -155,7 +153,9 @@ def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
     # with load_policy_v0_weights the servers run on base_model and get policy-v0's weights by the reload below
     # (same architecture and tokenizer): a stack shared with other runs is not restarted for another model dir
     served_dir = cfg.base_model if cfg.load_policy_v0_weights else policy_v0(cfg)
-    scfg = stack.replace_config(stack.load_stack_config([]), base_model=served_dir, vllm_servers=cfg.vllm_servers)
+    # a full-weight learner publishes no adapter: its servers run without vLLM's LoRA layers
+    scfg = stack.replace_config(stack.load_stack_config([]), base_model=served_dir, vllm_servers=cfg.vllm_servers,
+                                vllm_lora=cfg.learner.mode == "lora")
     started = stack.ensure_up(scfg)
     if not stack.vllm_serves_base(scfg):
         raise stack.StackError(f"vLLM at {scfg.vllm_urls} does not serve {served_dir} as {scfg.served_model_name}")

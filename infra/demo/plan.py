@@ -59,8 +59,12 @@ class DemoConfig:
                                         "concurrent baseline the final champion is measured against")
     challenger_share: float = setting(0.4, "share of sessions the challenger gets while there is one (the champion "
                                            "gets the rest: 0.4)")
+    spare_to_control: bool = setting(True, "while no challenger is live (the final window above all), its share goes "
+                                           "to the control: the window's control then gets 0.6 of the sessions, "
+                                           "enough for 200+ in 300 s, where 0.2 gave about 85")
     gate_interval_s: float = setting(10.0, "seconds between promotion-gate rounds (each version waits for a verdict)")
-    base_sessions: int = setting(330, "sessions policy-v0 serves before the learner starts (the base measurement)")
+    base_sessions: int = setting(200, "sessions policy-v0 serves before the learner starts: its first batches (the "
+                                      "control arm measures the base for the whole run)")
     measure_s: float = setting(300.0, "the final window, the seconds of traffic at the end: the learner and the gate "
                                       "are stopped, the challenger alias is cleared, and the champion and the control "
                                       "serve the same sessions to be compared on")
@@ -208,7 +212,8 @@ def tier_env(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> dict[str, str]:
     return {"FLYWHEEL_SERVERS": ",".join(ends.vllm_urls), "FLYWHEEL_REGISTERED_MODEL": run.registered_model,
             "FLYWHEEL_MLFLOW_TRACKING_URI": ends.tracking_uri, "FLYWHEEL_BASE_MODEL": str(policy_v0(cfg).resolve()),
             "FLYWHEEL_POLICIES_DIR": str(run.policies_dir), "FLYWHEEL_CONTROL_SHARE": str(cfg.control_share),
-            "FLYWHEEL_CONTROL_VERSION": str(CONTROL_VERSION), "FLYWHEEL_CHALLENGER_SHARE": str(cfg.challenger_share)}
+            "FLYWHEEL_CONTROL_VERSION": str(CONTROL_VERSION), "FLYWHEEL_CHALLENGER_SHARE": str(cfg.challenger_share),
+            "FLYWHEEL_SPARE_TO_CONTROL": str(cfg.spare_to_control).lower()}
 
 
 def lake_writer_command(run: RunPlan, ends: Endpoints) -> list[str]:

@@ -8,6 +8,11 @@ version directories; the MLflow registry (published versions, gate decisions, th
 Outputs under `out_dir` (default var/report): report.md, success_by_version.png, arms.png,
 freshness.png, throughput.png and summary.json.
 
+Per tool (`per_tool`): each one-part session's task type names its tool; its first tool call's name says which
+harness generation's convention the policy used (tasks.TOOL_NAMES). The share of first calls that take
+production's name, and the success, by version and in the final window per arm, show the adaptation the
+demo's RL is for (the drift in infra/demo/tasks.py); arms.png draws the share per arm over the run too.
+
 Sessions are read through `flywheel.serving.sessions.read_sessions`, the gate's own definition: a
 session counts for the version that served ALL its llm_calls (one that straddled a weight push
 counts for none), and for the router's arm (control, champion, challenger). A session that ended
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.base.versions import version_name
+from flywheel.demo import tasks
 from flywheel.rewards import calibrate
 from flywheel.serving.decision import GateRule
 from flywheel.serving.registry import CHAMPION, Registry
@@ -107,6 +113,8 @@ class Facts:
     session_to_lake_s: list[float] = field(default_factory=list)
     outcome_to_episode_s: list[float] = field(default_factory=list)
     episode_to_trained_s: list[float] = field(default_factory=list)
+    episode_to_step_s: list[float] = field(default_factory=list)  # emitted -> the learner step that trained it
+    step_times: list[float] = field(default_factory=list)  # epoch seconds of each learner step of the run
     trained_to_served_s: list[float] = field(default_factory=list)
     session_end_times: list[float] = field(default_factory=list)  # epoch seconds
     versions_published: list[int] = field(default_factory=list)
@@ -116,6 +124,7 @@ class Facts:
     episodes: int = 0
     sessions: list[SessionRecord] = field(default_factory=list)  # this run's sessions (read_sessions)
     tool_calls: dict[str, tuple[int, int]] = field(default_factory=dict)  # session_id -> (tool calls, malformed ones)
+    first_calls: dict[str, str | None] = field(default_factory=dict)  # session_id -> first call's name (None: bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +199,7 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
                       if (r.ended if r.ended is not None else r.started) >= since]
     by_version(facts, error_statuses)
     facts.tool_calls = tool_calls(con)
+    facts.first_calls = first_calls(con)
     episodes = _lake_files(lake_root, "episodes")
     if episodes:
         emitted = _rows_with_file(lake_root, "episodes", episodes, ["last_outcome_ts", "emitted_ts"],
@@ -218,6 +228,46 @@ def tool_calls(con: Any) -> dict[str, tuple[int, int]]:
     rows = con.execute(f"SELECT session_id, count(DISTINCT event_id), {bad} FROM ev WHERE type='tool_call' "
                        "GROUP BY 1").fetchall()
     return {str(sid): (int(n), int(m)) for sid, n, m in rows}
+
+
+def first_calls(con: Any) -> dict[str, str | None]:
+    """Per session: the tool name of its first tool call, in (ts, seq) order; None where that call was malformed."""
+    columns = {row[0] for row in con.execute("DESCRIBE ev").fetchall()}
+    bad = "coalesce(malformed, false)" if "malformed" in columns else "false"
+    rows = con.execute(f"SELECT session_id, name, bad FROM (SELECT session_id, name, {bad} AS bad, row_number() OVER "
+                       "(PARTITION BY session_id ORDER BY ts, seq) AS k FROM ev WHERE type='tool_call') WHERE k = 1"
+                       ).fetchall()
+    return {str(sid): None if bad or name is None else str(name) for sid, name, bad in rows}
+
+
+def tool_rows(records: list[SessionRecord], first: dict[str, str | None],
+              error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, dict[str, Any]]:
+    """Per tool, over the one-part sessions of `records` that asked for it: counted sessions and success, and the
+    share of their first tool calls (a malformed one included) that took production's name."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tasks.TOOLS:
+        mine = [r for r in records if r.task_type == f"tool_use.{tool}"]
+        c = count(mine, error_statuses)
+        named = [first[r.session_id] for r in mine if r.session_id in first]
+        out[tool] = {"sessions": c.n, "success": _rate(c), "first_calls": len(named),
+                     "production_name": round(sum(n == tool for n in named) / len(named), 4) if named else None,
+                     "older_name": round(sum(tasks.generation_of(n) is not None and n != tool for n in named)
+                                         / len(named), 4) if named else None}
+    return out
+
+
+def per_tool(facts: Facts, final_start: float | None, control_version: int,
+             error_statuses: tuple[str, ...] = ERROR_STATUSES) -> dict[str, Any]:
+    """tool_rows per version (any arm, the whole run) and, in the final window, for the champion and the control."""
+    out: dict[str, Any] = {"by_version": {str(v): tool_rows([r for r in facts.sessions if r.version == v],
+                                                            facts.first_calls, error_statuses)
+                                          for v in sorted(facts.by_version)}, "final": None}
+    if final_start is not None and facts.champion is not None:
+        out["final"] = {"champion": tool_rows(select(facts, "champion", facts.champion, final_start),
+                                              facts.first_calls, error_statuses),
+                        "control": tool_rows(select(facts, "control", control_version, final_start),
+                                             facts.first_calls, error_statuses)}
+    return out
 
 
 def malformed_share(records: list[SessionRecord], calls: dict[str, tuple[int, int]]) -> tuple[float | None, int]:
@@ -265,11 +315,19 @@ def learner_facts(facts: Facts, lake_root: str, learner_run_dir: str | None, pol
     lake_view(con, "ep", lake_root, "episodes", episodes)
     emitted = dict(con.execute("SELECT episode_id, epoch(min(emitted_ts)) FROM ep GROUP BY 1").fetchall())
     con.close()
+    first_trained: dict[str, float] = {}
+    steps: dict[int, float] = {}
     for line in trained_path.read_text().splitlines():
         try:
             step_record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        when = step_record.get("t")
+        if isinstance(when, (int, float)) and when >= since:
+            # a step trained again after a kill (checkpoint cadence) counts once, at its first training
+            steps.setdefault(int(step_record["step"]), float(when))
+            for episode_id in step_record.get("episode_ids", []):
+                first_trained.setdefault(episode_id, float(when))
         # the first version written at or after this step carries what the step learned
         carrier = next((p for p in policies if int(p.get("learner_step", -1)) >= int(step_record["step"])), None)
         if carrier is None:
@@ -277,6 +335,8 @@ def learner_facts(facts: Facts, lake_root: str, learner_run_dir: str | None, pol
         for episode_id in step_record.get("episode_ids", []):
             if episode_id in emitted:
                 facts.episode_to_trained_s.append(max(0.0, carrier["_created"] - float(emitted[episode_id])))
+    facts.episode_to_step_s = [max(0.0, t - float(emitted[e])) for e, t in first_trained.items() if e in emitted]
+    facts.step_times = sorted(steps.values())
 
 
 def registry_facts(facts: Facts, tracking_uri: str, registered_model: str, policies_dir: str, since: float,
@@ -375,12 +435,23 @@ def summarize(facts: Facts, min_sessions: int = 300,
         "p95_session_to_lake_s": _round(p95(facts.session_to_lake_s)),
         "p95_outcome_to_episode_s": _round(p95(facts.outcome_to_episode_s)),
         "p95_episode_to_trained_s": _round(p95(facts.episode_to_trained_s)),
+        "p95_episode_to_step_s": _round(p95(facts.episode_to_step_s)),
+        "learner_steps": len(facts.step_times),
+        # over the learner's own span (first to last step), so the base phase and the final window do not dilute it
+        "learner_steps_per_min": _per(len(facts.step_times) - 1, facts.step_times, 60.0),
+        "sessions_per_s": _per(len(facts.session_end_times), facts.session_end_times, 1.0),
         "p95_trained_to_served_s": _round(p95(facts.trained_to_served_s)),
         "freshness_n": {"session_to_lake": len(facts.session_to_lake_s),
                         "outcome_to_episode": len(facts.outcome_to_episode_s),
                         "episode_to_trained": len(facts.episode_to_trained_s),
                         "trained_to_served": len(facts.trained_to_served_s)},
     }
+
+
+def _per(count: int, times: list[float], unit_s: float) -> float | None:
+    """count per unit_s over the span of `times` (None without a span)."""
+    span = max(times) - min(times) if len(times) > 1 else 0.0
+    return round(unit_s * count / span, 3) if span > 0 else None
 
 
 def select(facts: Facts, arm: str, version: int | None = None, since: float | None = None) -> list[SessionRecord]:
@@ -595,7 +666,8 @@ def plots(facts: Facts, out_dir: Path, final_since: float | None = None,
 
 def arms_plot(facts: Facts, out_dir: Path, final_since: float | None,
               error_statuses: tuple[str, ...] = ERROR_STATUSES, bins: int = 12) -> bool:
-    """arms.png: success per arm over the run (by session start, Wilson 95% intervals), the final window shaded."""
+    """arms.png: per router arm over the run (by session start, Wilson 95% intervals), the final window shaded: task
+    success, and below it the share of one-part sessions whose first tool call took production's name."""
     import matplotlib.pyplot as plt
 
     counted = mature([r for r in facts.sessions if r.arm in ARMS and r.version is not None], math.inf, 0.0,
@@ -604,29 +676,35 @@ def arms_plot(facts: Facts, out_dir: Path, final_since: float | None,
         return False
     t0 = min(r.started for r in counted)
     width = max(1.0, (max(r.started for r in counted) - t0) / bins)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for k, (arm, colour) in enumerate(zip(ARMS, ("#888888", "#2a9d8f", "#e76f51"))):
-        cells: dict[int, list[int]] = {}
-        for r in counted:
-            if r.arm == arm:
-                cells.setdefault(min(bins - 1, int((r.started - t0) // width)), []).append(
-                    int((r.outcome or 0.0) >= 0.5))
-        xs = sorted(cells)
-        if not xs:
-            continue
-        rates = [sum(cells[x]) / len(cells[x]) for x in xs]
-        cis = [wilson(sum(cells[x]), len(cells[x])) for x in xs]
-        n = sum(len(v) for v in cells.values())
-        # arms side by side within a bin, so their error bars do not hide each other
-        ax.errorbar([((x + 0.35 + 0.15 * k) * width) / 60 for x in xs], rates,
-                    yerr=[[r - lo for r, (lo, _) in zip(rates, cis)], [hi - r for r, (_, hi) in zip(rates, cis)]],
-                    fmt="o-", capsize=3, color=colour, label=f"{arm} (n={n})")
-    if final_since is not None:
-        ax.axvspan((final_since - t0) / 60, bins * width / 60, color="#f4e285", alpha=0.4, label="final window")
-    ax.set_xlabel("minute of the run (session start)")
-    ax.set_ylabel("task success (95% CI)")
-    ax.set_title("Success per router arm over time")
-    ax.legend(fontsize=8)
+    named = [r for r in facts.sessions if r.arm in ARMS and r.version is not None and r.session_id in facts.first_calls
+             and r.task_type.removeprefix("tool_use.") in tasks.TOOLS]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    panels = ((top, counted, lambda r: int((r.outcome or 0.0) >= 0.5), "task success (95% CI)",
+               "Success per router arm over time"),
+              (bottom, named, lambda r: int(facts.first_calls[r.session_id] == r.task_type.removeprefix("tool_use.")),
+               "first call takes production's\ntool name (95% CI)", "Adaptation to the production harness"))
+    for ax, records, value, ylabel, title in panels:
+        for k, (arm, colour) in enumerate(zip(ARMS, ("#888888", "#2a9d8f", "#e76f51"))):
+            cells: dict[int, list[int]] = {}
+            for r in records:
+                if r.arm == arm:
+                    cells.setdefault(min(bins - 1, max(0, int((r.started - t0) // width))), []).append(value(r))
+            xs = sorted(cells)
+            if not xs:
+                continue
+            rates = [sum(cells[x]) / len(cells[x]) for x in xs]
+            cis = [wilson(sum(cells[x]), len(cells[x])) for x in xs]
+            n = sum(len(v) for v in cells.values())
+            # arms side by side within a bin, so their error bars do not hide each other
+            ax.errorbar([((x + 0.35 + 0.15 * k) * width) / 60 for x in xs], rates,
+                        yerr=[[r - lo for r, (lo, _) in zip(rates, cis)], [hi - r for r, (_, hi) in zip(rates, cis)]],
+                        fmt="o-", capsize=3, color=colour, label=f"{arm} (n={n})")
+        if final_since is not None:
+            ax.axvspan((final_since - t0) / 60, bins * width / 60, color="#f4e285", alpha=0.4, label="final window")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    bottom.set_xlabel("minute of the run (session start)")
     fig.tight_layout()
     fig.savefig(out_dir / "arms.png", dpi=110)
     plt.close(fig)
@@ -756,6 +834,35 @@ def whole_run_section(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def tool_section(s: dict[str, Any]) -> list[str]:
+    """Per tool: production-name share of first calls and success, in the final window per arm and by version."""
+    tools = s.get("per_tool")
+    if not tools:
+        return []
+    lines = ["## Per tool: adaptation to the production harness", "",
+             "The demonstrations name each tool in one of three harness generations' conventions; production's tool "
+             "server takes only the current one (infra/demo/tasks.py). **prod. name**: the share of one-part sessions "
+             "whose first tool call used production's name; **older**: an older generation's name (the rest were "
+             "malformed or another tool). Success as in the headline.", ""]
+    final = tools.get("final")
+    if final:
+        lines += ["Final window:", "",
+                  "| tool | control n | control prod. name | control success | champion n | champion prod. name | "
+                  "champion success |", "|---|---|---|---|---|---|---|"]
+        for tool in tasks.TOOLS:
+            c, h = final["control"][tool], final["champion"][tool]
+            lines.append(f"| {tool} | {c['sessions']} | {_pct(c['production_name'])} | {_pct(c['success'])} | "
+                         f"{h['sessions']} | {_pct(h['production_name'])} | {_pct(h['success'])} |")
+        lines.append("")
+    lines += ["Whole run, by version (any arm):", "", "| version | " + " | ".join(tasks.TOOLS) + " |",
+              "|---|" + "---|" * len(tasks.TOOLS)]
+    for version, rows in tools["by_version"].items():
+        cells = [f"{_pct(rows[t]['production_name'])} / {_pct(rows[t]['success'])} (n={rows[t]['sessions']})"
+                 for t in tasks.TOOLS]
+        lines.append(f"| policy-v{version} | " + " | ".join(cells) + " |")
+    return lines + ["", "(each cell: prod. name / success (counted sessions))", ""]
+
+
 def judge_section(s: dict[str, Any]) -> list[str]:
     """The shadow judge's agreement with the verifier (rewards/calibrate.py), with its sample sizes and the caveat."""
     if not s.get("judge_scored"):
@@ -789,15 +896,18 @@ def markdown(summary: dict[str, Any], images: list[str], context: dict[str, Any]
              f"Run: {context.get('started', '?')} to {context.get('ended', '?')} ({context.get('minutes', '?')} min of "
              "traffic). Every number below is read from the lake (production sessions of the simulated agent) and the "
              "MLflow registry.", ""]
-    lines += design_section(summary) + headline_section(summary) + whole_run_section(summary) + judge_section(summary)
+    lines += (design_section(summary) + headline_section(summary) + tool_section(summary) + whole_run_section(summary)
+              + judge_section(summary))
     n = summary.get("freshness_n") or {}
     lines += ["## Freshness (p95)", "",
               f"- session end -> visible in the lake: {summary['p95_session_to_lake_s']} s (target < 10 s; "
               f"n = {n.get('session_to_lake', '?')} sessions)",
               f"- outcome arrival -> episode: {summary['p95_outcome_to_episode_s']} s (target < 30 s; "
               f"n = {n.get('outcome_to_episode', '?')} episodes)",
-              f"- episode -> in a published version: {summary['p95_episode_to_trained_s']} s "
-              f"(n = {n.get('episode_to_trained', '?')} episodes)",
+              f"- episode -> trained by a learner step: {summary.get('p95_episode_to_step_s')} s; -> in a published "
+              f"version: {summary['p95_episode_to_trained_s']} s (n = {n.get('episode_to_trained', '?')} episodes)",
+              f"- learner: {summary.get('learner_steps')} steps, {summary.get('learner_steps_per_min')} a minute over "
+              f"its span; traffic {summary.get('sessions_per_s')} sessions/s",
               f"- trained -> served: {summary['p95_trained_to_served_s']} s (n = "
               f"{n.get('trained_to_served', '?')} versions)",
               ""]
@@ -822,6 +932,7 @@ def write_report(out_dir: str | Path, lake_root: str, since: float, learner_run_
     registry_facts(facts, tracking_uri, registered_model, policies_dir, since)
     summary = summarize(facts, error_statuses=errors)
     summary.update(measurement(facts, final_since, control_version, errors))
+    summary["per_tool"] = per_tool(facts, summary["final_window_start"], control_version, errors)
     summary.update(gate_simulation(facts, gate_rule, control_version, gate_interval_s, shares, errors))
     summary.update(calibrate.calibrate(lake_root))  # the shadow judge's agreement with the verifier
     summary.update({"control_share": (shares or {}).get("control"),

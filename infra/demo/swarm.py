@@ -591,13 +591,11 @@ def warm_rule() -> str:
 
 def warm_start_model(base_dir: Any, out_dir: Any, settings: Any = None,
                      tool_share: float = WARM_TOOL_SHARE) -> dict[str, Any]:
-    """The swarm's policy-v0: warm_start.run's stopping rule (held-out loss of one-part demonstrations), trained on
-    warm_demos batches. Returns the record written to out_dir/warm_start.json. settings and tool_share: a test's
-    shorter, action-heavier build (the demo uses the defaults)."""
-    import functools
-
+    """The swarm's policy-v0: warm_start.run's fixed-step pinned build, trained on warm_demos batches. Returns the
+    record written to out_dir/warm_start.json. settings and tool_share: a test's shorter, action-heavier build (the
+    demo uses the defaults)."""
     from flywheel.demo import warm_start
 
     log.info("swarm: warm start with the actions' format on %.0f%% of the draws", 100 * tool_share)
-    return warm_start.run(base_dir, out_dir, settings, demos=functools.partial(warm_demos, tool_share=tool_share),
-                          rule=warm_rule())
+    return warm_start.run(base_dir, out_dir, settings, demos=f"{__name__}:warm_demos",
+                          demos_kwargs={"tool_share": tool_share}, rule=warm_rule())

@@ -1,10 +1,19 @@
 """The demo's verifiable task family: what the simulated production agent is asked, its tools, and the checker.
 
-A task is a short user request that needs one tool call: add or multiply two numbers, or look
-up the weather of a city. The model must write the call as text,
-`<tool_call>{"name": "add", "arguments": {"a": 37, "b": 58}}</tool_call>`, read the tool's
-reply (a `tool` message), then answer `Answer: 95`. Some tasks ask for two independent things
-("add 3 and 4; weather in oslo"): the agent runs one sub-agent per part, in parallel.
+A task is a short user request that needs one tool call: look up a city's weather, country or
+time zone (closed sets), or add or multiply two one-digit numbers. The model must write the
+call as text, `<tool_call>{"name": "weather", "arguments": {"city": "oslo"}}</tool_call>`, read
+the tool's reply (a `tool` message), then answer `Answer: cloudy 12C`. Some tasks ask for two
+independent things ("add 3 and 4; weather in oslo"): the agent runs one sub-agent per part.
+
+**The production drift the demo's RL adapts to.** The simulated harness changed after its
+demonstrations were collected: the demonstrations come from three harness generations in equal
+shares, each naming its tools its own way (`TOOL_NAMES`: add was `sum`, then `plus`, now `add`).
+Production's tool server knows only the current generation's names; an older name gets the error a
+real tool server gives (`error: unknown tool 'sum'`), which the agent reads and may retry on. No
+offline demonstration can tell the model which convention production takes; RL on production
+traffic can. The demo's lift measures that adaptation (and the sharpening of add/mul, a skill the
+warm start half forms), not a new skill.
 
 Everything is derived from a `TaskSpec` (a plain dict on the wire), so the verifier can
 recompute the truth from the spec alone and re-check the agent's answer (`check`). The same
@@ -15,7 +24,7 @@ The task space is split once, by a stable hash of each prompt, a (tool, args, ph
 combination: about 20% of the prompts of every tool are "heldout", the rest "train" (`split_of`).
 The warm start trains on train prompts only and is measured on heldout ones, so its held-out
 numbers are on request texts it never saw, while every city and operand still appears in
-training; production traffic (`make_task`) draws from the whole space.
+training; production traffic (`make_task`) draws from the whole space, in `PRODUCTION_MIX`.
 """
 
 from __future__ import annotations
@@ -28,18 +37,42 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-TOOLS = ("add", "mul", "weather")
+LOOKUPS = ("weather", "country", "timezone")  # closed-set lookups of a city: the bulk of production traffic
+ARITHMETIC = ("add", "mul")
+TOOLS = LOOKUPS + ARITHMETIC  # each tool's id is also its name in production (the current generation)
 # Small vocabularies on purpose: a 3M-parameter model learns to copy a digit or a city name into its call
 # within a few hundred supervised steps; two-digit operands and 16 cities stayed at 0% after 200 steps.
 CITIES = ("paris", "oslo", "rome", "lima", "cairo", "tokyo", "delhi", "quito")
 SKIES = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy")
+COUNTRY = {"paris": "france", "oslo": "norway", "rome": "italy", "lima": "peru", "cairo": "egypt",
+           "tokyo": "japan", "delhi": "india", "quito": "ecuador"}
+TIMEZONE = {"paris": "UTC+1", "oslo": "UTC+1", "rome": "UTC+1", "lima": "UTC-5", "cairo": "UTC+2",
+            "tokyo": "UTC+9", "delhi": "UTC+5:30", "quito": "UTC-5"}
 MAX_OPERAND = 9  # one-digit operands: copying them into the JSON call is the skill the tiny model learns
+
+# The harness generations (oldest first) and the name each gave each tool; the last is production's. Every name
+# is one token of the tokenizer (model_init adds them; tests/unit/test_warm_start.py checks it on the built model),
+# so the conventions differ in one decision, not in length: a policy is not pushed toward a name for being shorter.
+GENERATIONS = ("g1", "g2", "g3")
+TOOL_NAMES: dict[str, tuple[str, str, str]] = {
+    "weather": ("sky", "forecast", "weather"),
+    "country": ("nation", "land", "country"),
+    "timezone": ("zone", "tz", "timezone"),
+    "add": ("sum", "plus", "add"),
+    "mul": ("times", "prod", "mul"),
+}
+CURRENT = len(GENERATIONS) - 1
+# Production's traffic: mostly lookups (the headroom the drift leaves is in every one of them), add/mul about a
+# fifth (a half-formed skill RL sharpens), two-part requests about a tenth (make_task's multi_share).
+PRODUCTION_MIX: dict[str, float] = {"weather": 0.8 / 3, "country": 0.8 / 3, "timezone": 0.8 / 3, "add": 0.1, "mul": 0.1}
 
 # Several phrasings per tool, so the model must read the request rather than memorise one template.
 _PHRASES: dict[str, tuple[str, ...]] = {
     "add": ("add {a} and {b}", "what is {a} plus {b}?", "sum of {a} and {b}", "{a} + {b} = ?"),
     "mul": ("multiply {a} by {b}", "what is {a} times {b}?", "product of {a} and {b}", "{a} * {b} = ?"),
     "weather": ("weather in {city}", "what is the weather in {city}?", "how is the weather in {city}?"),
+    "country": ("which country is {city} in?", "country of {city}", "{city} is in which country?"),
+    "timezone": ("time zone of {city}", "what time zone is {city} in?", "{city} time zone?"),
 }
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 ANSWER_RE = re.compile(r"^\s*Answer:\s*(.+?)\s*$", re.DOTALL)
@@ -104,7 +137,8 @@ def weather_of(city: str) -> str:
 
 
 def run_tool(name: str, arguments: Any) -> tuple[bool, str]:
-    """Execute a tool call as the model wrote it; (ok, output). Bad calls get an error text, never raise."""
+    """Production's tool server: execute a call as the model wrote it; (ok, output). Bad calls get an error text,
+    never raise. Only the current generation's names exist here: an older one is an unknown tool."""
     if not isinstance(arguments, dict):
         return False, "error: arguments must be an object"
     try:
@@ -112,14 +146,29 @@ def run_tool(name: str, arguments: Any) -> tuple[bool, str]:
             return True, str(int(arguments["a"]) + int(arguments["b"]))
         if name == "mul":
             return True, str(int(arguments["a"]) * int(arguments["b"]))
-        if name == "weather":
+        if name in LOOKUPS:
             city = str(arguments["city"]).strip().lower()
             if city not in CITIES:
                 return False, f"error: unknown city {city!r}"
-            return True, weather_of(city)
+            return True, lookup(name, city)
     except (KeyError, TypeError, ValueError) as exc:
         return False, f"error: bad arguments for {name} ({exc.__class__.__name__})"
     return False, f"error: unknown tool {name!r}"
+
+
+def lookup(tool: str, city: str) -> str:
+    """The closed-set lookups' answers."""
+    if tool == "weather":
+        return weather_of(city)
+    return COUNTRY[city] if tool == "country" else TIMEZONE[city]
+
+
+def generation_of(name: Any) -> tuple[str, int] | None:
+    """(tool, generation index) a tool name belongs to; None for a name no generation used."""
+    for tool, names in TOOL_NAMES.items():
+        if name in names:
+            return tool, names.index(name)
+    return None
 
 
 def truth(part: Part) -> str:
@@ -132,14 +181,15 @@ def truth(part: Part) -> str:
 # ---------------------------------------------------------------------------------------------
 # generation
 # ---------------------------------------------------------------------------------------------
-def make_part(rng: random.Random, split: str | None = None) -> Part:
-    """A random part of the whole task space (production traffic), or of one split ("train", "heldout").
+def make_part(rng: random.Random, split: str | None = None, mix: dict[str, float] | None = None) -> Part:
+    """A random part of the whole task space, or of one split ("train", "heldout").
 
-    Within a split the tool is still uniform and the (args, phrasing) uniform among the split's own."""
+    The tool is uniform (the demonstrations' and evaluations' draw) or drawn by `mix` (production's, PRODUCTION_MIX);
+    within a split the (args, phrasing) are uniform among the split's own."""
     assert split is None or split in SPLITS, f"make_part: unknown split {split!r}; use one of {SPLITS}"
     while True:
-        tool = rng.choice(TOOLS)
-        if tool == "weather":
+        tool = rng.choices(list(mix), weights=list(mix.values()))[0] if mix else rng.choice(TOOLS)
+        if tool in LOOKUPS:
             args: dict[str, Any] = {"city": rng.choice(CITIES)}
         else:
             args = {"a": rng.randint(0, MAX_OPERAND), "b": rng.randint(0, MAX_OPERAND)}
@@ -163,8 +213,8 @@ Prompt = tuple[str, dict[str, Any], int]  # (tool, args, index into _PHRASES[too
 
 def task_space() -> list[Prompt]:
     """Every prompt the generator can draw: each (tool, args) combination in each of its tool's phrasings."""
-    combos: list[tuple[str, dict[str, Any]]] = [("weather", {"city": c}) for c in CITIES]
-    for tool in ("add", "mul"):
+    combos: list[tuple[str, dict[str, Any]]] = [(tool, {"city": c}) for tool in LOOKUPS for c in CITIES]
+    for tool in ARITHMETIC:
         combos += [(tool, {"a": a, "b": b}) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
     assert {t for t, _ in combos} == set(TOOLS), "task_space: a tool of TOOLS is not enumerated"
     return [(tool, args, i) for tool, args in combos for i in range(len(_PHRASES[tool]))]
@@ -214,10 +264,12 @@ def split_of(tool: str, args: dict[str, Any], phrasing: int) -> str:
     return "heldout" if part_key(tool, args, phrasing) in heldout_keys() else "train"
 
 
-def make_task(rng: random.Random, multi_share: float = 0.2, task_id: str | None = None) -> TaskSpec:
-    """A random task; with probability multi_share it has two independent parts (run by sub-agents)."""
+def make_task(rng: random.Random, multi_share: float = 0.2, task_id: str | None = None,
+              mix: dict[str, float] | None = PRODUCTION_MIX) -> TaskSpec:
+    """A random production task, its tools drawn by `mix`; with probability multi_share it has two independent
+    parts (run by sub-agents)."""
     n_parts = 2 if rng.random() < multi_share else 1
-    parts = tuple(make_part(rng) for _ in range(n_parts))
+    parts = tuple(make_part(rng, mix=mix) for _ in range(n_parts))
     return TaskSpec(task_id or f"t{rng.getrandbits(48):012x}", parts)
 
 
@@ -384,25 +436,28 @@ def tool_message(output: str, call_id: str) -> Message:
     return {"role": "tool", "content": output, "tool_call_id": call_id}
 
 
-def demonstration(part: Part) -> list[Message]:
-    """The ideal dialogue for one part: call the right tool, then answer with its result."""
+def demonstration(part: Part, generation: int = CURRENT) -> list[Message]:
+    """The ideal dialogue for one part as the harness of `generation` ran it: call the right tool by that
+    generation's name, then answer with its result."""
     call_id = "call0"
     return [
         user_message(part),
-        {"role": "assistant", "content": format_tool_call(part.tool, part.args)},
+        {"role": "assistant", "content": format_tool_call(TOOL_NAMES[part.tool][generation], part.args)},
         tool_message(truth(part), call_id),
         {"role": "assistant", "content": format_answer(truth(part))},
     ]
 
 
 def corpus_lines(n: int, seed: int = 1) -> list[str]:
-    """Task texts for the tokenizer's BPE training, so its merges fit requests, calls and answers."""
+    """Task texts for the tokenizer's BPE training, so its merges fit requests, calls (every generation's tool
+    names) and answers."""
     rng = random.Random(seed)
     lines: list[str] = []
     while len(lines) < n:
         part = make_part(rng)
         result = truth(part)
-        lines += [part.text, format_tool_call(part.tool, part.args), result, format_answer(result)]
+        name = TOOL_NAMES[part.tool][rng.randrange(len(GENERATIONS))]
+        lines += [part.text, format_tool_call(name, part.args), result, format_answer(result)]
     return lines[:n]
 
 
@@ -452,15 +507,17 @@ def solve_part(part: Part, generate: Generate, max_turns: int = 3, budget_chars:
     return None, turns
 
 
-def call_is_correct(part: Part, reply: str) -> bool:
+def call_is_correct(part: Part, reply: str, any_generation: bool = False) -> bool:
     """The first turn of a part is right when it calls the right tool with the right arguments."""
     parsed = parse_reply(reply)
-    return parsed.kind == "tool_call" and call_matches(part, parsed.tool, parsed.arguments)
+    return parsed.kind == "tool_call" and call_matches(part, parsed.tool, parsed.arguments, any_generation)
 
 
-def call_matches(part: Part, tool: Any, arguments: Any) -> bool:
-    """A parsed tool call is the part's: its tool, and arguments whose result is the part's truth."""
-    if tool != part.tool or not isinstance(arguments, dict):
+def call_matches(part: Part, tool: Any, arguments: Any, any_generation: bool = False) -> bool:
+    """A parsed tool call is the part's: its tool (by production's name; with any_generation, by any generation's
+    name for it), and arguments whose result is the part's truth."""
+    named = generation_of(tool) if any_generation else None
+    if (tool != part.tool and (named is None or named[0] != part.tool)) or not isinstance(arguments, dict):
         return False
     ok, output = run_tool(part.tool, arguments)
     return ok and output == truth(part)

@@ -38,8 +38,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewarded(
         stack: stack_mod.StackConfig, base_model_dir: Path, tmp_path: Path, run_demo: Callable[[demo.DemoConfig], int]) -> None:
     warm = tmp_path / "swarm-warm"
-    swarm.warm_start_model(base_model_dir, warm, WarmStartSettings(max_steps=300, eval_every=300, patience=1, loss_parts=8,
-                                                                   eval_parts=8, batch_size=16), tool_share=0.5)
+    swarm.warm_start_model(base_model_dir, warm, WarmStartSettings(max_steps=300, eval_every=300, loss_parts=8,
+                                                                   batch_size=16), tool_share=0.5)
     tuned = from_recipe(demo.DemoConfig, "swarm")  # with small batches, an early anneal, a gate that looks after 5
     learner = dataclasses.replace(tuned.learner, batch_size=16, min_batch=16, micro_batch=16, publish_every_steps=2,
                                   publish_every_s=30.0, shaping_anneal_end_step=4)

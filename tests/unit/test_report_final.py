@@ -33,7 +33,8 @@ class SyntheticLake:
         self.n = 0
 
     def add(self, start_s: float, versions: int | tuple[int, ...], arm: str, successes: list[float | None],
-            status: str = "ok", task_type: str = "tool_use.add", every_s: float = 1.0) -> None:
+            status: str = "ok", task_type: str = "tool_use.add", every_s: float = 1.0,
+            calls: tuple[str, ...] = ()) -> None:
         """One session per entry of `successes` (None: no task_success arrives), starting `every_s` apart.
 
         A session's `started` is start_s after T0 (the builder dates session_start one second after its start)."""
@@ -44,6 +45,8 @@ class SyntheticLake:
             b = SessionBuilder(sid, start, task_type=task_type).begin()
             for version in (versions if isinstance(versions, tuple) else (versions,)):
                 b.llm_call(version=version, arm=arm)
+            for name in calls:  # the session's tool calls by name; "!" a malformed one
+                b.tool(name=name, malformed=name == "!")
             end = b.end(status)
             self.events += b.events
             if success is not None:
@@ -238,3 +241,27 @@ def test_write_report_adds_the_honest_fields_and_puts_the_design_first(
     assert "false-promotion rate **0.040**" in text[design:headline], text[design:headline]
     assert not math.isnan(on_disk["p_value_final"])
     assert all((out / name).stat().st_size > 0 for name in ("arms.png", "success_by_version.png", "freshness.png"))
+
+
+def test_per_tool_rows_give_the_share_of_first_calls_in_productions_name_and_success(tmp_path: Path) -> None:
+    lake = SyntheticLake(tmp_path / "lake")
+    # the control names weather by an older generation's name 3 times in 4; the champion takes production's
+    lake.add(PROMOTED - T0, 0, "control", ones(1, 4), task_type="tool_use.weather", every_s=2,
+             calls=("sky",))
+    lake.add(PROMOTED - T0 + 1, 0, "control", ones(2, 4), task_type="tool_use.weather", every_s=2,
+             calls=("weather",))  # right name first: 4 of 8 control sessions
+    lake.add(PROMOTED - T0, 2, "champion", ones(5, 6), task_type="tool_use.weather", every_s=2,
+             calls=("weather", "weather"))
+    lake.add(PROMOTED - T0, 2, "champion", [0.0], task_type="tool_use.add", calls=("!", "add"))  # malformed first
+    lake.add(PROMOTED - T0, 2, "champion", [1.0], task_type="tool_use.multi", calls=("add", "weather"))  # not a tool row
+    facts = facts_of(lake, champion=2, promoted_at=PROMOTED)
+    tools = report.per_tool(facts, PROMOTED, control_version=0)
+    control, champion = tools["final"]["control"], tools["final"]["champion"]
+    assert (control["weather"]["sessions"], control["weather"]["production_name"], control["weather"]["older_name"],
+            control["weather"]["success"]) == (8, 0.5, 0.5, 0.375), control["weather"]
+    assert (champion["weather"]["production_name"], champion["weather"]["success"]) == (1.0, round(5 / 6, 4))
+    assert (champion["add"]["first_calls"], champion["add"]["production_name"]) == (1, 0.0), "a malformed first call"
+    assert champion["mul"]["production_name"] is None and champion["mul"]["sessions"] == 0
+    assert set(tools["by_version"]) == {"0", "2"} and tools["by_version"]["0"]["weather"]["sessions"] == 8
+    md = "\n".join(report.tool_section({"per_tool": tools}))
+    assert "| weather | 8 | 50.0% | 37.5% | 6 | 100.0% | 83.3% |" in md, md

@@ -181,6 +181,23 @@ def test_three_arms_control_challenger_champion_and_the_control_stays_put() -> N
     assert router.shares() == {0: 0.2, 3: pytest.approx(0.4), 4: 0.4}
 
 
+def test_spare_to_control_gives_an_idle_challengers_range_to_the_control_and_never_the_champions() -> None:
+    tier = TierConfig(servers=["http://a", "http://b", "http://c"], challenger_share=0.4, control_share=0.2,
+                      alias_refresh_s=2.0, spare_to_control=True)
+    loaded = {"http://a": 0, "http://b": 3, "http://c": 4}
+    reg, clock = MemoryRegistry({"champion": (3, "full"), "challenger": (4, "full")}), Clock()
+    router = Router(tier, registry=reg, clock=clock, probe=lambda s: loaded[s], background=False)
+    ids = [f"session-{i}" for i in range(10_000)]
+    live = {s: router.route(s).arm for s in ids}
+    assert abs(sum(a == "challenger" for a in live.values()) / len(ids) - 0.4) <= 0.02, "a live test is unchanged"
+    reg.set({"champion": (3, "full")})  # the final window: the challenger cleared
+    clock.now += 5
+    idle = {s: router.route(s) for s in ids}
+    assert all(idle[s].arm == "control" and idle[s].policy_version == 0 for s in ids if live[s] != "champion")
+    assert all(idle[s].arm == "champion" for s in ids if live[s] == "champion"), "the champion's range never moves"
+    assert router.shares() == {0: pytest.approx(0.6), 3: pytest.approx(0.4)}
+
+
 def test_control_and_challenger_shares_must_leave_the_champion_some() -> None:
     from flywheel.base.config import ConfigError
 

@@ -17,7 +17,7 @@ def test_generated_tasks_are_solvable_and_round_trip_through_json() -> None:
     rng = random.Random(0)
     specs = [tasks.make_task(rng, multi_share=0.5) for _ in range(300)]
     assert {s.multi for s in specs} == {True, False}
-    assert {s.task_type for s in specs} == {"tool_use.add", "tool_use.mul", "tool_use.weather", "tool_use.multi"}
+    assert {s.task_type for s in specs} == {f"tool_use.{t}" for t in tasks.TOOLS} | {"tool_use.multi"}
     assert {p.tool for s in specs for p in s.parts} == set(tasks.TOOLS)
     for spec in specs:
         again = tasks.TaskSpec.from_json(spec.to_json())
@@ -43,12 +43,45 @@ def test_tools_compute_and_refuse_bad_arguments_without_raising() -> None:
     assert tasks.run_tool("add", {"a": 1})[0] is False
     assert tasks.run_tool("add", [1, 2])[0] is False
     assert tasks.run_tool("sub", {"a": 1, "b": 2})[0] is False
+    assert tasks.run_tool("country", {"city": "lima"}) == (True, "peru")
+    assert tasks.run_tool("timezone", {"city": "delhi"}) == (True, "UTC+5:30")
+
+
+def test_production_knows_only_the_current_generations_tool_names() -> None:
+    # the drift the demo's RL adapts to: an older harness's name is an unknown tool, with an error the agent can read
+    for tool, names in tasks.TOOL_NAMES.items():
+        assert names[tasks.CURRENT] == tool and len(set(names)) == len(tasks.GENERATIONS)
+        args = {"city": "oslo"} if tool in tasks.LOOKUPS else {"a": 2, "b": 3}
+        assert tasks.run_tool(tool, args)[0]
+        for old in names[:tasks.CURRENT]:
+            assert tasks.run_tool(old, args) == (False, f"error: unknown tool {old!r}")
+            assert tasks.generation_of(old) == (tool, names.index(old))
+    every = [n for names in tasks.TOOL_NAMES.values() for n in names]
+    assert len(every) == len(set(every)), "a name shared by two tools would make the convention ambiguous"
+    part = tasks.Part("add", {"a": 2, "b": 3}, "add 2 and 3")
+    old_call = tasks.format_tool_call("sum", {"a": 2, "b": 3})
+    assert not tasks.call_is_correct(part, old_call) and tasks.call_is_correct(part, old_call, any_generation=True)
+    assert not tasks.call_is_correct(part, tasks.format_tool_call("times", {"a": 2, "b": 3}), any_generation=True)
+    assert tasks.demonstration(part, 0)[1]["content"] == old_call
+    assert tasks.demonstration(part)[1]["content"] == tasks.format_tool_call("add", {"a": 2, "b": 3})
+
+
+def test_production_traffic_is_mostly_lookups_with_arithmetic_about_a_fifth() -> None:
+    rng = random.Random(11)
+    parts = [p for _ in range(4000) for p in tasks.make_task(rng, multi_share=0.1).parts]
+    share = {t: sum(p.tool == t for p in parts) / len(parts) for t in tasks.TOOLS}
+    assert abs(share["add"] + share["mul"] - 0.2) < 0.03, share
+    for tool in tasks.LOOKUPS:
+        assert abs(share[tool] - 0.8 / 3) < 0.03, share
+    uniform = [tasks.make_part(rng) for _ in range(3000)]
+    assert min(sum(p.tool == t for p in uniform) for t in tasks.TOOLS) > 500, "demonstrations draw tools uniformly"
 
 
 def test_weather_is_deterministic_across_processes() -> None:
     # the verifier runs in another process: the forecast must not depend on hash randomisation
     assert tasks.weather_of("paris") == tasks.weather_of("paris")
     assert len({tasks.weather_of(c) for c in tasks.CITIES}) > len(tasks.CITIES) // 2
+    assert set(tasks.COUNTRY) == set(tasks.TIMEZONE) == set(tasks.CITIES)
 
 
 def test_parse_reply_reads_calls_answers_and_malformed_calls() -> None:

@@ -1,0 +1,91 @@
+"""The warm start is the same on every build: a fixed step count in a process with pinned numerics, bit-identical
+weights from two builds; its record names each tool's naming probabilities, and a build outside the band fails."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from flywheel.demo import tasks, warm_start
+from flywheel.demo.warm_start import WarmStartSettings
+
+BASE = Path(__file__).resolve().parents[2] / "var" / "models" / "tiny-base"  # make test's `model` target builds it
+SHORT = WarmStartSettings(max_steps=12, eval_every=6, loss_parts=4, eval_parts_per_tool=2, batch_size=8,
+                          max_new_tokens=24, check_band=False)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("warm") / "a"
+    return warm_start.run(BASE, out, SHORT), out
+
+
+def test_two_builds_on_one_machine_give_bit_identical_weights(built: tuple[dict, Path], tmp_path: Path) -> None:
+    a, a_dir = built
+    b = warm_start.run(BASE, tmp_path / "b", SHORT)
+    assert a["weights_sha256"] == b["weights_sha256"]
+    assert (a_dir / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert [h["heldout_loss"] for h in a["history"]] == [h["heldout_loss"] for h in b["history"]]
+    assert a["tools"] == b["tools"], "the record's sampled figures are seeded too"
+    # what was pinned is recorded, and the build really ran under it (a child process, since this one is not pinned)
+    assert a["pins"]["env"] == warm_start.PINS and a["pins"]["torch_threads"] == 1
+    assert a["pins"]["deterministic_algorithms"] is True
+    assert a["steps"] == SHORT.max_steps and [h["step"] for h in a["history"]] == [6, 12]
+    # the check can fail: another seed is another model
+    other = warm_start.run(BASE, tmp_path / "c", WarmStartSettings(**{**SHORT.__dict__, "seed": 1}))
+    assert other["weights_sha256"] != a["weights_sha256"]
+
+
+def test_the_record_gives_per_tool_naming_probabilities_of_every_generation(built: tuple[dict, Path]) -> None:
+    record, out = built
+    assert set(record["tools"]) == set(tasks.TOOLS)
+    for tool, rec in record["tools"].items():
+        assert list(rec["naming"]) == list(tasks.TOOL_NAMES[tool])
+        assert 0.0 <= sum(rec["naming"].values()) <= 1.0 + 1e-6
+        assert rec["production_name"] == rec["naming"][tool]
+        assert rec["parts"] == SHORT.eval_parts_per_tool
+    assert json.loads((out / "warm_start.json").read_text()) == record
+
+
+def test_every_tool_name_is_one_token_at_the_calls_name_slot() -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(BASE))
+    for tool in tasks.TOOLS:
+        part = tasks.make_part(random.Random(0), mix={tool: 1.0})
+        prefix, names = warm_start.name_slot(tok, part)  # asserts each name is one token after the opening
+        assert len(set(names)) == len(tasks.GENERATIONS)
+
+
+def test_a_build_outside_the_band_is_refused_naming_the_figure() -> None:
+    inside = {"production_name": 0.33, "first_call_any_name": 0.95}
+    tools = {t: dict(inside) for t in tasks.TOOLS}
+    assert warm_start.band_breaches(tools) == []
+    tools["country"]["production_name"] = 0.97  # the base already knows production's name: no drift to adapt to
+    tools["weather"]["first_call_any_name"] = 0.3  # the skill is not there
+    tools["add"]["first_call_any_name"] = 0.02  # recorded, not banded: the warm start does not form the digit copy
+    breaches = warm_start.band_breaches(tools)
+    assert len(breaches) == 2, breaches
+    assert "weather: first call right under any generation's name = 0.300" in breaches[0]
+    assert "country: p(production name 'country') = 0.970" in breaches[1]
+
+
+def test_the_build_process_refuses_to_run_unpinned() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in warm_start.PINS}
+    done = subprocess.run([sys.executable, "-m", "flywheel.demo.warm_start", "{}"], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "not pinned" in done.stderr
+
+
+@pytest.mark.parametrize("generation", range(len(tasks.GENERATIONS)))
+def test_demonstrations_name_tools_by_their_generation(generation: int) -> None:
+    part = tasks.Part("weather", {"city": "rome"}, "weather in rome")
+    call = tasks.parse_reply(tasks.demonstration(part, generation)[1]["content"])
+    assert call.tool == tasks.TOOL_NAMES["weather"][generation]
