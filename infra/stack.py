@@ -842,11 +842,21 @@ def _vllm_env(cfg: StackConfig, i: int) -> dict[str, str]:
     })
     if cfg.vllm_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # POST /v1/load_lora_adapter
+    cores = os.cpu_count() or 1
     if cfg.vllm_servers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        # Each server's OpenMP threads on a core of their own: with the default binding two servers on
-        # this 2-core machine made 511 tokens/s in all (one alone: 1097-1181), bound to cores 0 and 1
-        # 823 tokens/s. An idle server takes no CPU, so a third may share a core with the first.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))
+        if cfg.vllm_servers <= cores:
+            # Each server's OpenMP threads on a core of their own: with the default binding two servers on
+            # this 2-core machine made 511 tokens/s in all (one alone: 1097-1181), bound to cores 0 and 1
+            # 823 tokens/s.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(i)
+        else:
+            # More servers than cores: one thread each, none bound, so the scheduler shares the cores evenly. Bound
+            # round-robin, the third server shared the first's core, and the gate compares the latency of the
+            # champion's and the challenger's servers: a challenger 35 points better was held back by the slow
+            # guardrail (12% of its sessions beyond the champion's p95 against 5%) because its server shared a core
+            # with the control's (demo run of 2026-12-05, c4b1f4a).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_NUM_THREADS"] = "1"
     return env
 
 
