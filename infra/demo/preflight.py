@@ -55,15 +55,10 @@ def _sample(model: Any, tok: Any, parts: list[tasks.Part], max_new_tokens: int) 
     """(ids [B, P+C], completion mask [B, P+C], reply texts): one sampled first call per part, left-padded prompts."""
     import torch
 
-    prompts = [tok.apply_chat_template([tasks.user_message(p)], tokenize=False, add_generation_prompt=True)
-               for p in parts]
-    tok.padding_side = "left"
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    from flywheel.demo.warm_start import sample_batch
+
     model.eval()
-    with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
+    enc, out = sample_batch(model, tok, [[tasks.user_message(p)] for p in parts], max_new_tokens)
     model.train()
     width = enc["input_ids"].shape[1]
     completion = out[:, width:]

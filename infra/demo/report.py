@@ -217,13 +217,16 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
     return facts
 
 
+def _malformed(con: Any) -> str:
+    """SQL for "the agent marked this call malformed" over the events view (no such column: no call ever was)."""
+    columns = {row[0] for row in con.execute("DESCRIBE ev").fetchall()}
+    return "coalesce(malformed, false)" if "malformed" in columns else "false"
+
+
 def tool_calls(con: Any) -> dict[str, tuple[int, int]]:
     """Per session (sub-agents' calls included): its tool_call events and how many the agent marked malformed."""
-    columns = {row[0] for row in con.execute("DESCRIBE ev").fetchall()}
-    if "malformed" not in columns:  # no call was ever marked: none malformed
-        bad = "0"
-    else:
-        bad = "count(DISTINCT event_id) FILTER (WHERE coalesce(malformed, false))"
+    marked = _malformed(con)
+    bad = "0" if marked == "false" else f"count(DISTINCT event_id) FILTER (WHERE {marked})"
     # distinct event ids: a replayed event is one call (the episode builder drops the copy too)
     rows = con.execute(f"SELECT session_id, count(DISTINCT event_id), {bad} FROM ev WHERE type='tool_call' "
                        "GROUP BY 1").fetchall()
@@ -232,8 +235,7 @@ def tool_calls(con: Any) -> dict[str, tuple[int, int]]:
 
 def first_calls(con: Any) -> dict[str, str | None]:
     """Per session: the tool name of its first tool call, in (ts, seq) order; None where that call was malformed."""
-    columns = {row[0] for row in con.execute("DESCRIBE ev").fetchall()}
-    bad = "coalesce(malformed, false)" if "malformed" in columns else "false"
+    bad = _malformed(con)
     rows = con.execute(f"SELECT session_id, name, bad FROM (SELECT session_id, name, {bad} AS bad, row_number() OVER "
                        "(PARTITION BY session_id ORDER BY ts, seq) AS k FROM ev WHERE type='tool_call') WHERE k = 1"
                        ).fetchall()

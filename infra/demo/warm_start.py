@@ -200,6 +200,13 @@ def _batch(examples: list[Example], pad_id: int) -> tuple[Any, Any, Any]:
 def sample_replies(model: Any, tok: Any, dialogues: list[list[tasks.Message]], max_new_tokens: int,
                    temperature: float = 1.0) -> list[str]:
     """One sampled assistant reply per dialogue, batched, with vLLM's defaults (no top-k, no top-p)."""
+    enc, out = sample_batch(model, tok, dialogues, max_new_tokens, temperature)
+    return [tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True) for row in out]
+
+
+def sample_batch(model: Any, tok: Any, dialogues: list[list[tasks.Message]], max_new_tokens: int,
+                 temperature: float = 1.0) -> tuple[Any, Any]:
+    """(the left-padded prompts' encoding, generate()'s ids: prompt then completion) of one sampled reply each."""
     import torch
 
     prompts = [tok.apply_chat_template(d, tokenize=False, add_generation_prompt=True) for d in dialogues]
@@ -209,7 +216,7 @@ def sample_replies(model: Any, tok: Any, dialogues: list[list[tasks.Message]], m
         out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                              max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
-    return [tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True) for row in out]
+    return enc, out
 
 
 def success_rate(model: Any, tok: Any, parts: list[tasks.Part], max_new_tokens: int = 40, max_turns: int = 3,
@@ -314,9 +321,7 @@ def heldout_parts(per_tool: int, seed: int = 10_000) -> list[tasks.Part]:
     out: list[tasks.Part] = []
     for k, tool in enumerate(tasks.TOOLS):
         rng = random.Random(seed + k)
-        while sum(p.tool == tool for p in out) < per_tool:
-            part = tasks.make_part(rng, "heldout", mix={tool: 1.0})
-            out.append(part)
+        out += [tasks.make_part(rng, "heldout", mix={tool: 1.0}) for _ in range(per_tool)]
     return out
 
 
