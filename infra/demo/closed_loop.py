@@ -233,9 +233,9 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
 # the traffic phase
 # ---------------------------------------------------------------------------------------------
 class Traffic:
-    """The traffic phase: policy-v0 is measured first, then the learner and the gate run, and in the
-    final window (measure_s seconds at the end) the champion is measured against the control; tick()
-    moves between these, render() draws them."""
+    """The traffic phase: the learner and the gate run (from the first session, or after policy-v0 served
+    base_sessions), and in the final window (measure_s seconds at the end) the champion is measured against
+    the control; tick() moves between these, render() draws them."""
 
     def __init__(self, cfg: DemoConfig, plan: RunPlan, ends: Endpoints, procs: Processes, started_at: float) -> None:
         self.cfg, self.plan, self.ends, self.procs = cfg, plan, ends, procs
@@ -304,7 +304,7 @@ class Traffic:
         """One refresh; False when the traffic phase is over."""
         cfg, procs, traffic_s = self.cfg, self.procs, self.plan.traffic_s
         if not self.training:
-            # the base is measured first: the learner starts once policy-v0 served base_sessions sessions
+            # base_sessions > 0: the learner starts once policy-v0 served that many sessions
             done = int(read_statuses(self.plan.var_dir).get("agent-sim", {}).get("sessions", 0))
             if done >= cfg.base_sessions or self.elapsed() > traffic_s / 2:
                 log.info("demo: %d sessions served by policy-v0; starting the learner and the promotion gate", done)
@@ -381,15 +381,41 @@ def clear_heartbeats(var_dir: Path) -> None:
 
 
 def start_processes(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, procs: Processes, started_at: float) -> Traffic:
-    """The loop's processes up to the agent, whose start begins the traffic phase (the learner and the
-    gate start later, from Traffic.tick)."""
+    """The loop's processes up to the agent, whose start begins the traffic phase.
+
+    With base_sessions 0 the learner and the gate start first and the agent waits until the learner is
+    ready to train: its start-up (imports, model, MLflow run; about a minute on a busy 2-core machine)
+    would otherwise leave a backlog that a newest-first learner, barely faster than the traffic, trains
+    minutes late. With base_sessions > 0 they start later, from Traffic.tick."""
     procs.start("lake-writer", lake_writer_command(plan, ends))
     procs.start("episodes", episodes_command(plan, ends) + scenario_flags(cfg, "episodes"))
     procs.start("proxy", proxy_command(plan, ends), env=tier_env(cfg, plan, ends))
     procs.start("outcome-sim", outcome_sim_command(plan, ends))
+    traffic = Traffic(cfg, plan, ends, procs, started_at)
+    if cfg.base_sessions <= 0:
+        traffic.start_training()
+        wait_for_learner(plan.var_dir, procs)
     _wait_for_proxy(ends.proxy_port, procs)
     procs.start("agent-sim", agent_sim_command(cfg, plan, ends) + scenario_flags(cfg, "agent-sim"))
-    return Traffic(cfg, plan, ends, procs, started_at)
+    traffic.traffic_start = time.time()  # the agent has just started
+    return traffic
+
+
+def wait_for_learner(var_dir: Path, procs: Processes, timeout_s: float = 600.0) -> None:
+    """Until the learner's heartbeat says it waits for episodes (set up, MLflow run open); a learner that
+    exits first fails the run with its log's last lines."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if read_statuses(var_dir).get("learner", {}).get("phase") in ("waiting", "training"):
+            return
+        dead = [(n, rc) for n, rc in procs.dead() if n in ("learner", "promote")]
+        if dead:
+            name, rc = dead[0]
+            raise RuntimeError(f"{name} exited with status {rc} before the traffic started; last lines of its "
+                               f"log:\n{procs.tail(name)}")
+        time.sleep(1.0)
+    raise RuntimeError(f"the learner was not ready within {timeout_s:.0f} s; last lines of its log:\n"
+                       f"{procs.tail('learner')}")
 
 
 def run_traffic(cfg: DemoConfig, console: Any, traffic: Traffic) -> None:

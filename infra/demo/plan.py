@@ -63,8 +63,9 @@ class DemoConfig:
                                            "to the control: the window's control then gets 0.6 of the sessions, "
                                            "enough for 200+ in 300 s, where 0.2 gave about 85")
     gate_interval_s: float = setting(10.0, "seconds between promotion-gate rounds (each version waits for a verdict)")
-    base_sessions: int = setting(200, "sessions policy-v0 serves before the learner starts: its first batches (the "
-                                      "control arm measures the base for the whole run)")
+    base_sessions: int = setting(0, "sessions policy-v0 serves before the learner starts (0: the learner and the "
+                                    "gate start first and the traffic once the learner is ready; the control arm "
+                                    "measures the base for the whole run)")
     measure_s: float = setting(300.0, "the final window, the seconds of traffic at the end: the learner and the gate "
                                       "are stopped, the challenger alias is cleared, and the champion and the control "
                                       "serve the same sessions to be compared on")
