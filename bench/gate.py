@@ -9,7 +9,7 @@ The rule is the recipe's [gate] (the demo's by default), flags over it; nothing 
 1. The primary test alone (sessions without guardrail metrics): the false-promotion rate under the null at
    several base rates and task mixes (the worst is reported), the power curve on the demo-like mix, and with
    --compare the other test (msprt <-> group-sequential) side by side.
-2. The whole rule, with guardrail metrics and a random split (serving/gate_sim.py Guards, the demo's levels):
+2. The whole rule, with guardrail metrics and a random split (serving/gate_sim.py Guards at the demo's levels):
    the false-promotion rate with the challenger at the null on success AND exactly at every guardrail's margin;
    a challenger +10 points better but 5 points worse on malformed calls (beyond the margin); the power at +10
    points with every guardrail equal, each guardrail's own share of it, and the power at larger planned sizes.
@@ -62,8 +62,9 @@ class GateBenchConfig:
                                   "demo-like null and at +5 and +10 points, side by side")
     challenger_per_look: int = setting(15, "challenger sessions that mature between two looks (the demo's traffic)")
     champion_ratio: float = setting(1.0, "champion sessions per challenger session (the demo's traffic)")
-    challenger_sessions_per_s: float = setting(0.8, "a stream's challenger sessions per second (the demo's runs: "
-                                                    "0.81, docs/runs/*-r.json gate_sim_basis)")
+    challenger_sessions_per_s: float = setting(1.5, "a stream's challenger sessions per second (the demo's: 1.49 "
+                                                    "in run 2 of issue 38, docs/runs/*-d148516-2.json "
+                                                    "gate_sim_basis; 0.8 before its two-turn lookups)")
     demo_cadence_s: float = setting(420.0, "seconds between the demo's versions (its publish_supersede_s)")
     stream_days: float = setting(3.0, "simulated days of each stream, and at least min(200, challengers) "
                                       "challengers (more days at a cadence that gives fewer)")
@@ -90,14 +91,21 @@ class GateBenchConfig:
         self.gate.check_rule()
 
 
-# The demo's four task types at its mix (a third each of add/mul/weather, multi_share 0.1) at
-# success rates like the warm start's, plus a rare fifth type (5%): a stratum that stays below
-# two sessions a side for the first looks, which the stratified estimate must leave out, not break on.
-DEMO_LIKE = "demo-like, 5 types"
-DEMO_RATES = {"tool_use.add": 0.10, "tool_use.mul": 0.03, "tool_use.weather": 0.50, "tool_use.multi": 0.05,
-              "tool_use.rare": 0.25}
-DEMO_MIX = {"tool_use.add": 0.285, "tool_use.mul": 0.285, "tool_use.weather": 0.285, "tool_use.multi": 0.095,
-            "tool_use.rare": 0.05}
+# The demo's task types at its mix and the control arm's success per type (issue 38's demo: run 2 of session 24,
+# d148516, 3,185 control sessions of policy-v0), plus a rare sixth type (5%): a stratum that stays below two
+# sessions a side for the first looks, which the stratified estimate must leave out, not break on.
+DEMO_LIKE = "demo-like, 6 types"
+DEMO_RATES = {"tool_use.weather": 0.295, "tool_use.country": 0.310, "tool_use.timezone": 0.337,
+              "tool_use.add": 0.006, "tool_use.mul": 0.011, "tool_use.multi": 0.064, "tool_use.rare": 0.25}
+DEMO_MIX = {"tool_use.weather": 0.223, "tool_use.country": 0.236, "tool_use.timezone": 0.225, "tool_use.add": 0.093,
+            "tool_use.mul": 0.080, "tool_use.multi": 0.093, "tool_use.rare": 0.05}
+# The guardrail metrics of the same control arm: 0.86% of 3,495 tool calls malformed, 1.10 calls a session, no
+# infrastructure error in 3,185 sessions, latency median 0.36 s (log sd 0.58), 128 tokens a session (cv 0.28).
+DEMO_GUARDS = Guards(malformed=0.0086, extra_calls=0.1, errors=0.0, latency_median_s=0.36, latency_sigma=0.58,
+                     tokens_mean=128.0, tokens_cv=0.28)
+# The levels of the demo before issue 38 (malformed calls on 6.5-10% of sessions, errors 0.5%): the guardrails'
+# cost in power where a policy breaks more of its calls, kept as one row beside the headline.
+EARLIER_GUARDS = Guards()
 NULL_SCENARIOS: dict[str, tuple[dict[str, float], dict[str, float]]] = {
     "one type, 0.10": ({"t": 0.10}, {"t": 1.0}),
     "one type, 0.25": ({"t": 0.25}, {"t": 1.0}),
@@ -143,13 +151,14 @@ def _plan(cfg: GateBenchConfig) -> list[tuple[str, str, Scenario, GateRule]]:
         plan += [(f"side by side: {other.test}", f"{DEMO_LIKE}, {pt:+d} pt",
                   at_null(other, _scenario(cfg, DEMO_LIKE, 0.0)) if pt == 0 else _scenario(cfg, DEMO_LIKE, pt / 100),
                   _primary_only(other)) for pt in COMPARE_LIFTS_PT]
-    g = Guards()
+    g = DEMO_GUARDS
     demo = functools.partial(_scenario, cfg, DEMO_LIKE)
     plan += [
         ("guardrails", "null, every guardrail at its margin", at_null(rule, demo(0.0, g)), rule),
         ("guardrails", "+10 pt, malformed +5 pt", demo(0.10, dataclasses.replace(g, malformed_shift=0.05)), rule),
         ("guardrails", "+10 pt, guardrails equal", demo(0.10, g), rule),
         ("guardrails", "+5 pt, guardrails equal", demo(0.05, g), rule),
+        ("guardrails", "+10 pt, guardrails equal, the earlier demo's levels", demo(0.10, EARLIER_GUARDS), rule),
     ]
     plan += [("guardrails", f"+10 pt, only {name} ({margin:g})", demo(0.10, g),
               dataclasses.replace(rule, guardrails={name: margin}))
@@ -184,8 +193,8 @@ def run_streams(cfg: GateBenchConfig) -> list[StreamResult]:
     from rich.progress import Progress
 
     rule = cfg.rule()
-    null = _scenario(cfg, DEMO_LIKE, 0.0, Guards())
-    better = _scenario(cfg, DEMO_LIKE, 0.10, Guards())
+    null = _scenario(cfg, DEMO_LIKE, 0.0, DEMO_GUARDS)
+    better = _scenario(cfg, DEMO_LIKE, 0.10, DEMO_GUARDS)
     out = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
         runs: list[tuple[float, str, Scenario | None, float]] = [
@@ -297,6 +306,8 @@ def summary(rows: list[Row], streams: list[StreamResult], cfg: GateBenchConfig, 
         "power_10pt": power10.promote_rate, "power_10pt_se": round(power10.promote_se, 5),
         "power_10pt_ok": power10.promote_rate >= 0.8,
         "power_5pt": _find(rows, "guardrails", "+5 pt, guardrails equal").promote_rate,
+        "power_10pt_earlier_levels": _find(rows, "guardrails",
+                                           "+10 pt, guardrails equal, the earlier demo's levels").promote_rate,
         "power_10pt_primary_only": by_pt[10].promote_rate, "power_5pt_primary_only": by_pt[5].promote_rate,
         "power_10pt_each_guardrail_alone": {r.name.split("only ")[1].split(" ")[0]: r.result.promote_rate
                                             for r in rows if r.section == "guardrails" and " only " in r.name},
