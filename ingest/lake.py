@@ -71,12 +71,14 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from flywheel.base.atomic import Durability, write_json, write_with
 
-if TYPE_CHECKING:  # pyarrow is an extra; keep it off the SDK's import path
+if TYPE_CHECKING:  # pyarrow and duckdb are extras; keep them off the SDK's import path
+    import duckdb
     import pyarrow as pa
+    import pyarrow.dataset as pa_dataset
     import pyarrow.fs as pafs
 
 TABLES = ("events", "outcomes", "episodes")
@@ -342,10 +344,7 @@ _TAIL_ATTEMPTS = 5  # a compaction deletes each file once: a second listing alre
 def _read_tail(root: str, files: list[LakeFile], column: str, n: int) -> list[Any] | None:
     """stream_tail over one listing; None when a listed file is gone (list again)."""
     import pyarrow as pa
-    import pyarrow.fs as pafs
-    import pyarrow.parquet as pq
 
-    fs, _ = filesystem(root)
     parts: list[pa.Table] = []
     have = 0
     for f in sorted(files, key=lambda f: f.first, reverse=True):
@@ -353,11 +352,9 @@ def _read_tail(root: str, files: list[LakeFile], column: str, n: int) -> list[An
             break
         try:
             # one file at a time (a dataset would take a zero-row file's column types for all of them)
-            part = pq.read_table(f.path, columns=[column, "_offset"], filesystem=fs)
-        except OSError:  # FileNotFoundError locally; object stores may raise a plain OSError: ask the store
-            if fs.get_file_info(f.path).type == pafs.FileType.NotFound:
-                return None
-            raise
+            part = read_file(root, f, [column, "_offset"])
+        except LakeFileGone:
+            return None
         parts.append(part)
         have += part.num_rows
     if not parts or n <= 0:
@@ -396,11 +393,84 @@ def write_file(root: str, table: str, date: str, source: str, partition: int, fi
     return LakeFile(table, date, source, partition, first, last, final)
 
 
-def read_file(root: str, f: LakeFile) -> "pa.Table":
+# ---------------------------------------------------------------------------------------------
+# Reading: one reader for every stage, one policy for a file that cannot be read
+# ---------------------------------------------------------------------------------------------
+class LakeReadError(RuntimeError):
+    """A published lake file cannot be read: the reader stops before it (read_file says why)."""
+
+
+class LakeFileGone(LakeReadError):
+    """A listed lake file is no longer there: a compaction replaced it with a file covering its range, so the
+    reader lists again (the covering file holds the same rows)."""
+
+
+def read_file(root: str, f: LakeFile, columns: Sequence[str] | None = None,
+              filters: list[tuple[str, str, Any]] | None = None) -> "pa.Table":
+    """The rows of one lake file: how the episode builder, the learner, compaction, the judge's calibration and
+    stream_tail read the lake (reports and the gate query it through `sql_view`, with the same policy).
+
+    columns: only these, of those the file has; a file written before a column joined the schema lacks it, and
+    the caller conforms the table to today's schema. filters: pyarrow's row filter (e.g. one session's rows).
+
+    The policy for a file that cannot be read (truncated, foreign, damaged on the store): LakeReadError naming
+    the file, and every reader stops before it with its cursor before the file. Lake files are immutable and
+    published whole (an atomic rename, or a single PUT), so an unreadable one is damage, never a write in
+    progress, and waiting does not mend it; a reader that skipped it would lose its rows for good (the builder's
+    sessions; the learner's rows, which it can never train later because it does not read backwards). The cure is
+    an operator's: restore the file from the stream (the lake writer re-publishes a range it is re-sent) or
+    remove it, then restart the reader. A file that is gone raises LakeFileGone: list again.
+    """
+    import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
     fs, _ = filesystem(root)
-    return pq.read_table(f.path, filesystem=fs)
+    try:
+        if columns is not None:
+            present = set(pq.read_schema(f.path, filesystem=fs).names)
+            columns = [c for c in columns if c in present]
+        return pq.read_table(f.path, filesystem=fs, columns=columns, filters=filters)
+    except (OSError, ValueError) as exc:  # pyarrow raises ArrowInvalid (a ValueError) for a corrupt file
+        # FileNotFoundError locally; an object store may raise a plain OSError: ask the store
+        if isinstance(exc, FileNotFoundError) or fs.get_file_info(f.path).type == pafs.FileType.NotFound:
+            raise LakeFileGone(f"lake: {f.path} is gone (replaced by a compaction?); list the table again") from exc
+        raise LakeReadError(f"lake: cannot read {f.path} ({type(exc).__name__}: {exc}); the reader stops before it: "
+                            "restore or remove the file, then restart") from exc
+
+
+def sql_view(con: "duckdb.DuckDBPyConnection", name: str, root: str, table: str, paths: list[str]) -> None:
+    """DuckDB view `name` over lake files of `table` (paths as `list_files` gives them), columns matched by name:
+    how reports and the gate query the lake. A query over an unreadable file fails with DuckDB's or pyarrow's
+    error naming the file: nothing is skipped (read_file's policy).
+
+    A remote lake (s3://...) is scanned through pyarrow's filesystem, with the endpoint and credentials pyarrow
+    reads from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), because DuckDB's own S3 reader is
+    its httpfs extension, downloaded at run time from DuckDB's extension site and configured apart; DuckDB
+    then scans the dataset lazily and reads only the columns the query uses.
+    """
+    if "://" not in root:
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({_sql_list(paths)}, union_by_name = true)")
+        return
+    con.register(f"{name}_files", dataset(root, table, paths))
+    con.execute(f"CREATE VIEW {name} AS SELECT * FROM {name}_files")
+
+
+def dataset(root: str, table: str, paths: list[str]) -> "pa_dataset.Dataset":
+    """A pyarrow dataset over lake files of `table` on the lake's filesystem, in the table's schema of today:
+    a column an older file lacks reads as null, as DuckDB's union_by_name does."""
+    import pyarrow.dataset as ds
+
+    from flywheel.ingest import schema
+
+    fs, _ = filesystem(root)
+    wanted = {"events": schema.event_arrow_schema, "outcomes": schema.outcome_arrow_schema,
+              "episodes": schema.episode_arrow_schema}[table]()
+    return ds.dataset(paths, schema=wanted, filesystem=fs, format="parquet")
+
+
+def _sql_list(paths: list[str]) -> str:
+    """A SQL list literal of file paths (a view cannot take prepared parameters)."""
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
 def load_cursor(path: Path) -> Cursor:

@@ -412,7 +412,13 @@ def run(cfg: LearnerConfig, stop: threading.Event | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(LearnerConfig, argv, "flywheel learner")
     setup_logging()
-    return run(cfg)
+    from flywheel.ingest.lake import LakeReadError
+
+    try:
+        return run(cfg)
+    except LakeReadError as exc:  # a damaged lake file: stop before it, saying which (lake.read_file)
+        log.error("%s", exc)
+        return 1
 
 
 if __name__ == "__main__":  # torchrun -m flywheel.learner.daemon

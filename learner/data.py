@@ -270,13 +270,13 @@ class EpisodeStream:
         self._listed = True
         added = 0
         for f in new_files:
+            # an unreadable file raises lake.LakeReadError before the cursor passes it, and the learner stops
+            # (lake.read_file's policy, the builder's too): skipped, its rows could never be trained, since the
+            # learner does not read backwards. A file a compaction replaced is found again by the next poll.
             try:
                 rows = lake.read_file(self.root, f).to_pylist()
-            except Exception as exc:  # a truncated or foreign file must not stop training; it stays unread
-                self.counters["unreadable_file"] += 1
-                log.error("data: cannot read %s (%s: %s); file skipped and left for an operator", f.path,
-                          type(exc).__name__, exc)
-                rows = []
+            except lake.LakeFileGone:
+                break
             self._loaded.append(f)
             for row in rows:
                 added += self._add(row, f)

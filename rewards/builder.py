@@ -75,6 +75,7 @@ from flywheel.base.heartbeat import write_status
 from flywheel.base.metrics import Metrics, Reading
 from flywheel.base.stop import stop_on_signals
 from flywheel.ingest import lake, schema
+from flywheel.ingest.lake import LakeReadError
 from flywheel.rewards import config as reward_config
 from flywheel.rewards import judge as judge_mod
 from flywheel.rewards import judge_pass, outcome_rewards, parl, turns
@@ -287,22 +288,10 @@ def read_range(root: str, table: str, since: lake.Cursor, until: lake.Cursor, ta
     return pa.concat_tables(parts) if parts else target.empty_table()
 
 
-class LakeReadError(RuntimeError):
-    """A lake file cannot be read; the builder stops before consuming it."""
-
-
 def _read_columns(root: str, f: lake.LakeFile, names: list[str]) -> "pa.Table":
-    """One lake file, only the columns the builder uses (tool outputs and tags stay on disk)."""
-    import pyarrow.parquet as pq
-
-    fs, _ = lake.filesystem(root)
-    try:
-        present = set(pq.read_schema(f.path, filesystem=fs).names)
-        return pq.read_table(f.path, filesystem=fs, columns=[n for n in names if n in present])
-    except (OSError, ValueError) as exc:  # pyarrow raises ArrowInvalid (a ValueError) for a corrupt file
-        # stop rather than skip: lake files are immutable and skipping one would lose its sessions for good
-        raise LakeReadError(f"episodes: cannot read lake file {f.path} ({exc}); the cursor stays before it: "
-                            "restore or remove the file, then restart") from exc
+    """One lake file, only the columns the builder uses (tool outputs and tags stay on disk). An unreadable
+    file raises lake.LakeReadError and the builder stops before consuming it (lake.read_file's policy)."""
+    return lake.read_file(root, f, names)
 
 
 def plan_until(root: str, table: str, cursor: lake.Cursor, max_files: int, owns: Callable[[int], bool] = lambda p: True,
@@ -957,13 +946,10 @@ class Builder:
                  judged: judge_mod.JudgeResult | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Label N+1 of an emitted session: its rows of label N again, the outcome reward recomputed (and the judge's
         score set, when a queued retry scored it now)."""
-        import pyarrow.parquet as pq
-
         label = int(entry["label_version"]) + 1
-        fs, path = self._episode_path(entry["episode_file"])
-        prev = pq.read_table(path, filesystem=fs,
-                             filters=[("session_id", "=", entry["session_id"]),
-                                      ("label_version", "=", label - 1)]).to_pylist()
+        prev = lake.read_file(self.cfg.lake_root, self._episode_file(entry["episode_file"]),
+                              filters=[("session_id", "=", entry["session_id"]),
+                                       ("label_version", "=", label - 1)]).to_pylist()
         assert prev, (f"index says session {entry['session_id']} label {label - 1} is in {entry['episode_file']}, "
                       "found no rows")
         outcomes = ([_outcome_py(o) for o in json.loads(entry["outcomes"])]
@@ -1007,21 +993,23 @@ class Builder:
         }
         return rows, index_row
 
-    def _episode_path(self, rel: str) -> tuple[Any, str]:
+    def _episode_file(self, rel: str) -> lake.LakeFile:
         """The file holding an index entry's rows: the one it was written to, or the file a compaction
         merged it into."""
         import pyarrow.fs as pafs
 
         fs, base = lake.filesystem(self.cfg.lake_root)
         path = f"{base}/{rel}"
-        if fs.get_file_info(path).type == pafs.FileType.File:
-            return fs, path
         parsed = lake.parse_file_name(rel.rsplit("/", 1)[-1])
         assert parsed is not None, f"index holds a bad episode file name {rel!r}"
-        _, stream, first, last = parsed
+        source, stream, first, last = parsed
+        if fs.get_file_info(path).type == pafs.FileType.File:
+            parent = rel.rsplit("/", 2)[-2] if rel.count("/") >= 2 else ""
+            date = parent[len("date="):] if parent.startswith("date=") else ""
+            return lake.LakeFile("episodes", date, source, stream, first, last, path)
         for f in lake.list_files(self.cfg.lake_root, "episodes"):
             if f.partition == stream and f.first <= first and f.last >= last:
-                return fs, f.path
+                return f
         raise LakeReadError(f"episodes: the rows of {rel} are in no episodes file (deleted outside compaction?)")
 
     # -- commit -----------------------------------------------------------------------------------

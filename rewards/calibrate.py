@@ -80,15 +80,13 @@ def agreement(pairs: list[tuple[int, float]], threshold: float) -> dict[str, Any
 
 
 def _read(root: str, table: str, columns: list[str]) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
-    fs, _ = lake.filesystem(root)
+    """The rows of every file of the table (lake.read_file: an unreadable file stops the calibration, named)."""
     rows: list[dict[str, Any]] = []
     for f in lake.list_files(root, table):
-        present = set(pq.read_schema(f.path, filesystem=fs).names)
-        if "judge_score" in columns and "judge_score" not in present:
+        part = lake.read_file(root, f, columns)
+        if "judge_score" in columns and "judge_score" not in part.column_names:
             continue  # written before the judge_score column: nothing judged there
-        rows += pq.read_table(f.path, filesystem=fs, columns=[c for c in columns if c in present]).to_pylist()
+        rows += part.to_pylist()
     return rows
 
 
@@ -158,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args and args[0] in ("-h", "--help") else 2
     cfg = load_config(CalibrateConfig, args[1:], "flywheel judge calibrate")
     setup_logging(cfg.log_level)
-    result = calibrate(cfg.lake_root, cfg.outcome_kind, cfg.threshold)
+    try:
+        result = calibrate(cfg.lake_root, cfg.outcome_kind, cfg.threshold)
+    except lake.LakeReadError as exc:
+        log.error("%s", exc)
+        return 1
     print(table(result))
     if cfg.out:
         from pathlib import Path

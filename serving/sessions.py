@@ -20,9 +20,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from flywheel.ingest import lake
+
 if TYPE_CHECKING:
     import duckdb
-    import pyarrow.dataset as pa_dataset
 
 # session_end statuses of an infrastructure error, by default (the gate's rule and the demo report's)
 ERROR_STATUSES = ("error",)
@@ -70,39 +71,6 @@ def epoch(value: object) -> float | None:
     return float(value)  # type: ignore[arg-type]
 
 
-def _sql_list(paths: list[str]) -> str:
-    """A SQL list literal of file paths (a view cannot take prepared parameters)."""
-    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
-
-
-def lake_view(con: "duckdb.DuckDBPyConnection", name: str, lake_root: str, table: str, paths: list[str]) -> None:
-    """View `name` over lake files of `table` (paths as `lake.list_files` gives them), columns matched by name.
-
-    A remote lake (s3://...) is scanned through pyarrow's filesystem, with the endpoint and credentials pyarrow
-    reads from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), because DuckDB's own S3 reader is
-    its httpfs extension, downloaded at run time from DuckDB's extension site and configured apart; DuckDB
-    then scans the dataset lazily and reads only the columns the query uses.
-    """
-    if "://" not in lake_root:
-        con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({_sql_list(paths)}, union_by_name = true)")
-        return
-    con.register(f"{name}_files", lake_dataset(lake_root, table, paths))
-    con.execute(f"CREATE VIEW {name} AS SELECT * FROM {name}_files")
-
-
-def lake_dataset(lake_root: str, table: str, paths: list[str]) -> "pa_dataset.Dataset":
-    """A pyarrow dataset over lake files of `table` on the lake's filesystem, in the table's schema of today:
-    a column an older file lacks reads as null, as DuckDB's union_by_name does."""
-    import pyarrow.dataset as ds
-
-    from flywheel.ingest import lake, schema
-
-    fs, _ = lake.filesystem(lake_root)
-    wanted = {"events": schema.event_arrow_schema, "outcomes": schema.outcome_arrow_schema,
-              "episodes": schema.episode_arrow_schema}[table]()
-    return ds.dataset(paths, schema=wanted, filesystem=fs, format="parquet")
-
-
 def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", lake_root: str, outcomes: list[str]) -> None:
     """View `oc`: the outcomes about whole sessions. One about one agent (a sub-agent's part) or one tool call
     (a turn check, schema v2) is narrower than the session and says nothing of the session's success."""
@@ -110,7 +78,7 @@ def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", lake_root: str, out
         con.execute("CREATE VIEW oc AS SELECT NULL::VARCHAR AS session_id, NULL::VARCHAR AS kind, "
                     "NULL::DOUBLE AS value, NULL::TIMESTAMPTZ AS ts WHERE false")
         return
-    lake_view(con, "oc_all", lake_root, "outcomes", outcomes)
+    lake.sql_view(con, "oc_all", lake_root, "outcomes", outcomes)
     cols = {r[0] for r in con.execute("DESCRIBE oc_all").fetchall()}
     narrow = " AND ".join(f"{c} IS NULL" for c in ("agent_id", "call_id") if c in cols) or "true"
     con.execute(f"CREATE VIEW oc AS SELECT session_id, kind, value, ts FROM oc_all WHERE {narrow}")
@@ -128,7 +96,6 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
     """
     import duckdb
 
-    from flywheel.ingest import lake
 
     events = [f.path for f in lake.list_files(lake_root, "events")]
     if not events:
@@ -137,7 +104,7 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone='UTC'")
-        lake_view(con, "ev", lake_root, "events", events)
+        lake.sql_view(con, "ev", lake_root, "events", events)
         columns = {r[0] for r in con.execute("DESCRIBE ev").fetchall()}
         has_arm = "arm" in columns
         arm = "min(arm)" if has_arm else "NULL"
@@ -186,13 +153,12 @@ def _record(row: tuple[Any, ...]) -> SessionRecord:
 def _judge_view(con: "duckdb.DuckDBPyConnection", lake_root: str, wanted: bool) -> None:
     """View `judged`: each session's judge score, from the first of its episodes' labels that carries one (none
     unless `wanted`). The first, not the latest: a score the gate has tested must not change under it."""
-    from flywheel.ingest import lake
 
     episodes = [f.path for f in lake.list_files(lake_root, "episodes")] if wanted else []
     if not episodes:
         con.execute("CREATE VIEW judged AS SELECT NULL::VARCHAR AS session_id, NULL::DOUBLE AS score WHERE false")
         return
-    lake_view(con, "ep", lake_root, "episodes", episodes)
+    lake.sql_view(con, "ep", lake_root, "episodes", episodes)
     if "judge_score" not in {r[0] for r in con.execute("DESCRIBE ep").fetchall()}:
         con.execute("CREATE VIEW judged AS SELECT NULL::VARCHAR AS session_id, NULL::DOUBLE AS score WHERE false")
         return

@@ -40,6 +40,7 @@ from typing import Any
 
 from flywheel.base.versions import version_name
 from flywheel.demo import tasks
+from flywheel.ingest import lake
 from flywheel.rewards import calibrate
 from flywheel.serving.decision import GateRule
 from flywheel.serving.registry import CHAMPION, Registry
@@ -48,8 +49,6 @@ from flywheel.serving.sessions import (
     ERROR_STATUSES,
     SessionRecord,
     epoch,
-    lake_dataset,
-    lake_view,
     mature,
     read_sessions,
 )
@@ -132,7 +131,6 @@ class Facts:
 # ---------------------------------------------------------------------------------------------
 def _lake_files(lake_root: str, table: str) -> list[str]:
     """Paths of the table's visible files, local or remote (a compaction's originals are not counted twice)."""
-    from flywheel.ingest import lake
 
     return [f.path for f in lake.list_files(lake_root, table)]
 
@@ -142,7 +140,6 @@ def _published_at(lake_root: str, table: str) -> dict[str, float]:
     once, by an atomic rename or a single PUT, and never changed). One listing, local or remote."""
     import pyarrow.fs as pafs
 
-    from flywheel.ingest import lake
 
     fs, base = lake.filesystem(lake_root)
     infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", recursive=True, allow_not_found=True))
@@ -154,7 +151,7 @@ def _rows_with_file(lake_root: str, table: str, paths: list[str], columns: list[
     a `filename` column (what DuckDB's read_parquet(filename=true) gives, on any filesystem pyarrow reaches)."""
     import pyarrow as pa
 
-    dataset = lake_dataset(lake_root, table, paths)
+    dataset = lake.dataset(lake_root, table, paths)
     parts = [dataset.schema.empty_table().select(columns).append_column("filename", pa.array([], pa.string()))]
     for frag in dataset.get_fragments():
         t = frag.to_table(schema=dataset.schema, columns=columns, filter=where)
@@ -166,7 +163,7 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
     """Per-version success and freshness from the lake's events, outcomes and episodes (sessions ending after `since`).
 
     Reads a local or a remote (s3://...) lake alike: files from the lake's listing, rows through DuckDB (remote
-    files as pyarrow datasets, serving.sessions.lake_view), publication times from the filesystem's listing.
+    files as pyarrow datasets, ingest.lake.sql_view), publication times from the filesystem's listing.
     """
     import duckdb
     import pyarrow.dataset as ds
@@ -177,7 +174,7 @@ def lake_facts(lake_root: str, since: float = 0.0, error_statuses: tuple[str, ..
     events = _lake_files(lake_root, "events")
     if not events:
         return facts
-    lake_view(con, "ev", lake_root, "events", events)
+    lake.sql_view(con, "ev", lake_root, "events", events)
     ended = _rows_with_file(lake_root, "events", events, ["session_id", "ts"],
                             (ds.field("type") == "session_end") & (ds.field("status") == "ok"))
     con.register("ended_files", ended)
@@ -314,7 +311,7 @@ def learner_facts(facts: Facts, lake_root: str, learner_run_dir: str | None, pol
     import duckdb
 
     con = duckdb.connect()
-    lake_view(con, "ep", lake_root, "episodes", episodes)
+    lake.sql_view(con, "ep", lake_root, "episodes", episodes)
     emitted = dict(con.execute("SELECT episode_id, epoch(min(emitted_ts)) FROM ep GROUP BY 1").fetchall())
     con.close()
     first_trained: dict[str, float] = {}

@@ -40,6 +40,21 @@ def test_publish_leaves_no_temp_and_readers_ignore_hidden_names(tmp_path: Path) 
     assert lake.read_file(str(tmp_path), f).column("_offset").to_pylist() == list(range(10))
 
 
+def test_read_file_gives_the_columns_a_file_has_and_names_a_damaged_or_vanished_file(tmp_path: Path) -> None:
+    f = put(tmp_path, 0, 4)
+    root = str(tmp_path)
+    # a column that joined the schema after the file was written is absent, not an error: the caller conforms
+    assert lake.read_file(root, f, ["x", "added_later"]).column_names == ["x"]
+    assert lake.read_file(root, f, filters=[("_offset", ">=", 3)]).column("_offset").to_pylist() == [3, 4]
+    Path(f.path).write_bytes(b"PAR1 truncated")
+    with pytest.raises(lake.LakeReadError, match="restore or remove the file") as damaged:
+        lake.read_file(root, f)
+    assert Path(f.path).name in str(damaged.value) and not isinstance(damaged.value, lake.LakeFileGone)
+    Path(f.path).unlink()
+    with pytest.raises(lake.LakeFileGone):  # a compaction replaced it: the reader lists again
+        lake.read_file(root, f, ["x"])
+
+
 def test_covered_files_are_hidden_mid_compaction(tmp_path: Path) -> None:
     small = [put(tmp_path, 0, 4), put(tmp_path, 5, 9)]
     wide = put(tmp_path, 0, 9)

@@ -7,7 +7,10 @@ import logging
 import math
 from pathlib import Path
 
+import pytest
+
 from bench.fixtures.episodes import episode_row, random_rows, write_episodes
+from flywheel.ingest import lake
 from flywheel.learner.checkpoint import TrainerState
 from flywheel.learner.data import EpisodeStream, parse_row
 
@@ -167,6 +170,25 @@ def test_cursor_passes_a_file_only_when_all_its_rows_are_consumed(tmp_path: Path
     assert {e.episode_id for e in rest}.isdisjoint(e.episode_id for e in batch)
     again.mark_trained(rest)
     assert again.cursor == {f0.key: 1}
+
+
+def test_an_unreadable_file_stops_the_stream_before_it_and_a_restart_reads_it_once_restored(tmp_path: Path) -> None:
+    rows = random_rows(3, seed=4)
+    f0 = write_episodes(tmp_path, random_rows(2, seed=5), seq=0)
+    f1 = write_episodes(tmp_path, rows, seq=1)
+    good = Path(f1.path).read_bytes()
+    Path(f1.path).write_bytes(b"PAR1 not really parquet")
+    s = _stream(tmp_path)
+    with pytest.raises(lake.LakeReadError, match=f1.path.rsplit("/", 1)[-1]):
+        s.poll()
+    batch, _ = s.take(10, {0: 0}, 2)
+    s.mark_trained(batch)
+    assert s.cursor.get(f0.key, -1) < 1, f"the cursor passed the unreadable file: {s.cursor}"
+    Path(f1.path).write_bytes(good)  # the operator restores it; the restarted learner trains its rows once
+    again = _stream(tmp_path, cursor=s.cursor, trained=s.trained)
+    again.poll()
+    rest, _ = again.take(10, {0: 0}, 2)
+    assert sorted(e.episode_id for e in rest) == sorted(r["episode_id"] for r in rows)
 
 
 def test_relabel_policy_newest_label_if_pending_never_twice(tmp_path: Path) -> None:
