@@ -33,10 +33,10 @@ TOP = ["flywheel.demo", "flywheel.stack", "flywheel.status", "flywheel.cli", "fl
 INFRA_TOP = {"flywheel.stack", "flywheel.topics", "flywheel.status"}
 MAX_FUNCTION_LINES = 60
 # A class may hold a concern, not a process: the 60-line cap on functions must not be met by moving length into
-# one object. The two over the cap are named with their size today; they may shrink, not grow (issue 36 splits
-# them: the SDK's delivery, producer life, spools and encoding; the builder's pass and its relabel).
+# one object. The one over the cap is named with its size today; it may shrink, not grow (issue 36 splits it: the
+# SDK's delivery, producer life, spools and encoding). The builder's label stage left it for rewards/labels.py.
 MAX_CLASS_LINES = 400
-OVER_CLASS_CAP = {"ingest/sdk.py:_Pipeline": 898, "rewards/builder.py:Builder": 524}
+OVER_CLASS_CAP = {"ingest/sdk.py:_Pipeline": 898}
 
 
 def _modules() -> dict[str, Path]:
