@@ -58,6 +58,7 @@ import array
 import atexit
 import collections
 import contextvars
+import dataclasses
 import inspect
 import itertools
 import json
@@ -355,6 +356,37 @@ class _Delivered:
         return False
 
 
+@dataclasses.dataclass
+class Counters:
+    """What a logger did with its records: one object shared by its pipeline, spools and encoder.
+
+    Written without locks: exact where one thread writes a counter (the background thread, or the producer
+    callbacks under the pipeline's lock); `invalid` and `dropped_full` are also written by host threads and may
+    miss an increment under contention, acceptable for counters whose first occurrence is warned."""
+
+    popped: int = 0  # taken off the host's queue by the background thread
+    sent: int = 0  # acknowledged by Kafka
+    spilled: int = 0  # written to the spool
+    replayed: int = 0  # acknowledged by Kafka after a replay from the spool
+    dropped_full: int = 0  # refused: the host's queue was full, or the logger closed
+    dropped_spool: int = 0  # lost: the spool was over its bound, or could not be written
+    invalid: int = 0  # dropped: missing or malformed fields, or past a schema limit
+    coerced: int = 0  # values stored as their repr(): not JSON
+    truncated: int = 0  # records with a value cut at a schema limit
+    send_errors: int = 0
+    rejected: int = 0  # refused by Kafka for good (too large, corrupt): dropped, named in a DLQ notice
+    producer_restarts: int = 0
+    adopted: int = 0  # records moved from the spools of dead processes of the same name and topic
+    io_errors: int = 0  # OSErrors (disk full, EIO) that interrupted a background cycle
+    limited: int = 0  # values cut or events dropped at a schema limit (MAX_JSON_DEPTH, MAX_TOKENS, ranges)
+    oversized: int = 0  # records over the record cap: not sent, each named in a DLQ notice
+    oversized_noticed: int = 0  # of those, notices the DLQ topic acknowledged
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+
+
 class _Pipeline:
     """Non-blocking, loss-avoiding delivery of dict records to one Kafka topic."""
 
@@ -377,6 +409,8 @@ class _Pipeline:
         metrics_interval_s: float,
         exit_timeout_s: float,
         producer_config: dict[str, Any] | None,
+        counts: Counters | None = None,
+        warn: _WarnOnce | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
@@ -398,7 +432,8 @@ class _Pipeline:
         self.metrics_interval_s = metrics_interval_s
         self.exit_timeout_s = exit_timeout_s
         self.producer_config = dict(producer_config or {})
-        self.warn = _WarnOnce()
+        self.warn = warn if warn is not None else _WarnOnce()
+        self.counts = counts if counts is not None else Counters()  # shared with the client's encoder
         self._init_state()
         _install_process_hooks()
         _LIVE.add(self)
@@ -437,32 +472,13 @@ class _Pipeline:
         self._opened = False  # the background thread has looked for spools left by earlier processes
         self._cb_lock = threading.Lock()
         self._yielded = time.perf_counter()
-        # Counters, written without locks: exact where one thread writes them (the background thread, or the
-        # producer callbacks under _cb_lock); `invalid` and `dropped_full` are also written by host threads and
-        # may miss an increment under contention, acceptable for counters whose first occurrence is warned.
-        self.popped = 0
-        self.sent = 0
-        self.spilled = 0
-        self.replayed = 0
-        self.dropped_full = 0
-        self.dropped_spool = 0
-        self.invalid = 0
-        self.coerced = 0
-        self.truncated = 0
-        self.send_errors = 0
-        self.rejected = 0
-        self.producer_restarts = 0
-        self.adopted = 0
-        self.io_errors = 0  # OSErrors (disk full, EIO) that interrupted a background cycle
-        self.limited = 0  # values cut or events dropped at a schema limit (MAX_JSON_DEPTH, MAX_TOKENS, ranges)
+        self.counts.reset()  # a forked child counts its own records from zero
         # The record cap: schema.MAX_RECORD_BYTES until the topic's max.message.bytes is read (once, at connect)
         self.record_cap = schema.MAX_RECORD_BYTES
         self.topic_max_message_bytes: int | None = None
         self._cap_learned = False
         self.dlq_topic = schema.DLQ_TOPIC
         self._notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)  # DLQ notices not yet sent
-        self.oversized = 0  # records over record_cap: not sent, each named in a DLQ notice
-        self.oversized_noticed = 0  # of those, notices the DLQ topic acknowledged
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"flywheel-sdk-{self.name}", daemon=True)
@@ -475,7 +491,7 @@ class _Pipeline:
             self._needs_start = False
             self._start()
         if len(self._queue) >= self.max_queue or self._closed:
-            self.dropped_full += 1
+            self.counts.dropped_full += 1
             self.warn("full", "sdk %s: queue full (%d records) or closed; record dropped", self.name, self.max_queue)
             return False
         if self.journal is not None:
@@ -492,25 +508,25 @@ class _Pipeline:
         except Exception:  # a spool being closed right now: host-facing calls never raise
             spool_records, spool_bytes = 0, 0
         return {
-            "enqueued": self.popped + len(self._queue),
-            "sent": self.sent,
-            "spilled": self.spilled,
-            "replayed": self.replayed,
-            "dropped": self.dropped_full + self.dropped_spool,
-            "dropped_queue_full": self.dropped_full,
-            "dropped_spool_full": self.dropped_spool,
-            "invalid": self.invalid,
-            "coerced": self.coerced,
-            "truncated": self.truncated,
-            "limited": self.limited,
-            "oversized": self.oversized,
-            "oversized_noticed": self.oversized_noticed,
+            "enqueued": self.counts.popped + len(self._queue),
+            "sent": self.counts.sent,
+            "spilled": self.counts.spilled,
+            "replayed": self.counts.replayed,
+            "dropped": self.counts.dropped_full + self.counts.dropped_spool,
+            "dropped_queue_full": self.counts.dropped_full,
+            "dropped_spool_full": self.counts.dropped_spool,
+            "invalid": self.counts.invalid,
+            "coerced": self.counts.coerced,
+            "truncated": self.counts.truncated,
+            "limited": self.counts.limited,
+            "oversized": self.counts.oversized,
+            "oversized_noticed": self.counts.oversized_noticed,
             "record_cap": self.record_cap,
-            "send_errors": self.send_errors,
-            "rejected": self.rejected,
-            "producer_restarts": self.producer_restarts,
-            "adopted": self.adopted,
-            "io_errors": self.io_errors,
+            "send_errors": self.counts.send_errors,
+            "rejected": self.counts.rejected,
+            "producer_restarts": self.counts.producer_restarts,
+            "adopted": self.counts.adopted,
+            "io_errors": self.counts.io_errors,
             "queue_depth": len(self._queue),
             "inflight": len(self._pending),
             "spool_records": spool_records,
@@ -584,7 +600,7 @@ class _Pipeline:
 
     def _io_failed(self, phase: str, exc: OSError) -> None:
         """Count and warn (once per kind) an I/O error that escaped a cycle, then back off for retry_s."""
-        self.io_errors += 1
+        self.counts.io_errors += 1
         self._in_hand = False  # what the cycle held is in the spool, in _pending or counted as dropped
         self.warn(f"io:{phase}:{exc.errno}", "sdk %s: I/O error in the background thread (%s: %s); retrying every "
                   "%.1fs, records stay queued meanwhile", self.name, phase, exc, self.retry_s)
@@ -613,7 +629,7 @@ class _Pipeline:
             while queue and budget > 0 and len(batch) < self.batch_max:
                 record = queue.popleft()
                 budget -= 1
-                self.popped += 1
+                self.counts.popped += 1
                 encoded = self._encode_safely(record)
                 if encoded is not None:
                     batch.append(encoded)
@@ -634,7 +650,7 @@ class _Pipeline:
         try:
             return self._encode(record)
         except Exception as exc:  # an encoder bug must cost one record, not the thread
-            self.invalid += 1
+            self.counts.invalid += 1
             self.warn(f"encode:{type(exc).__name__}", "sdk %s: record could not be encoded (%s); dropped",
                       self.name, exc)
             return None
@@ -664,7 +680,7 @@ class _Pipeline:
             future = self._producer.send(self.topic, key=key, value=value)
         except Exception as exc:  # metadata timeout, producer closed ...: the broker is unusable now
             self._pending.pop(send_id, None)
-            self.send_errors += 1
+            self.counts.send_errors += 1
             if _is_poison(exc):
                 return _Rejected(exc)  # the record, not the broker: callers drop it and count it
             if type(exc).__name__ != "KafkaTimeoutError":  # not a slow broker (no metadata yet): a broken producer
@@ -684,10 +700,10 @@ class _Pipeline:
             self._progress_ts = time.monotonic()
             if entry is not None:
                 if entry[2] == _FROM_SPOOL:
-                    self.replayed += 1
+                    self.counts.replayed += 1
                 elif entry[2] == _COPIED:
                     self._acked_copies.add(entry[1])
-                self.sent += 1
+                self.counts.sent += 1
                 del self._pending[send_id]  # last: flush() sees an empty _pending only after the counters moved
 
     def _on_error(self, send_id: int, exc: BaseException) -> None:
@@ -696,7 +712,7 @@ class _Pipeline:
             entry = self._pending.pop(send_id, None)
             if entry is None:  # a send of a producer given up on: its record is in the spool already
                 return
-            self.send_errors += 1
+            self.counts.send_errors += 1
             if entry[2] == _IN_MEMORY and not poison:  # spool records (replayed or copied) stay there until acked
                 self._failed.append((entry[0], entry[1]))
         if poison and entry[2] == _IN_MEMORY:
@@ -707,7 +723,7 @@ class _Pipeline:
 
     def _reject(self, exc: BaseException, value: bytes | None = None) -> None:
         """Count a record Kafka refused for good; with its bytes at hand, name it in a DLQ notice too."""
-        self.rejected += 1
+        self.counts.rejected += 1
         self.warn(f"reject:{type(exc).__name__}", "sdk %s: Kafka refused a record for good (%s); dropped%s", self.name,
                   exc, "" if value is None else f" and named in a notice to {self.dlq_topic}")
         if value is not None:
@@ -778,7 +794,7 @@ class _Pipeline:
         producer, self._producer = self._producer, None
         self._replace_producer = False
         self._producer_tried = 0.0  # the next _ensure_producer creates one at once
-        self.producer_restarts += 1
+        self.counts.producer_restarts += 1
         self._restarts_in_outage += 1
         # A broker that listens but keeps failing replays makes this happen every retry: warn once per outage.
         log.log(logging.WARNING if self._restarts_in_outage == 1 else logging.INFO,
@@ -809,7 +825,7 @@ class _Pipeline:
                 self._adopt(directory)
         if len(self._spool):
             log.info("sdk %s: found %d spooled records in %s from an earlier run (%d adopted from %d orphaned "
-                     "spools); replaying them", self.name, len(self._spool), self._spool_dir, self.adopted,
+                     "spools); replaying them", self.name, len(self._spool), self._spool_dir, self.counts.adopted,
                      len(orphans))
 
     def _orphan_spools(self) -> list[Path]:
@@ -891,7 +907,7 @@ class _Pipeline:
                 if not records:
                     break
                 assert self._spool is not None, "an orphan is adopted into an open spool"
-                self.dropped_spool += self._spool.append(records)  # beyond our bound the oldest go, as always
+                self.counts.dropped_spool += self._spool.append(records)  # beyond our bound the oldest go, as always
                 self._spool.sync()  # on disk here before the orphan lets go of them: a crash duplicates, never loses
                 orphan.commit(len(records))
                 moved += len(records)
@@ -899,7 +915,7 @@ class _Pipeline:
             self.warn("spool-adopt", "sdk %s: adopting %s failed (%s); the rest stays there", self.name, directory, exc)
         finally:
             orphan.close()  # an emptied spool removes itself
-        self.adopted += moved
+        self.counts.adopted += moved
         log.info("sdk %s: adopted %d records from orphaned spool %s", self.name, moved, directory)
 
     def _segment_bytes(self) -> int:
@@ -933,19 +949,19 @@ class _Pipeline:
     def _spill(self, batch: list[tuple[bytes, bytes]]) -> None:
         spool = self._open_spool()
         if spool is None:
-            self.dropped_spool += len(batch)
+            self.counts.dropped_spool += len(batch)
             return
         try:
             dropped = spool.append([value for _key, value in batch])
         except OSError as exc:
-            self.dropped_spool += len(batch)
+            self.counts.dropped_spool += len(batch)
             self.warn("spool-write", "sdk %s: spool write failed (%s); %d records dropped", self.name, exc, len(batch))
             return
-        self.spilled += len(batch)
+        self.counts.spilled += len(batch)
         if dropped:
-            self.dropped_spool += dropped
+            self.counts.dropped_spool += dropped
             log.warning("sdk %s: spool %s over its %d bytes bound; dropped the %d oldest records (%d dropped in all)",
-                        self.name, self._spool_dir, self.spool_max_bytes, dropped, self.dropped_spool)
+                        self.name, self._spool_dir, self.spool_max_bytes, dropped, self.counts.dropped_spool)
 
     def _replay(self, chunk: int = 2000, ack_timeout_s: float = 10.0) -> None:
         """Send spooled records oldest first; commit each chunk only once Kafka acknowledged it."""
@@ -1005,7 +1021,7 @@ class _Pipeline:
             self._in_hand = True  # (_drain_into_spool clears it)
         if self._down:
             log.info("sdk %s: Kafka answers again after %.1fs; spool replayed (%d records so far)",
-                     self.name, time.monotonic() - self._down_since, self.replayed)
+                     self.name, time.monotonic() - self._down_since, self.counts.replayed)
         self._down = False
         self._acked_copies.clear()  # any left were copies replayed before their late ack: nothing to skip
 
@@ -1059,7 +1075,7 @@ class _Pipeline:
         self._queued_since = None
         batch: list[Any] = []
         while self._queue and len(batch) < 50_000:
-            self.popped += 1
+            self.counts.popped += 1
             encoded = self._encode_safely(self._queue.popleft())
             if encoded is not None:
                 batch.append(encoded)
@@ -1172,6 +1188,13 @@ class _Pipeline:
         log.info("sdk %s: topic %s takes records up to max.message.bytes=%d; records capped at %d bytes",
                  self.name, self.topic, limit, self.record_cap)
 
+    def over_cap(self, what: str, record: dict[str, Any], size: int) -> bool:
+        """Whether a record of `size` bytes is over the record cap; one that is goes to oversized_record."""
+        if size <= self.record_cap:
+            return False
+        self.oversized_record(what, record, size)
+        return True
+
     def oversized_record(self, what: str, record: dict[str, Any], size: int) -> None:
         """A record over the cap: counted, warned once, and named in a small notice to the DLQ topic.
 
@@ -1180,7 +1203,7 @@ class _Pipeline:
         `flywheel status` see it; the record's content is not kept (it may hold the agent's prompts, and a
         side file on the agent's host is where nobody looks).
         """
-        self.oversized += 1
+        self.counts.oversized += 1
         detail = (f"{size} bytes > cap {self.record_cap} (topic {self.topic} max.message.bytes "
                   f"{self.topic_max_message_bytes or 'unknown'}, schema.MAX_RECORD_BYTES {schema.MAX_RECORD_BYTES})")
         self.warn(f"oversized:{what}", "sdk %s: %s not sent: %s; counted as oversized and named in a notice to %s",
@@ -1209,7 +1232,7 @@ class _Pipeline:
                                                      self.name, self.dlq_topic, exc))
 
     def _on_notice(self, _metadata: Any) -> None:
-        self.oversized_noticed += 1
+        self.counts.oversized_noticed += 1
 
     # ---------------------------------------------------------------- shutdown and metrics
     def _finish(self) -> None:
@@ -1259,10 +1282,16 @@ class _Pipeline:
 # Encoding (background thread): event id, redaction, caps, JSON, validation
 # ---------------------------------------------------------------------------------------------
 class _Encoder:
-    def __init__(self, pipeline_ref: Callable[[], _Pipeline | None], redact: Redactor | None,
-                 validate: Callable[[Any], Any],
+    """A host's record -> (key, payload) for Kafka, on the background thread; None when it is dropped (counted in
+    `counts`, warned once per kind). `over_cap(what, record, size)` says whether a payload is over the topic's
+    record cap (the pipeline's producer learns it), and names the record in a DLQ notice when it is."""
+
+    def __init__(self, counts: Counters, warn: _WarnOnce, over_cap: Callable[[str, dict[str, Any], int], bool],
+                 redact: Redactor | None, validate: Callable[[Any], Any],
                  id_field: str, columns: tuple[schema.Col, ...], wire_format: str = "packed") -> None:
-        self._pipe = pipeline_ref
+        self._counts = counts
+        self._warn = warn
+        self._over_cap = over_cap
         self._redact = redact
         self._validate = validate
         self._id_field = id_field
@@ -1270,8 +1299,6 @@ class _Encoder:
         self._wire_format = wire_format  # ingest/wire.py: "packed" (schema v3) or "json" (v2, token lists as JSON)
 
     def __call__(self, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
-        pipe = self._pipe()
-        assert pipe is not None, "encoder outlived its pipeline"
         for name in [k for k, v in record.items() if v is None]:
             del record[name]  # optional fields not given
         record.setdefault(self._id_field, uuid.uuid4().hex)
@@ -1285,11 +1312,11 @@ class _Encoder:
         for name in _JSON_COLUMNS:
             value = record.get(name)
             if value is not None:
-                record[name] = self._json_value(pipe, what, name, value, truncated)
+                record[name] = self._json_value(what, name, value, truncated)
         if truncated:
-            pipe.truncated += 1
+            self._counts.truncated += 1
             record["truncated"] = sorted(set(truncated))
-        return self._payload(pipe, what, record)
+        return self._payload(what, record)
 
     def _cap_text(self, record: dict[str, Any], truncated: list[str]) -> None:
         """Redact the free-text fields and cut every string at MAX_TEXT_CHARS, naming what was cut."""
@@ -1302,15 +1329,15 @@ class _Encoder:
                     truncated.append(name)
                 record[name] = value
 
-    def _json_value(self, pipe: _Pipeline, what: str, name: str, value: Any, truncated: list[str]) -> Any:
+    def _json_value(self, what: str, name: str, value: Any, truncated: list[str]) -> Any:
         """A JSON field as plain JSON: non-JSON values as their repr(), nothing nested deeper than
         schema.MAX_JSON_DEPTH (deeper containers become a short repr()), redacted, capped by its text."""
-        text = self._json_text(pipe, what, name, value, truncated)
+        text = self._json_text(what, name, value, truncated)
         value = json.loads(text)
         if text.count("[") + text.count("{") >= schema.MAX_JSON_DEPTH:  # fewer containers cannot nest that deep
             value, clipped = _clip_depth(value)
             if clipped:
-                self._too_deep(pipe, what, name, truncated)
+                self._too_deep(what, name, truncated)
                 text = json.dumps(value)
         if self._redact is not None:
             value = redact_json(value, self._redact)
@@ -1324,33 +1351,32 @@ class _Encoder:
             truncated.append(name)
         return value
 
-    def _json_text(self, pipe: _Pipeline, what: str, name: str, value: Any, truncated: list[str]) -> str:
+    def _json_text(self, what: str, name: str, value: Any, truncated: list[str]) -> str:
         try:
             return json.dumps(value, default=_json_default, allow_nan=False)
         except RecursionError:  # nested past the interpreter's recursion limit: cut it first
             value, _ = _clip_depth(value)
-            self._too_deep(pipe, what, name, truncated)
+            self._too_deep(what, name, truncated)
         except (TypeError, ValueError) as exc:
-            pipe.coerced += 1
-            pipe.warn(f"json:{what}:{name}", "sdk: %s %s is not JSON serialisable (%s); such values are stored "
+            self._counts.coerced += 1
+            self._warn(f"json:{what}:{name}", "sdk: %s %s is not JSON serialisable (%s); such values are stored "
                       "as their repr() text", what, name, exc)
             value, clipped = _clip_depth(value)  # also unrolls a circular reference only down to the limit
             if clipped:
-                self._too_deep(pipe, what, name, truncated)
+                self._too_deep(what, name, truncated)
         try:  # keep the structure, replace only the values JSON cannot hold
             return json.dumps(_finite(value), default=_json_default_or_repr, allow_nan=False)
         except (TypeError, ValueError, RecursionError):  # keys JSON cannot hold: nothing structured to keep
             return json.dumps(_SHORT_REPR.repr(value))
 
-    @staticmethod
-    def _too_deep(pipe: _Pipeline, what: str, name: str, truncated: list[str]) -> None:
-        pipe.limited += 1
+    def _too_deep(self, what: str, name: str, truncated: list[str]) -> None:
+        self._counts.limited += 1
         truncated.append(name)
-        pipe.warn(f"limit:too_deep:{what}:{name}", "sdk: %s %s nested deeper than schema.MAX_JSON_DEPTH=%d; what "
-                  "lies deeper is stored as a short repr() text and the field is named in `truncated`", what, name,
+        self._warn(f"limit:too_deep:{what}:{name}", "sdk: %s %s nested deeper than schema.MAX_JSON_DEPTH=%d; what "
+                   "lies deeper is stored as a short repr() text and the field is named in `truncated`", what, name,
                   schema.MAX_JSON_DEPTH)
 
-    def _payload(self, pipe: _Pipeline, what: str, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
+    def _payload(self, what: str, record: dict[str, Any]) -> tuple[bytes, bytes] | None:
         """(key, value) for Kafka once the record passes the schema and the size bound; None (counted) if not."""
         try:
             self._validate(_without_numeric_lists(record, what))
@@ -1362,18 +1388,17 @@ class _Encoder:
             # (44 vs 105 us per bench llm_call) and a fraction of the lake writer's decoding (docs/lake.md).
             payload = wire.encode(record, self._wire_format, default=_json_default)
         except schema.LimitError as exc:
-            pipe.invalid += 1
-            pipe.limited += 1
-            pipe.warn(f"limit:{exc.reason}:{what}", "sdk: %s dropped, past a schema limit (%s): %s",
+            self._counts.invalid += 1
+            self._counts.limited += 1
+            self._warn(f"limit:{exc.reason}:{what}", "sdk: %s dropped, past a schema limit (%s): %s",
                       what, exc.reason, exc)
             return None
         except (schema.SchemaError, TypeError, ValueError, OverflowError) as exc:
-            pipe.invalid += 1
-            pipe.warn(f"invalid:{what}:{str(exc)[:40]}", "sdk: %s dropped: %s", what, exc)
+            self._counts.invalid += 1
+            self._warn(f"invalid:{what}:{str(exc)[:40]}", "sdk: %s dropped: %s", what, exc)
             return None
         key = str(record.get("session_id", "")).encode()
-        if len(payload) + len(key) > pipe.record_cap:
-            pipe.oversized_record(what, record, len(payload) + len(key))
+        if self._over_cap(what, record, len(payload) + len(key)):
             return None
         return key, payload
 
@@ -1517,13 +1542,18 @@ class _Client:
                 import lz4.frame  # noqa: F401  (kafka-python needs it for lz4)
             except ImportError:
                 compression = "gzip"  # stdlib; slower, but never a reason not to log
-        encoder = _Encoder(lambda: self._pipe, redact, self._validate, self._id_field, self._columns, wire_format)
+        counts, warn = Counters(), _WarnOnce()  # one of each, for the pipeline and its encoder
+
+        def over_cap(what: str, record: dict[str, Any], size: int) -> bool:  # the cap the pipeline's producer learns
+            return self._pipe is not None and self._pipe.over_cap(what, record, size)
+
+        encoder = _Encoder(counts, warn, over_cap, redact, self._validate, self._id_field, self._columns, wire_format)
         self._pipe = _Pipeline(
             self.bootstrap, self.topic, encoder, name=self.name, spool_dir=spool_dir, max_queue=max_queue,
             batch_max=batch_max, linger_s=linger_s, spool_max_bytes=spool_max_bytes, compression=compression,
             outage_after_s=outage_after_s, retry_s=retry_s, inflight_wait_s=inflight_wait_s,
             metrics_interval_s=metrics_interval_s,
-            exit_timeout_s=exit_timeout_s, producer_config=producer_config,
+            exit_timeout_s=exit_timeout_s, producer_config=producer_config, counts=counts, warn=warn,
         )
         if journal_dir is not None:
             self._open_journal(Path(journal_dir))
@@ -1688,7 +1718,7 @@ class Session:
                           "(schema v%d is closed)", etype, sorted(extra), schema.SCHEMA_VERSION)
             for name in _REQUIRED[etype]:
                 if fields.get(name) is None:
-                    pipe.invalid += 1
+                    pipe.counts.invalid += 1
                     pipe.warn(f"missing:{etype}:{name}", "sdk: %s without required %r; event dropped", etype, name)
                     return
             # Dicts (tool arguments, tags) are copied: agents reuse them right after the call. Token-id lists
@@ -1710,7 +1740,7 @@ class Session:
                 **fields,
             })
         except Exception as exc:  # the SDK's own bug must never reach the agent
-            pipe.invalid += 1
+            pipe.counts.invalid += 1
             pipe.warn(f"emit:{etype}", "sdk: %s could not be enqueued (%s); event dropped", etype, exc)
 
     def start(self, task_type: str = "unknown", tags: dict[str, Any] | None = None, **extra: Any) -> None:
@@ -1929,18 +1959,18 @@ class OutcomeReporter(_Client):
                 record["source"] = source
             for name in _OUTCOME_REQUIRED:
                 if record.get(name) is None:
-                    pipe.invalid += 1
+                    pipe.counts.invalid += 1
                     pipe.warn(f"missing:outcome:{name}", "sdk: outcome without required %r; dropped", name)
                     return outcome_id
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 try:
                     record["value"] = float(value)
                 except (TypeError, ValueError):
-                    pipe.invalid += 1
+                    pipe.counts.invalid += 1
                     pipe.warn("outcome:value", "sdk: outcome value %r is not a number; dropped", value)
                     return outcome_id
             pipe.put(record)
         except Exception as exc:
-            pipe.invalid += 1
+            pipe.counts.invalid += 1
             pipe.warn("outcome:emit", "sdk: outcome could not be enqueued (%s); dropped", exc)
         return outcome_id
