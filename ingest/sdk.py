@@ -58,14 +58,12 @@ import array
 import atexit
 import collections
 import contextvars
-import dataclasses
 import inspect
 import itertools
 import json
 import logging
 import math
 import os
-import re
 import reprlib
 import socket
 import sys
@@ -87,16 +85,21 @@ from flywheel.base.kafka import (
 from flywheel.ingest import schema, wire
 from flywheel.ingest.journal import Journal, JournalLocked
 from flywheel.ingest.redact import Redactor, redact_json, redact_text
-from flywheel.ingest.spool import SEGMENT_SUFFIX, Spool, SpoolLocked, read_owner
+from flywheel.ingest.sdk_counters import Counters, WarnOnce
+from flywheel.ingest.sdk_spools import SPOOL_DIR_ENV as SPOOL_DIR_ENV
+from flywheel.ingest.sdk_spools import SpoolKeeper, _name_component
+from flywheel.ingest.sdk_spools import default_journal_dir as default_journal_dir
+from flywheel.ingest.sdk_spools import default_spool_dir as default_spool_dir
+from flywheel.ingest.sdk_spools import default_spool_root as default_spool_root
+from flywheel.ingest.spool import Spool
 
+# SPOOL_DIR_ENV and default_*_dir/root are re-exported (`x as x`): where a logger's spool lives is public surface
 log = logging.getLogger(__name__)
 _C = TypeVar("_C")  # the client wrap_openai is given and returns
 
 BOOTSTRAP_ENV = "FLYWHEEL_KAFKA_BOOTSTRAP"
 ENABLED_ENV = "FLYWHEEL_ENABLED"
 SAMPLE_RATE_ENV = "FLYWHEEL_SAMPLE_RATE"
-SPOOL_DIR_ENV = "FLYWHEEL_SPOOL_DIR"
-LEGACY_SPOOL_ROOT = Path("var/spool")  # the default before the state directory, relative to the working directory
 # The capture proxy's request headers (serving/proxy.py reads them; Session.headers() writes them).
 HEADER_SESSION_ID = "X-Flywheel-Session-Id"
 HEADER_AGENT_ID = "X-Flywheel-Agent-Id"
@@ -121,44 +124,11 @@ def _resolve_bootstrap(bootstrap: str | None) -> str | None:
     return bootstrap if bootstrap else (os.environ.get(BOOTSTRAP_ENV) or None)
 
 
-def _safe_name(text: str) -> str:
-    """A name usable as one path component: [A-Za-z0-9._-], not starting with a dot or a dash."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".-")
-
-
 def _default_name() -> str:
     """The program's name, without the pid: stable across restarts, so a restarted agent finds its spool."""
     path = Path(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else "python")
     stem = path.parent.name if path.stem == "__main__" else path.stem  # `python -m pkg`: the package
     return _name_component(stem)
-
-
-def _name_component(name: str) -> str:
-    return _safe_name(name) or "python"
-
-
-def default_spool_root() -> Path:
-    """FLYWHEEL_SPOOL_DIR, else the user's state directory: a container's working directory is often read-only,
-    and a spool there would be replayed only by an agent restarted in that same directory."""
-    configured = os.environ.get(SPOOL_DIR_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    state = os.environ.get("XDG_STATE_HOME")
-    # XDG: relative = unset
-    base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
-    return base / "flywheel" / "spool"
-
-
-def default_spool_dir(name: str, topic: str) -> Path:
-    """<root>/<name>@<topic>: one spool per logger name and topic (a SessionLogger and an OutcomeReporter
-    of the same name must not replay each other's records into the wrong topic)."""
-    return default_spool_root() / f"{_name_component(name)}@{_safe_name(topic)}"
-
-
-def default_journal_dir(name: str, topic: str) -> Path:
-    """<root>/../journal/<name>@<topic>: a journal beside the spools, not among them (tools that list spools by
-    name, the chaos audit among them, must not take one for a spool)."""
-    return default_spool_root().with_name("journal") / f"{_name_component(name)}@{_safe_name(topic)}"
 
 
 def _sampled(session_id: str, rate: float) -> bool:
@@ -272,19 +242,6 @@ _FROM_SPOOL = 1  # a replay: the spool keeps it until the ack commits it
 _COPIED = 2  # copied into the spool when the broker was declared down: it may arrive twice, never zero times
 
 
-class _WarnOnce:
-    """One warning per kind of problem; later ones are only counted (shown in the metrics log)."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, int] = {}
-
-    def __call__(self, key: str, message: str, *args: Any) -> None:
-        n = self._seen.get(key, 0)
-        self._seen[key] = n + 1
-        if n == 0:
-            log.warning(message + " (further ones of this kind are only counted)", *args)
-
-
 # ---------------------------------------------------------------------------------------------
 # The pipeline: bounded queue -> background thread -> Kafka, spilling to the spool
 # ---------------------------------------------------------------------------------------------
@@ -356,37 +313,6 @@ class _Delivered:
         return False
 
 
-@dataclasses.dataclass
-class Counters:
-    """What a logger did with its records: one object shared by its pipeline, spools and encoder.
-
-    Written without locks: exact where one thread writes a counter (the background thread, or the producer
-    callbacks under the pipeline's lock); `invalid` and `dropped_full` are also written by host threads and may
-    miss an increment under contention, acceptable for counters whose first occurrence is warned."""
-
-    popped: int = 0  # taken off the host's queue by the background thread
-    sent: int = 0  # acknowledged by Kafka
-    spilled: int = 0  # written to the spool
-    replayed: int = 0  # acknowledged by Kafka after a replay from the spool
-    dropped_full: int = 0  # refused: the host's queue was full, or the logger closed
-    dropped_spool: int = 0  # lost: the spool was over its bound, or could not be written
-    invalid: int = 0  # dropped: missing or malformed fields, or past a schema limit
-    coerced: int = 0  # values stored as their repr(): not JSON
-    truncated: int = 0  # records with a value cut at a schema limit
-    send_errors: int = 0
-    rejected: int = 0  # refused by Kafka for good (too large, corrupt): dropped, named in a DLQ notice
-    producer_restarts: int = 0
-    adopted: int = 0  # records moved from the spools of dead processes of the same name and topic
-    io_errors: int = 0  # OSErrors (disk full, EIO) that interrupted a background cycle
-    limited: int = 0  # values cut or events dropped at a schema limit (MAX_JSON_DEPTH, MAX_TOKENS, ranges)
-    oversized: int = 0  # records over the record cap: not sent, each named in a DLQ notice
-    oversized_noticed: int = 0  # of those, notices the DLQ topic acknowledged
-
-    def reset(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, 0)
-
-
 class _Pipeline:
     """Non-blocking, loss-avoiding delivery of dict records to one Kafka topic."""
 
@@ -410,16 +336,12 @@ class _Pipeline:
         exit_timeout_s: float,
         producer_config: dict[str, Any] | None,
         counts: Counters | None = None,
-        warn: _WarnOnce | None = None,
+        warn: WarnOnce | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
         self.name = name
         self._encode = encode
-        # Resolved once: FLYWHEEL_SPOOL_DIR may change later in the host, but this pipeline's spool must not move.
-        self._default_dir = default_spool_dir(name, topic)
-        self._spool_dir = Path(spool_dir) if spool_dir is not None else self._default_dir
-        self._default_spool = spool_dir is None
         self.journal: Journal | None = None  # set by the client when the host asked for one (journal_dir)
         self.max_queue = max_queue
         self.batch_max = batch_max
@@ -432,8 +354,9 @@ class _Pipeline:
         self.metrics_interval_s = metrics_interval_s
         self.exit_timeout_s = exit_timeout_s
         self.producer_config = dict(producer_config or {})
-        self.warn = warn if warn is not None else _WarnOnce()
+        self.warn = warn if warn is not None else WarnOnce()
         self.counts = counts if counts is not None else Counters()  # shared with the client's encoder
+        self.spools = SpoolKeeper(name, topic, spool_dir, spool_max_bytes, self.counts, self.warn)
         self._init_state()
         _install_process_hooks()
         _LIVE.add(self)
@@ -479,6 +402,22 @@ class _Pipeline:
         self._cap_learned = False
         self.dlq_topic = schema.DLQ_TOPIC
         self._notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)  # DLQ notices not yet sent
+
+    @property
+    def _spool(self) -> Spool | None:
+        return self.spools.spool
+
+    @_spool.setter
+    def _spool(self, value: Spool | None) -> None:
+        self.spools.spool = value
+
+    @property
+    def _spool_dir(self) -> Path:
+        return self.spools.dir
+
+    @_spool_dir.setter
+    def _spool_dir(self, value: Path) -> None:
+        self.spools.dir = value
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"flywheel-sdk-{self.name}", daemon=True)
@@ -581,7 +520,7 @@ class _Pipeline:
     def _run(self) -> None:
         try:
             try:
-                self._open_existing_spool()
+                self.spools.open_existing()
             except OSError as exc:
                 self._io_failed("open", exc)
             self._opened = True
@@ -659,11 +598,11 @@ class _Pipeline:
         if not batch:
             return
         if self._down or self._producer is None or self._spool_pending():
-            self._spill(batch)
+            self.spools.spill(batch)
             return
         for i, (key, value) in enumerate(batch):
             if self._down:  # a send just failed (it spilled its record): the rest must not wait on Kafka too
-                self._spill(batch[i:])
+                self.spools.spill(batch[i:])
                 return
             result = self._send(key, value, _IN_MEMORY)
             if isinstance(result, _Rejected):
@@ -687,7 +626,7 @@ class _Pipeline:
                 self._replace_producer = True
             self._mark_down(f"send failed: {exc}")
             if where == _IN_MEMORY:
-                self._spill([(key, value)])
+                self.spools.spill([(key, value)])
             return None
         future.add_callback(self._on_ack, send_id)
         future.add_errback(self._on_error, send_id)
@@ -742,7 +681,7 @@ class _Pipeline:
             while self._failed:
                 batch.append(self._failed.popleft())
             self._mark_down("records failed")
-            self._spill(batch)
+            self.spools.spill(batch)
             self._in_hand = False
 
     def _check_health(self) -> None:
@@ -783,7 +722,7 @@ class _Pipeline:
             for sid, (key, value, _where, ts) in copies:
                 self._pending[sid] = (key, value, _COPIED, ts)
         if copies:
-            self._spill([(e[0], e[1]) for _sid, e in copies])
+            self.spools.spill([(e[0], e[1]) for _sid, e in copies])
 
     def _abandon_producer(self, why: str) -> None:
         """Close the producer without waiting and start afresh; every record it held is in the spool."""
@@ -806,162 +745,6 @@ class _Pipeline:
     def _spool_pending(self) -> bool:
         spool = self._spool  # read once: flush() calls this from the host's thread while _finish clears it
         return spool is not None and len(spool) > 0
-
-    # ---------------------------------------------------------------- spool
-    def _open_existing_spool(self) -> None:
-        """Replay what earlier processes of this name left: our own spool, then orphans (oldest first).
-
-        An orphan is a sibling `<spool>-<pid>[-<n>]` whose lock is free: the spool of a dead process
-        (or a closed logger) that could not take the main one, or of a forked child.
-        """
-        self._warn_old_path_spool()
-        orphans = self._orphan_spools()
-        if orphans or any(self._spool_dir.glob("*.seg")):
-            self._open_spool()
-        if self._spool is None:
-            return
-        for directory in orphans:
-            if directory != self._spool_dir:
-                self._adopt(directory)
-        if len(self._spool):
-            log.info("sdk %s: found %d spooled records in %s from an earlier run (%d adopted from %d orphaned "
-                     "spools); replaying them", self.name, len(self._spool), self._spool_dir, self.counts.adopted,
-                     len(orphans))
-
-    def _orphan_spools(self) -> list[Path]:
-        base = self._spool_dir
-        pattern = re.compile(re.escape(base.name) + r"-\d+(-\d+)?")
-        try:
-            found = [d for d in base.parent.iterdir()
-                     if pattern.fullmatch(d.name) and d.is_dir() and self._may_adopt(d)]
-        except OSError:  # no spool root yet: nothing left behind
-            return []
-
-        def age(directory: Path) -> float:  # the oldest segment's mtime; an orphan without one sorts first
-            return min((p.stat().st_mtime for p in directory.glob(f"*{SEGMENT_SUFFIX}")), default=0.0)
-
-        try:
-            return sorted(found, key=age)
-        except OSError:  # vanished while we looked (its owner closed it): try them in name order
-            return sorted(found)
-
-    def _owner(self) -> dict[str, str]:
-        return {"name": self.name, "topic": self.topic}
-
-    def _may_adopt(self, directory: Path) -> bool:
-        """Whether a sibling spool holds this logger's records: its owner marker says this name and topic.
-
-        `spool/x-2` may be another logger's (an OutcomeReporter's, replayed into the wrong topic). A sibling without
-        a marker (from a version before markers) is adopted only under the default layout, whose directory name
-        itself says the name and topic.
-        """
-        owner = read_owner(directory)
-        if owner is not None:
-            if owner != self._owner():
-                log.info("sdk %s: leaving spool %s alone: it belongs to %s, not %s", self.name, directory, owner,
-                         self._owner())
-            return owner == self._owner()
-        default = self._default_dir
-        if directory.parent.resolve() == default.parent.resolve() and re.fullmatch(
-                re.escape(default.name) + r"-\d+(-\d+)?", directory.name):
-            log.info("sdk %s: adopting %s, a spool without an owner marker (an older version's), by its name",
-                     self.name, directory)
-            return True
-        self.warn(f"unmarked:{directory}", "sdk %s: spool %s has no owner marker and is not named for %s; not "
-                  "adopted (move its records yourself if they are this logger's)", self.name, directory, self._owner())
-        return False
-
-    def _warn_old_path_spool(self) -> None:
-        """Say once if a spool where older SDK versions kept it still holds records: <root>/<name> (before spools
-        were per topic) and var/spool/<name>@<topic> under the working directory (before the state directory)."""
-        if not self._default_spool:
-            return
-        name = _name_component(self.name)
-        olds = (self._default_dir.parent / name, LEGACY_SPOOL_ROOT / name, LEGACY_SPOOL_ROOT / self._default_dir.name)
-        for old in dict.fromkeys(olds):
-            try:
-                if old.resolve() == self._default_dir.resolve():
-                    continue
-                records = any(p.stat().st_size > 0 for p in old.glob(f"*{SEGMENT_SUFFIX}"))
-            except OSError:
-                continue
-            if records:
-                self.warn(f"old-path:{old}", "sdk %s: %s holds spooled records from an older SDK version (spools are "
-                          "now per topic, under the state directory: %s); they are not replayed: move them into that "
-                          "directory to replay them", self.name, old, self._default_dir)
-
-    def _adopt(self, directory: Path) -> None:
-        """Move an orphaned spool's records behind ours (fsynced before they leave it), then remove it."""
-        try:
-            orphan = Spool(directory, max_bytes=self.spool_max_bytes, segment_bytes=self._segment_bytes())
-        except SpoolLocked:
-            return  # its owner is alive
-        except OSError as exc:
-            self.warn("spool-adopt", "sdk %s: cannot open orphaned spool %s (%s); left for a later start",
-                      self.name, directory, exc)
-            return
-        moved = 0
-        try:
-            while len(orphan):
-                records = orphan.peek(2000)
-                if not records:
-                    break
-                assert self._spool is not None, "an orphan is adopted into an open spool"
-                self.counts.dropped_spool += self._spool.append(records)  # beyond our bound the oldest go, as always
-                self._spool.sync()  # on disk here before the orphan lets go of them: a crash duplicates, never loses
-                orphan.commit(len(records))
-                moved += len(records)
-        except OSError as exc:
-            self.warn("spool-adopt", "sdk %s: adopting %s failed (%s); the rest stays there", self.name, directory, exc)
-        finally:
-            orphan.close()  # an emptied spool removes itself
-        self.counts.adopted += moved
-        log.info("sdk %s: adopted %d records from orphaned spool %s", self.name, moved, directory)
-
-    def _segment_bytes(self) -> int:
-        return max(1024 * 1024, min(8 * 1024 * 1024, self.spool_max_bytes // 8))
-
-    def _open_spool(self) -> Spool | None:
-        if self._spool is not None:
-            return self._spool
-        # Another live logger of this name holds the main spool: take a sibling (a later start adopts it).
-        own = self._spool_dir.with_name(f"{self._spool_dir.name}-{os.getpid()}")
-        candidates = [self._spool_dir, own, *(own.with_name(f"{own.name}-{n}") for n in range(1, 4))]
-        for directory in candidates:
-            owner = read_owner(directory)
-            if owner is not None and owner != self._owner():  # the same spool_dir given to another logger
-                self.warn(f"spool-owner:{directory}", "sdk %s: spool %s belongs to %s; using a sibling", self.name,
-                          directory, owner)
-                continue
-            try:
-                self._spool = Spool(directory, max_bytes=self.spool_max_bytes, segment_bytes=self._segment_bytes(),
-                                    owner=self._owner())
-                self._spool_dir = directory
-                return self._spool
-            except SpoolLocked:
-                continue
-            except OSError as exc:
-                self.warn("spool-open", "sdk %s: cannot open spool %s (%s); records that cannot be sent are dropped",
-                          self.name, directory, exc)
-                return None
-        return None
-
-    def _spill(self, batch: list[tuple[bytes, bytes]]) -> None:
-        spool = self._open_spool()
-        if spool is None:
-            self.counts.dropped_spool += len(batch)
-            return
-        try:
-            dropped = spool.append([value for _key, value in batch])
-        except OSError as exc:
-            self.counts.dropped_spool += len(batch)
-            self.warn("spool-write", "sdk %s: spool write failed (%s); %d records dropped", self.name, exc, len(batch))
-            return
-        self.counts.spilled += len(batch)
-        if dropped:
-            self.counts.dropped_spool += dropped
-            log.warning("sdk %s: spool %s over its %d bytes bound; dropped the %d oldest records (%d dropped in all)",
-                        self.name, self._spool_dir, self.spool_max_bytes, dropped, self.counts.dropped_spool)
 
     def _replay(self, chunk: int = 2000, ack_timeout_s: float = 10.0) -> None:
         """Send spooled records oldest first; commit each chunk only once Kafka acknowledged it."""
@@ -1081,7 +864,7 @@ class _Pipeline:
                 batch.append(encoded)
             self._yield_gil()
         if batch:
-            self._spill(batch)
+            self.spools.spill(batch)
         self._in_hand = False
 
     @staticmethod
@@ -1286,7 +1069,7 @@ class _Encoder:
     `counts`, warned once per kind). `over_cap(what, record, size)` says whether a payload is over the topic's
     record cap (the pipeline's producer learns it), and names the record in a DLQ notice when it is."""
 
-    def __init__(self, counts: Counters, warn: _WarnOnce, over_cap: Callable[[str, dict[str, Any], int], bool],
+    def __init__(self, counts: Counters, warn: WarnOnce, over_cap: Callable[[str, dict[str, Any], int], bool],
                  redact: Redactor | None, validate: Callable[[Any], Any],
                  id_field: str, columns: tuple[schema.Col, ...], wire_format: str = "packed") -> None:
         self._counts = counts
@@ -1542,7 +1325,7 @@ class _Client:
                 import lz4.frame  # noqa: F401  (kafka-python needs it for lz4)
             except ImportError:
                 compression = "gzip"  # stdlib; slower, but never a reason not to log
-        counts, warn = Counters(), _WarnOnce()  # one of each, for the pipeline and its encoder
+        counts, warn = Counters(), WarnOnce()  # one of each, for the pipeline and its encoder
 
         def over_cap(what: str, record: dict[str, Any], size: int) -> bool:  # the cap the pipeline's producer learns
             return self._pipe is not None and self._pipe.over_cap(what, record, size)

@@ -62,7 +62,7 @@ from flywheel.demo.plan import (
     scenario_flags,
     tier_env,
 )
-from flywheel.ingest.sdk import LEGACY_SPOOL_ROOT, SPOOL_DIR_ENV
+from flywheel.ingest.sdk_spools import LEGACY_SPOOL_ROOT, SPOOL_DIR_ENV
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -27,7 +27,8 @@ FOLDERS = {"infra": "flywheel", "ingest": "flywheel.ingest", "rewards": "flywhee
            "learner": "flywheel.learner", "serving": "flywheel.serving"}
 STAGES = ["flywheel.base", "flywheel.ingest", "flywheel.rewards", "flywheel.learner", "flywheel.serving"]
 HANDOFFS = {"flywheel.learner": {"flywheel.serving.publisher", "flywheel.serving.registry", "flywheel.serving.tier"}}
-SDK = {"flywheel.ingest.schema", "flywheel.ingest.sdk", "flywheel.ingest.spool", "flywheel.ingest.journal", "flywheel.ingest.redact", "flywheel.ingest.wire"}
+SDK = {"flywheel.ingest.schema", "flywheel.ingest.sdk", "flywheel.ingest.sdk_counters", "flywheel.ingest.sdk_spools",
+       "flywheel.ingest.spool", "flywheel.ingest.journal", "flywheel.ingest.redact", "flywheel.ingest.wire"}
 TOP = ["flywheel.demo", "flywheel.stack", "flywheel.status", "flywheel.cli", "flywheel.topics"]
 # the local stack is infrastructure: it serves a model it is given and builds none (the tiny one is the demo's)
 INFRA_TOP = {"flywheel.stack", "flywheel.topics", "flywheel.status"}
