@@ -65,7 +65,6 @@ import logging
 import math
 import os
 import reprlib
-import socket
 import sys
 import threading
 import time
@@ -75,17 +74,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Sequence, TypeVar
 
-from flywheel.base.config import ConfigError
-from flywheel.base.kafka import (
-    RECORD_OVERHEAD_BYTES,
-    client_kwargs,
-    load_kafka_config,
-    topic_configs,
-)
 from flywheel.ingest import schema, wire
 from flywheel.ingest.journal import Journal, JournalLocked
 from flywheel.ingest.redact import Redactor, redact_json, redact_text
 from flywheel.ingest.sdk_counters import Counters, WarnOnce
+from flywheel.ingest.sdk_producer import ProducerLife, _close_producer
 from flywheel.ingest.sdk_spools import SPOOL_DIR_ENV as SPOOL_DIR_ENV
 from flywheel.ingest.sdk_spools import SpoolKeeper, _name_component
 from flywheel.ingest.sdk_spools import default_journal_dir as default_journal_dir
@@ -271,20 +264,6 @@ def _reset_live_in_child() -> None:
         p._reset_in_child()
 
 
-def _close_producer(producer: Any, timeout: float) -> None:
-    """Close a KafkaProducer within `timeout` seconds (0: at once), whatever it still holds."""
-    try:
-        producer.close(timeout=timeout)
-    except Exception:
-        # kafka-python 3.0: close() raises from its flush() while records are still pending and then
-        # never force-closes, leaving its sender thread running and __del__ retrying (and raising) at
-        # exit. Everything pending is already in our spool: stop it the way close() would have.
-        sender = getattr(producer, "_sender", None)
-        if sender is not None:
-            sender.force_close()
-        producer._closed = True
-
-
 class _Rejected:
     """What _send returns for a record Kafka refused for good: a resolved, failed future."""
 
@@ -369,8 +348,8 @@ class _Pipeline:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._needs_start = False
-        self._producer: Any = None
-        self._producer_tried = 0.0
+        self.producers = ProducerLife(self.bootstrap, self.topic, self.name, self.compression, self.retry_s,
+                                      self.producer_config, self.counts, self.warn)
         self._spool: Spool | None = None
         self._failed: collections.deque[tuple[bytes, bytes]] = collections.deque()
         # send id -> (key, value, where the record also lives: _IN_MEMORY | _FROM_SPOOL | _COPIED, monotonic send time)
@@ -384,7 +363,6 @@ class _Pipeline:
         self._reachable_since: float | None = None  # first probe that found the broker listening again
         self._replace_producer = False  # the producer failed a replay against a listening broker
         self._restarts_in_outage = 0  # producers given up on since the broker was last declared down
-        self._delivery_timeout_s = 30.0  # the producer's delivery_timeout_ms, once created
         self._next_stall_check = 0.0
         self._next_replay = 0.0
         self._last_metrics = time.monotonic()
@@ -396,12 +374,6 @@ class _Pipeline:
         self._cb_lock = threading.Lock()
         self._yielded = time.perf_counter()
         self.counts.reset()  # a forked child counts its own records from zero
-        # The record cap: schema.MAX_RECORD_BYTES until the topic's max.message.bytes is read (once, at connect)
-        self.record_cap = schema.MAX_RECORD_BYTES
-        self.topic_max_message_bytes: int | None = None
-        self._cap_learned = False
-        self.dlq_topic = schema.DLQ_TOPIC
-        self._notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)  # DLQ notices not yet sent
 
     @property
     def _spool(self) -> Spool | None:
@@ -418,6 +390,23 @@ class _Pipeline:
     @_spool_dir.setter
     def _spool_dir(self, value: Path) -> None:
         self.spools.dir = value
+
+    @property
+    def _producer(self) -> Any:
+        return self.producers.producer
+
+    def _ensure_producer(self, probed: bool = False) -> None:
+        why = self.producers.ensure(probed)
+        if why is not None:
+            self._mark_down(why)
+
+    def _send_notices(self) -> None:
+        if not self._down:
+            self.producers.send_notices()
+
+    def over_cap(self, what: str, record: dict[str, Any], size: int) -> bool:
+        """Whether an encoded record is over the topic's record cap (named in a DLQ notice when it is)."""
+        return self.producers.over_cap(what, record, size)
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"flywheel-sdk-{self.name}", daemon=True)
@@ -460,7 +449,7 @@ class _Pipeline:
             "limited": self.counts.limited,
             "oversized": self.counts.oversized,
             "oversized_noticed": self.counts.oversized_noticed,
-            "record_cap": self.record_cap,
+            "record_cap": self.producers.record_cap,
             "send_errors": self.counts.send_errors,
             "rejected": self.counts.rejected,
             "producer_restarts": self.counts.producer_restarts,
@@ -664,13 +653,13 @@ class _Pipeline:
         """Count a record Kafka refused for good; with its bytes at hand, name it in a DLQ notice too."""
         self.counts.rejected += 1
         self.warn(f"reject:{type(exc).__name__}", "sdk %s: Kafka refused a record for good (%s); dropped%s", self.name,
-                  exc, "" if value is None else f" and named in a notice to {self.dlq_topic}")
+                  exc, "" if value is None else f" and named in a notice to {self.producers.dlq_topic}")
         if value is not None:
             try:
                 record = json.loads(value)
             except ValueError:
                 record = {}
-            self._add_notice("oversized" if "TooLarge" in type(exc).__name__ else "rejected",
+            self.producers.add_notice("oversized" if "TooLarge" in type(exc).__name__ else "rejected",
                              f"{type(exc).__name__}: {exc}"[:500], record if isinstance(record, dict) else {},
                              len(value))
 
@@ -694,10 +683,10 @@ class _Pipeline:
                 oldest = next(iter(self._pending.values()), None)
             # kafka-python fails a send after delivery_timeout_ms; one still unresolved well after that never
             # will be (its idempotent producer after a long outage, design.md): give that producer up.
-            if oldest is not None and now - oldest[3] > self._delivery_timeout_s + self.inflight_wait_s:
+            if oldest is not None and now - oldest[3] > self.producers.delivery_timeout_s + self.inflight_wait_s:
                 self._mark_down(f"a send unresolved after {now - oldest[3]:.0f}s")
                 self._abandon_producer(f"a send unresolved {now - oldest[3]:.0f}s after it was made, past the "
-                                       f"producer's delivery timeout of {self._delivery_timeout_s:.0f}s")
+                                       f"producer's delivery timeout of {self.producers.delivery_timeout_s:.0f}s")
 
     def _mark_down(self, why: str) -> None:
         if not self._down:
@@ -730,9 +719,8 @@ class _Pipeline:
         with self._cb_lock:
             abandoned = len(self._pending)
             self._pending.clear()
-        producer, self._producer = self._producer, None
+        producer = self.producers.drop()  # the next _ensure_producer creates one at once
         self._replace_producer = False
-        self._producer_tried = 0.0  # the next _ensure_producer creates one at once
         self.counts.producer_restarts += 1
         self._restarts_in_outage += 1
         # A broker that listens but keeps failing replays makes this happen every retry: warn once per outage.
@@ -749,7 +737,7 @@ class _Pipeline:
     def _replay(self, chunk: int = 2000, ack_timeout_s: float = 10.0) -> None:
         """Send spooled records oldest first; commit each chunk only once Kafka acknowledged it."""
         self._next_replay = time.monotonic() + self.retry_s
-        if not self._broker_reachable():
+        if not self.producers.broker_reachable():
             self._reachable_since = None
             return
         now = time.monotonic()
@@ -874,149 +862,6 @@ class _Pipeline:
         except (ValueError, AttributeError):
             return b""
 
-    def _broker_reachable(self) -> bool:
-        for server in self.bootstrap.split(","):
-            host, _, port = server.strip().rpartition(":")
-            try:
-                with socket.create_connection((host or "127.0.0.1", int(port or 9092)), timeout=0.5):
-                    return True
-            except (OSError, ValueError):
-                continue
-        return False
-
-    # ---------------------------------------------------------------- producer
-    def _ensure_producer(self, probed: bool = False) -> None:
-        """Create the producer if there is none (at most every retry_s);
-        `probed`: the broker was just found listening."""
-        if self._producer is not None or time.monotonic() - self._producer_tried < self.retry_s:
-            return
-        self._producer_tried = time.monotonic()
-        # fail in milliseconds instead of blocking for bootstrap_timeout_ms
-        if not probed and not self._broker_reachable():
-            self._mark_down("no broker listening")
-            return
-        try:
-            from kafka import KafkaProducer
-        except ImportError as exc:
-            self.warn("import", "sdk %s: kafka-python is not installed (%s); records are spooled", self.name, exc)
-            self._mark_down("kafka-python missing")
-            return
-        try:
-            config = self._producer_settings()
-        except ConfigError as exc:  # bad FLYWHEEL_KAFKA_* settings: the host keeps running, records are spooled
-            self.warn("kafka-config", "sdk %s: Kafka client settings invalid (%s); records are spooled", self.name, exc)
-            self._mark_down("Kafka client settings invalid")
-            return
-        try:
-            self._producer = KafkaProducer(**config)
-        except Exception as exc:  # NoBrokersAvailable, KafkaTimeoutError, authentication and config errors
-            self._mark_down(f"cannot connect: {type(exc).__name__}: {exc}")
-            return
-        self._delivery_timeout_s = float(config["delivery_timeout_ms"]) / 1000.0
-        if not self._cap_learned:
-            # Once per pipeline, beside this thread: an admin round trip (seconds where describe is slow or refused)
-            # must not hold up delivery. Until it answers the cap is schema.MAX_RECORD_BYTES, and a record the topic
-            # refuses as too large is named in a DLQ notice all the same (_reject).
-            self._cap_learned = True
-            threading.Thread(target=self._learn_record_cap, args=(config,), name=f"flywheel-sdk-{self.name}-cap",
-                             daemon=True).start()
-        # kafka-python registers its own atexit close, which would run before ours (atexit is LIFO) and
-        # close the producer while our queue still holds records; our hook closes it after draining.
-        unregister = getattr(self._producer, "_unregister_cleanup", None)
-        if callable(unregister):
-            unregister()
-        log.info("sdk %s: connected to Kafka at %s (topic %s, compression %s)",
-                 self.name, self.bootstrap, self.topic, self.compression)
-
-    def _producer_settings(self) -> dict[str, Any]:
-        """kafka-python settings: ours, then the shared security settings (FLYWHEEL_KAFKA_*), then producer_config."""
-        config: dict[str, Any] = {
-            "bootstrap_servers": self.bootstrap.split(","),
-            **client_kwargs(load_kafka_config(), f"flywheel-sdk-{self.name}"),
-            "acks": "all",
-            "enable_idempotence": True,  # broker-side de-duplication of producer retries
-            "compression_type": self.compression,
-            "linger_ms": 10,
-            "batch_size": 256 * 1024,
-            "max_request_size": schema.MAX_RECORD_BYTES + 64 * 1024,
-            "bootstrap_timeout_ms": 2000,  # creation happens here, in the background, and is retried
-            # a send must never stall this thread for long (the host is not waiting, the queue is)
-            "max_block_ms": 2000,
-            "request_timeout_ms": 5000,
-            "delivery_timeout_ms": 30_000,  # after this a record fails and goes to the spool
-            "reconnect_backoff_max_ms": 1000,
-        }
-        config.update(self.producer_config)
-        return config
-
-    def _learn_record_cap(self, config: dict[str, Any]) -> None:
-        """Cap records below the topic's max.message.bytes, read once through an admin client with the producer's
-        settings: a default cluster's 1 MiB would otherwise refuse records the schema allows up to 4 MiB."""
-        try:
-            from kafka import KafkaAdminClient
-
-            settings = {k: v for k, v in config.items() if k in KafkaAdminClient.DEFAULT_CONFIG}
-            settings.update(client_id=f"{config.get('client_id', 'flywheel-sdk')}-admin", request_timeout_ms=5000)
-            admin = KafkaAdminClient(**settings)
-            try:
-                limit = int(topic_configs(admin, [self.topic])[self.topic]["max.message.bytes"])
-            finally:
-                admin.close()
-        except Exception as exc:  # no describe rights, an old broker, a topic not created yet: keep the cap we have
-            log.warning("sdk %s: cannot read max.message.bytes of %s (%s: %s); records stay capped at %d bytes",
-                        self.name, self.topic, type(exc).__name__, exc, self.record_cap)
-            return
-        self.topic_max_message_bytes = limit
-        self.record_cap = min(schema.MAX_RECORD_BYTES, limit - RECORD_OVERHEAD_BYTES)
-        log.info("sdk %s: topic %s takes records up to max.message.bytes=%d; records capped at %d bytes",
-                 self.name, self.topic, limit, self.record_cap)
-
-    def over_cap(self, what: str, record: dict[str, Any], size: int) -> bool:
-        """Whether a record of `size` bytes is over the record cap; one that is goes to oversized_record."""
-        if size <= self.record_cap:
-            return False
-        self.oversized_record(what, record, size)
-        return True
-
-    def oversized_record(self, what: str, record: dict[str, Any], size: int) -> None:
-        """A record over the cap: counted, warned once, and named in a small notice to the DLQ topic.
-
-        Never silently dropped, yet never sent whole: the topic would refuse it. The notice (reason, event id,
-        session id, size, cap) is what the lake writer's dead letters look like, so the same DLQ dashboards and
-        `flywheel status` see it; the record's content is not kept (it may hold the agent's prompts, and a
-        side file on the agent's host is where nobody looks).
-        """
-        self.counts.oversized += 1
-        detail = (f"{size} bytes > cap {self.record_cap} (topic {self.topic} max.message.bytes "
-                  f"{self.topic_max_message_bytes or 'unknown'}, schema.MAX_RECORD_BYTES {schema.MAX_RECORD_BYTES})")
-        self.warn(f"oversized:{what}", "sdk %s: %s not sent: %s; counted as oversized and named in a notice to %s",
-                  self.name, what, detail, self.dlq_topic)
-        self._add_notice("oversized", detail, record, size)
-
-    def _add_notice(self, reason: str, detail: str, record: dict[str, Any], size: int) -> None:
-        self._notices.append({"reason": reason, "detail": detail, "topic": self.topic, "partition": None,
-                              "offset": None, "source": f"sdk:{self.name}",
-                              "id": record.get("event_id") or record.get("outcome_id"), "type": record.get("type"),
-                              "session_id": record.get("session_id"), "bytes": size, "ts": schema.now_ts()})
-
-    def _send_notices(self) -> None:
-        while self._notices and self._producer is not None and not self._down:
-            notice = self._notices[0]
-            try:
-                future = self._producer.send(self.dlq_topic, key=str(notice["id"]).encode(),
-                                             value=json.dumps(notice).encode())
-            except Exception as exc:  # kept for the next cycle (the deque is bounded)
-                self.warn(f"notice:{type(exc).__name__}", "sdk %s: DLQ notice not sent (%s); retried", self.name, exc)
-                return
-            self._notices.popleft()
-            future.add_callback(self._on_notice)
-            future.add_errback(lambda exc: self.warn("notice-failed", "sdk %s: DLQ notice to %s failed (%s); the "
-                                                     "record stays counted as oversized",
-                                                     self.name, self.dlq_topic, exc))
-
-    def _on_notice(self, _metadata: Any) -> None:
-        self.counts.oversized_noticed += 1
-
     # ---------------------------------------------------------------- shutdown and metrics
     def _finish(self) -> None:
         deadline = self._stopping_deadline
@@ -1038,8 +883,7 @@ class _Pipeline:
         with self._cb_lock:
             self._pending.clear()
         if self._producer is not None:
-            producer, self._producer = self._producer, None
-            _close_producer(producer, timeout=0 if self._down else 1)
+            _close_producer(self.producers.drop(), timeout=0 if self._down else 1)
         if self._spool is not None:
             if len(self._spool):
                 log.warning("sdk %s: %d records remain in spool %s; a process with the same name replays them",
