@@ -103,7 +103,10 @@ def run(cfg: PreflightConfig) -> dict[str, Any]:
         parts = [tasks.make_part(rng, "train") for _ in range(cfg.batch_size)]
         (ids, attention), mask, texts = _sample(model, tok, parts, cfg.max_new_tokens)
         rewards = [float(tasks.call_is_correct(p, t)) for p, t in zip(parts, texts)]
-        # the demo recipe's advantages: a leave-one-out baseline per task type, positive only, normalized
+        broken = [tasks.parse_reply(t).kind == "malformed_call" for t in texts]
+        malformed = sum(broken) / len(texts)
+        # the demo recipe's advantages: a leave-one-out baseline per task type, positive only, normalized (without
+        # the builder's malformed-call penalty: the project's 20-step figures were measured so)
         adv = learner_loss.advantages(rewards, [f"tool_use.{p.tool}" for p in parts], [None] * len(parts), None,
                                       group_relative=True, normalize=True, batch_baseline=True, positive_only=True)
         logp = _token_logprobs(model, ids, attention)
@@ -114,13 +117,13 @@ def run(cfg: PreflightConfig) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         prod = _production(warm_start.naming_probabilities(model, tok, probe))
-        history.append({"step": step, "reward": sum(rewards) / len(rewards), "production_name": prod,
-                        "elapsed_s": round(time.time() - t0, 1)})
+        history.append({"step": step, "reward": sum(rewards) / len(rewards), "malformed": malformed,
+                        "production_name": prod, "elapsed_s": round(time.time() - t0, 1)})
         for tool, p in prod.items():
             if p >= cfg.target and tool not in reached:
                 reached[tool] = step
-        log.info("preflight: step %d, first calls right %.0f%%, p(production name) %s", step,
-                 100 * sum(rewards) / len(rewards), " ".join(f"{t} {p:.2f}" for t, p in prod.items()))
+        log.info("preflight: step %d, first calls right %.0f%%, malformed %.1f%%, p(production name) %s", step,
+                 100 * sum(rewards) / len(rewards), 100 * malformed, " ".join(f"{t} {p:.2f}" for t, p in prod.items()))
     result = {"model": str(cfg.model), "config": json.loads(json.dumps(asdict(cfg), default=str)),
               "reached_at": reached, "passed": set(reached) == set(tasks.TOOLS), "history": history,
               "seconds": round(time.time() - t0, 1)}
