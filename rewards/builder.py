@@ -552,7 +552,7 @@ class Builder:
         except BaseException:
             self.lock.release()  # a builder that failed to start must not keep the state locked
             raise
-        self.labeller = Labeller(rewards, self.judge.model, cfg.lake_root)
+        self.labeller = Labeller(rewards, lambda: self.judge.model, cfg.lake_root)  # the judge in use when labelling
         self.judge_memo: dict[str, tuple[int | None, str]] = {}
         self.judged = judge_pass.JudgedPass()  # this pass's judge answers and the retry queue it commits
         self.backlog_files = 0  # lake files past this pass's input (catch-up progress)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from flywheel.ingest import lake, schema
 from flywheel.ingest.lake import LakeReadError
@@ -89,9 +89,9 @@ def loss_mask_from(n: int, trained_from: int | None) -> list[int]:
 class Labeller:
     """The label stage of a pass: rows and index rows from routed sessions, under one rewards config."""
 
-    def __init__(self, rewards: reward_config.RewardConfig, judge_model: str, lake_root: str) -> None:
+    def __init__(self, rewards: reward_config.RewardConfig, judge_model: Callable[[], str], lake_root: str) -> None:
         self.rewards = rewards
-        self.judge_model = judge_model  # named in each row's reward detail
+        self._judge_model = judge_model  # the builder's judge's model, named in each row's reward detail
         self.lake_root = lake_root  # a relabel reads the session's previous rows from its episodes
 
     def label_one(self, due: Due, judged: judge_mod.JudgeResult | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -109,7 +109,7 @@ class Labeller:
         harmful = parl.harmful_prune_penalties(made, due.outcomes, self.rewards.penalties)
         r_judge = judged.r_judge(self.rewards.judge_weight(task)) if judged is not None else None
         detail_base = {
-            "judge": judge_pass.judge_detail(self.rewards, self.judge_model, task, judged),
+            "judge": judge_pass.judge_detail(self.rewards, self._judge_model(), task, judged),
             "parl": parl.detail(stats) | {"anneal_clock": self.rewards.parl.anneal_clock,
                                           "spurious": sum(x.n_spurious for x in shaping.values())},
             "malformed_tool_calls": n_malformed,
@@ -232,7 +232,7 @@ class Labeller:
                     r = r | {"loss_mask": loss_mask_from(len(r["completion_token_ids"]), None)}
             if judged is not None:
                 r = r | {"r_judge": judged.r_judge(self.rewards.judge_weight(task)), "judge_score": judged.score}
-                detail["judge"] = judge_pass.judge_detail(self.rewards, self.judge_model, task, judged)
+                detail["judge"] = judge_pass.judge_detail(self.rewards, self._judge_model(), task, judged)
             reward = schema.episode_reward(score.r_outcome, turn.r_turn, r["r_judge"], r["r_parallel"], r["r_finish"],
                                            r_penalty)
             rows.append(r | {"label_version": label, "r_outcome": score.r_outcome, "r_turn": turn.r_turn,

@@ -177,7 +177,7 @@ def test_copies_of_a_labelled_sessions_events_are_duplicates_and_only_new_ones_l
 
 
 def test_label_1_index_row_keeps_every_event_id_of_every_agent(rewards: config.RewardConfig) -> None:
-    from flywheel.rewards.builder import label_1_index_row
+    from flywheel.rewards.labels import label_1_index_row
 
     events = session("s1")
     child = [dict(events[1], event_id="s1-kid", agent_id="kid", parent_agent_id="main", seq=0)]
