@@ -79,10 +79,10 @@ from flywheel.ingest.sdk_counters import Counters, WarnOnce
 from flywheel.ingest.sdk_delivery import Pipeline
 from flywheel.ingest.sdk_encoding import JSON_COLUMNS, SEQUENCE_FIELDS, Encoder
 from flywheel.ingest.sdk_spools import SPOOL_DIR_ENV as SPOOL_DIR_ENV
-from flywheel.ingest.sdk_spools import _name_component
 from flywheel.ingest.sdk_spools import default_journal_dir as default_journal_dir
 from flywheel.ingest.sdk_spools import default_spool_dir as default_spool_dir
 from flywheel.ingest.sdk_spools import default_spool_root as default_spool_root
+from flywheel.ingest.sdk_spools import name_component
 
 # SPOOL_DIR_ENV and default_*_dir/root are re-exported (`x as x`): where a logger's spool lives is public surface
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def _default_name() -> str:
     """The program's name, without the pid: stable across restarts, so a restarted agent finds its spool."""
     path = Path(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else "python")
     stem = path.parent.name if path.stem == "__main__" else path.stem  # `python -m pkg`: the package
-    return _name_component(stem)
+    return name_component(stem)
 
 
 def _sampled(session_id: str, rate: float) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from flywheel.ingest.journal import Journal
 from flywheel.ingest.sdk_counters import Counters, WarnOnce
-from flywheel.ingest.sdk_producer import ProducerLife, _close_producer
+from flywheel.ingest.sdk_producer import ProducerLife, close_producer
 from flywheel.ingest.sdk_spools import SpoolKeeper
 from flywheel.ingest.spool import Spool
 
@@ -137,7 +137,6 @@ class Pipeline:
         self.max_queue = max_queue
         self.batch_max = batch_max
         self.linger_s = linger_s
-        self.spool_max_bytes = spool_max_bytes
         self.compression = compression
         self.outage_after_s = outage_after_s
         self.retry_s = retry_s
@@ -540,7 +539,7 @@ class Pipeline:
                 "sdk %s: replacing the Kafka producer (%s); its %d in-flight records are re-sent from the spool",
                 self.name, why, abandoned)
         if producer is not None:
-            _close_producer(producer, timeout=0.0)
+            close_producer(producer, timeout=0.0)
 
     def _spool_pending(self) -> bool:
         spool = self._spool  # read once: flush() calls this from the host's thread while _finish clears it
@@ -695,7 +694,7 @@ class Pipeline:
         with self._cb_lock:
             self._pending.clear()
         if self._producer is not None:
-            _close_producer(self.producers.drop(), timeout=0 if self._down else 1)
+            close_producer(self.producers.drop(), timeout=0 if self._down else 1)
         if self._spool is not None:
             if len(self._spool):
                 log.warning("sdk %s: %d records remain in spool %s; a process with the same name replays them",

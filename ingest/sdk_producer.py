@@ -22,7 +22,7 @@ from flywheel.ingest.sdk_counters import Counters, WarnOnce
 log = logging.getLogger("flywheel.ingest.sdk")  # the SDK's parts all log as the SDK: a host configures one logger
 
 
-def _close_producer(producer: Any, timeout: float) -> None:
+def close_producer(producer: Any, timeout: float) -> None:
     """Close a KafkaProducer within `timeout` seconds (0: at once), whatever it still holds."""
     try:
         producer.close(timeout=timeout)

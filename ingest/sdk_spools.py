@@ -29,7 +29,7 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".-")
 
 
-def _name_component(name: str) -> str:
+def name_component(name: str) -> str:
     return _safe_name(name) or "python"
 
 
@@ -48,13 +48,13 @@ def default_spool_root() -> Path:
 def default_spool_dir(name: str, topic: str) -> Path:
     """<root>/<name>@<topic>: one spool per logger name and topic (a SessionLogger and an OutcomeReporter
     of the same name must not replay each other's records into the wrong topic)."""
-    return default_spool_root() / f"{_name_component(name)}@{_safe_name(topic)}"
+    return default_spool_root() / f"{name_component(name)}@{_safe_name(topic)}"
 
 
 def default_journal_dir(name: str, topic: str) -> Path:
     """<root>/../journal/<name>@<topic>: a journal beside the spools, not among them (tools that list spools by
     name, the chaos audit among them, must not take one for a spool)."""
-    return default_spool_root().with_name("journal") / f"{_name_component(name)}@{_safe_name(topic)}"
+    return default_spool_root().with_name("journal") / f"{name_component(name)}@{_safe_name(topic)}"
 
 
 class SpoolKeeper:
@@ -140,7 +140,7 @@ class SpoolKeeper:
         were per topic) and var/spool/<name>@<topic> under the working directory (before the state directory)."""
         if not self.is_default:
             return
-        name = _name_component(self.name)
+        name = name_component(self.name)
         olds = (self.default_dir.parent / name, LEGACY_SPOOL_ROOT / name, LEGACY_SPOOL_ROOT / self.default_dir.name)
         for old in dict.fromkeys(olds):
             try:

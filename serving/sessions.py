@@ -96,7 +96,6 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
     """
     import duckdb
 
-
     events = [f.path for f in lake.list_files(lake_root, "events")]
     if not events:
         return []
@@ -153,7 +152,6 @@ def _record(row: tuple[Any, ...]) -> SessionRecord:
 def _judge_view(con: "duckdb.DuckDBPyConnection", lake_root: str, wanted: bool) -> None:
     """View `judged`: each session's judge score, from the first of its episodes' labels that carries one (none
     unless `wanted`). The first, not the latest: a score the gate has tested must not change under it."""
-
     episodes = [f.path for f in lake.list_files(lake_root, "episodes")] if wanted else []
     if not episodes:
         con.execute("CREATE VIEW judged AS SELECT NULL::VARCHAR AS session_id, NULL::DOUBLE AS score WHERE false")

@@ -131,7 +131,6 @@ class Facts:
 # ---------------------------------------------------------------------------------------------
 def _lake_files(lake_root: str, table: str) -> list[str]:
     """Paths of the table's visible files, local or remote (a compaction's originals are not counted twice)."""
-
     return [f.path for f in lake.list_files(lake_root, table)]
 
 
@@ -139,7 +138,6 @@ def _published_at(lake_root: str, table: str) -> dict[str, float]:
     """Epoch seconds each file of a lake table was published: its modification time (a lake file is written
     once, by an atomic rename or a single PUT, and never changed). One listing, local or remote."""
     import pyarrow.fs as pafs
-
 
     fs, base = lake.filesystem(lake_root)
     infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", recursive=True, allow_not_found=True))
