@@ -63,6 +63,8 @@ class TrainerState:
     # new version at its step; a rebase keeps only the target and its ancestors (rebase_line). A version not
     # here (abandoned, or never this learner's) serves only stale rows.
     lineage: dict[int, int] = field(default_factory=dict)
+    # the step the current line began at: 0, or the step of the last rebase; the lr warm-up counts from it
+    line_start_step: int = 0
     kl_coef: float = 0.0  # the adaptive KL coefficient now (kl_target); 0: not adapted yet, the config's kl_coef
 
     def __post_init__(self) -> None:

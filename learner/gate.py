@@ -73,16 +73,23 @@ def rebase_onto(policy: Policy, optimizer: torch.optim.Optimizer, state: Trainer
                 stream: EpisodeStream | None, version: int, source: str | None) -> None:
     """Load policy-v<version>'s weights (source: its directory; None for policy-v0) and abandon the line above it.
 
-    The first moment of Adam points along the abandoned line, so it is zeroed; the second moment
-    (the gradient scale) stays, so the first steps after a rebase are not full-size sign steps.
+    The new line starts as a new run does: Adam's state is dropped (both moments describe gradients
+    of the abandoned line) and the learning-rate warm-up runs again from this step
+    (state.line_start_step). Keeping the second moment without a warm-up garbled the tool calls the
+    batches rarely reinforce: in demo run 3 of issue 38 the version trained after a rebase onto policy-v0
+    wrote malformed add calls 51% of the time (v0: 1%). Replayed offline on that run's rows (40 steps,
+    a rebase onto policy-v0, 20 steps), 10.0% / 6.7% of sampled add / mul calls were malformed with the
+    old rule, 6.7% / 1.7% with Adam's state dropped but no warm-up, 2.8% / 1.1% with this rule: the same
+    as a fresh start on those rows (180 calls each; docs/experiments.md, session 26).
     The line (state.lineage, which the staleness filter reads) becomes the champion and its ancestors.
     The caller makes `version` the current one (Versions.adopt).
     """
     abandoned = abandoned_above(state.published, state.abandoned, version)
     policy.load_published(Path(source) if source else None)
-    for slot in optimizer.state.values():
-        if "exp_avg" in slot:
-            slot["exp_avg"].zero_()
+    optimizer.state.clear()  # AdamW creates each parameter's moments (and its step count) again at its next step
+    if policy.sharded is not None:
+        policy.sharded.optimizer_state = {}  # rank 0's gathered copy, which a checkpoint before the next step writes
+    state.line_start_step = state.step
     state.abandoned.extend(abandoned)
     state.rebase_line(version)  # the champion's rows are lag 0 for the new line, its ancestors' as far behind as before
     if stream is not None:

@@ -87,7 +87,7 @@ class BehaviourGap:
 
 
 def warmup_factor_at(step: int, warmup_steps: int) -> float:
-    """lr multiplier of the step after `step`: linear over the first warmup_steps (from the checkpointed step)."""
+    """lr multiplier of the step after `step` of a line: linear over its first warmup_steps."""
     if warmup_steps <= 0:
         return 1.0
     return min(1.0, (step + 1) / warmup_steps)
@@ -139,8 +139,8 @@ class Trainer:
             policy.sharded.gather(optimizer)  # rank 0 may write a version before the first step
 
     def warmup_factor(self) -> float:
-        """lr multiplier of the coming step."""
-        return warmup_factor_at(self.state.step, self.cfg.warmup_steps)
+        """lr multiplier of the coming step: the warm-up counts from the start of the line (a rebase starts one)."""
+        return warmup_factor_at(self.state.step - self.state.line_start_step, self.cfg.warmup_steps)
 
     def rows_to_run(self, plan: BatchPlan) -> BatchPlan:
         return rows_worth_running(plan, self.cfg.kl_coef if self.cfg.kl_rows == "all" else 0.0, self.world.size)

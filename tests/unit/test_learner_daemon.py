@@ -152,7 +152,7 @@ def test_ppo_with_kl_and_full_weights_train_and_write_servable_versions(tmp_path
         assert (version / "adapter_model.safetensors").is_file()
 
 
-def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Path, model_dir: Path) -> None:
+def test_learning_rate_warms_up_linearly_from_the_start_of_the_line(tmp_path: Path, model_dir: Path) -> None:
     from flywheel.learner.daemon import Learner
 
     learner = Learner(_cfg(tmp_path, model_dir, lr=1e-3, warmup_steps=4))
@@ -169,6 +169,10 @@ def test_learning_rate_warms_up_linearly_from_the_checkpointed_step(tmp_path: Pa
     learner.train_step(learner.plan(batch))
     assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4), "the first step runs at lr / warmup_steps"
     assert Learner(_cfg(tmp_path / "b", model_dir, warmup_steps=0)).trainer.warmup_factor() == 1.0
+    learner.state.step, learner.state.line_start_step = 40, 37  # a rebase at step 37 started a new line
+    assert learner.trainer.warmup_factor() == pytest.approx(1.0), "three steps into the line: (3 + 1) / 4"
+    learner.state.line_start_step = 39
+    assert learner.trainer.warmup_factor() == pytest.approx(0.5), "the warm-up runs again after a rebase"
 
 
 def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_path: Path, model_dir: Path) -> None:
@@ -266,9 +270,9 @@ def test_rebase_loads_the_champion_and_drops_the_abandoned_line(tmp_path: Path, 
     assert learner.state.policy_version == 1 and learner.state.abandoned == [2]
     assert learner.stream is not None and learner.stream.abandoned == {2}
     assert learner.state.lags() == {0: 1, 1: 0}, "the champion's rows lag 0; v0 stays 1 step behind it; v2 is off the line"
-    assert all(float(s["exp_avg"].abs().sum()) == 0.0 for s in learner.optimizer.state.values()), \
-        "Adam's first moment still points along the abandoned line"
-    assert all(float(s["exp_avg_sq"].abs().sum()) > 0.0 for s in learner.optimizer.state.values())
+    assert not learner.optimizer.state, "Adam's moments of the abandoned line survived the rebase"
+    assert learner.state.line_start_step == learner.state.step == 3
+    assert learner.trainer.warmup_factor() == 1.0  # warmup_steps 0 here; the warm-up's restart is tested above
     assert learner.versions.next_version() == 3, "a version number is never reused"
 
     learner.rebase(0, None)  # the champion may be policy-v0 itself
