@@ -77,10 +77,10 @@ def rebase_onto(policy: Policy, optimizer: torch.optim.Optimizer, state: Trainer
     of the abandoned line) and the learning-rate warm-up runs again from this step
     (state.line_start_step). Keeping the second moment without a warm-up garbled the tool calls the
     batches rarely reinforce: in demo run 3 of issue 38 the version trained after a rebase onto policy-v0
-    wrote malformed add calls 51% of the time (v0: 1%). Replayed offline on that run's rows (40 steps,
-    a rebase onto policy-v0, 20 steps), 10.0% / 6.7% of sampled add / mul calls were malformed with the
-    old rule, 6.7% / 1.7% with Adam's state dropped but no warm-up, 2.8% / 1.1% with this rule: the same
-    as a fresh start on those rows (180 calls each; docs/experiments.md, session 26).
+    wrote malformed add calls 48% of the time (the warm start: 0.5%). Replayed offline on that run's rows
+    (40 steps, a rebase onto policy-v0, 20 steps), 12.0% / 8.0% of sampled add / mul calls were malformed
+    with the old rule, 5.3% / 2.2% with Adam's state dropped but no warm-up, 4.0% / 1.7% with this rule,
+    which is a fresh start on those rows (600 calls each; docs/experiments.md, session 26).
     The line (state.lineage, which the staleness filter reads) becomes the champion and its ancestors.
     The caller makes `version` the current one (Versions.adopt).
     """
