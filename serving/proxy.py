@@ -19,7 +19,8 @@ choice with the exact prompt and completion token ids, the behaviour logprobs, t
 model name and the policy version (through the SessionLogger SDK, so a broker outage costs
 the agent nothing).
 
-Routes: POST /v1/chat/completions and /v1/completions (streaming and not), GET /v1/models
+Routes: POST /v1/chat/completions and /v1/completions (streaming and not), POST /v1/messages (Anthropic
+Messages, streaming and not, translated to chat completions and back: flywheel.serving.dialects), GET /v1/models
 (passed through), GET /health, GET /metrics (Prometheus text: flywheel_proxy_* and its SDK's delivery, see
 docs/serving.md) and GET /stats (the same counters as JSON and, with the serving router, the aliases it routes by
 and since when).
@@ -37,7 +38,7 @@ The agent does not choose the policy: the model name it sends is replaced by the
 flywheel.serving.router's sticky champion/challenger split), and the reply shows its own name back.
 For a full-weight route the proxy reads the server's loaded version before and after the call
 and logs the call only when both agree (a reload in between makes the version unknowable).
-Authorization is forwarded to vLLM and never logged.
+Authorization (or Anthropic's x-api-key, sent on as a bearer token) is forwarded to vLLM and never logged.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from flywheel.ingest.sdk import (
     SessionLogger,
     default_journal_dir,
 )
+from flywheel.serving import dialects
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +167,7 @@ class _SessionState:
 class _Call:
     """What one forwarded request needs for its llm_call events."""
 
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" (a Messages request is captured as the chat call it becomes)
     session_id: str | None
     agent_id: str
     parent_agent_id: str | None
@@ -187,6 +189,8 @@ class _Call:
     prompt_text: str | None = None
     echo: bool = False
     version_before: int | None = None
+    stops: list[str] = field(default_factory=list)  # the request's stop strings (a Messages reply names the one hit)
+    reply_as: str | None = None  # "messages": captured as chat, answered in that format (serving.dialects)
 
 
 class CaptureProxy:
@@ -315,6 +319,9 @@ class CaptureProxy:
     async def completions(self, request: Any) -> Any:
         return await self._timed(request, "completion", "/v1/completions")
 
+    async def messages(self, request: Any) -> Any:
+        return await self._timed(request, "messages", "/v1/chat/completions")
+
     async def _timed(self, request: Any, kind: str, path: str) -> Any:
         started = time.monotonic()
         try:
@@ -334,7 +341,15 @@ class CaptureProxy:
                 raise ValueError(f"expected a JSON object, got a JSON {type(body).__name__}")
         except ValueError as exc:
             self.counters["bad_requests"] += 1
-            return _error(400, f"request body is not valid JSON: {exc}")
+            return _error(400, f"request body is not valid JSON: {exc}", kind)
+        reply_as = None
+        if kind == "messages":  # captured as the chat call it is translated into, answered in its own format
+            try:
+                reply_as, body = body, dialects.messages_request(body)
+            except ValueError as exc:
+                self.counters["bad_requests"] += 1
+                return _error(400, f"cannot translate this Messages request: {exc}", kind)
+            kind = "chat"
         loop = asyncio.get_running_loop()
         session_id = request.headers.get(H_SESSION) or ""
         try:  # the router may read the registry or probe servers: never on the event loop
@@ -342,8 +357,10 @@ class CaptureProxy:
         except Exception as exc:
             self.counters["upstream_errors"] += 1
             log.warning("proxy: routing session %r failed (%s); answered 503", session_id, exc)
-            return _error(503, f"no policy route for this session: {exc}")
+            return _error(503, f"no policy route for this session: {exc}", kind if reply_as is None else "messages")
         call = self._begin(request, kind, body, started, routed)
+        if reply_as is not None:
+            call.client_model, call.reply_as = reply_as.get("model"), "messages"
         if routed.loaded_version is not None:
             call.version_before = await self._loaded_version(routed)
         upstream_body = self._upstream_body(kind, body, call)
@@ -356,17 +373,19 @@ class CaptureProxy:
                 raw = await resp.read()
                 if resp.status != 200:
                     self.counters["upstream_errors"] += 1
-                    return web.Response(status=resp.status, body=raw, content_type=resp.content_type)
+                    return _upstream_error(resp.status, raw, resp.content_type, call.reply_as)
                 payload = json.loads(raw)  # a 200 that is not JSON is an upstream failure too (ValueError)
         except (OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
             self.counters["upstream_errors"] += 1
             log.warning("proxy: upstream %s failed (%s); answered 502", url, exc)
-            return _error(502, f"upstream {url} unavailable: {exc}")
-        self._collect(call, payload, streaming=False)
+            return _error(502, f"upstream {url} unavailable: {exc}", call.reply_as or kind)
+        collect(call, payload, streaming=False)
         await self._check_version(call, routed)
         self._log(call)
-        self._strip(call, payload, streaming=False)
         self._after(request, call)
+        if call.reply_as == "messages":
+            return web.json_response(dialects.messages_reply(payload, call.client_model, call.stops))
+        strip(call, payload, streaming=False)
         return web.json_response(payload)
 
     async def _loaded_version(self, routed: Routed) -> int | None:
@@ -399,7 +418,8 @@ class CaptureProxy:
         async with self._http.post(url, json=upstream_body, headers=headers) as resp:
             if resp.status != 200:
                 self.counters["upstream_errors"] += 1
-                return web.Response(status=resp.status, body=await resp.read(), content_type=resp.content_type)
+                return _upstream_error(resp.status, await resp.read(), resp.content_type, call.reply_as)
+            translate = dialects.MessagesStream(call.client_model, call.stops) if call.reply_as == "messages" else None
             out = web.StreamResponse(status=200,
                                      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await out.prepare(request)
@@ -414,7 +434,7 @@ class CaptureProxy:
                     data = text[len("data:"):].strip()
                     if data == "[DONE]":
                         complete = True
-                        await out.write(b"data: [DONE]\n\n")
+                        await out.write(b"".join(translate.finish()) if translate else b"data: [DONE]\n\n")
                         continue
                     try:
                         chunk = json.loads(data)
@@ -422,8 +442,11 @@ class CaptureProxy:
                         await out.write(f"data: {data}\n\n".encode())
                         continue
                     if isinstance(chunk, dict) and "choices" in chunk:
-                        self._collect(call, chunk, streaming=True)
-                        self._strip(call, chunk, streaming=True)
+                        collect(call, chunk, streaming=True)
+                        if translate is not None:
+                            await out.write(b"".join(translate.feed(chunk)))
+                            continue
+                        strip(call, chunk, streaming=True)
                     await out.write(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode())
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self.counters["upstream_errors"] += 1
@@ -460,6 +483,7 @@ class CaptureProxy:
             wants_token_ids=bool(body.get("return_token_ids")), wants_prompt_text=bool(body.get("return_prompt_text")),
             client_model=body.get("model"),
             echo=bool(body.get("echo")),
+            stops=[x for x in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or [])],
         )
         if session_id is None:
             self.counters["unlogged_no_session"] += 1
@@ -498,41 +522,13 @@ class CaptureProxy:
 
     @staticmethod
     def _forward_headers(request: Any) -> dict[str, str]:
-        # Only what vLLM needs; X-Flywheel-* stay here, Authorization goes upstream (and nowhere else).
-        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
-
-    # ---------------------------------------------------------------- response side
-    def _collect(self, call: _Call, payload: dict[str, Any], streaming: bool) -> None:
-        call.response_id = call.response_id or payload.get("id")
-        if call.kind == "chat" and payload.get("prompt_token_ids") is not None:
-            for choice in payload.get("choices") or [{"index": 0}]:
-                call.prompt_ids[int(choice.get("index", 0))] = list(payload["prompt_token_ids"])
-            call.prompt_ids.setdefault(-1, list(payload["prompt_token_ids"]))  # n>1: later choices reuse it
-        if payload.get("prompt_text") and call.prompt_text is None:
-            call.prompt_text = payload["prompt_text"]
-        for choice in payload.get("choices") or []:
-            i = int(choice.get("index", 0))
-            if call.kind == "completion" and choice.get("prompt_token_ids") is not None:
-                call.prompt_ids[i] = list(choice["prompt_token_ids"])
-            if choice.get("token_ids") is not None:
-                call.token_ids.setdefault(i, []).extend(choice["token_ids"])
-            lp = choice.get("logprobs")
-            if lp:
-                if call.kind == "chat":
-                    call.logprobs.setdefault(i, []).extend(c.get("logprob") for c in lp.get("content") or [])
-                else:
-                    call.logprobs.setdefault(i, []).extend(lp.get("token_logprobs") or [])
-            if call.kind == "chat":
-                message = choice.get("delta" if streaming else "message") or {}
-                text = message.get("content")
-                if text is None and message.get("tool_calls"):
-                    text = json.dumps(message["tool_calls"])
-            else:
-                text = choice.get("text")
-            if text:
-                call.texts.setdefault(i, []).append(text)
-            if choice.get("finish_reason") is not None:
-                call.finish[i] = choice["finish_reason"]
+        # Only what vLLM needs; X-Flywheel-* stay here, Authorization goes upstream (and nowhere else). An
+        # Anthropic client's x-api-key is its bearer token: vLLM's --api-key reads Authorization.
+        out = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
+        key = request.headers.get("x-api-key")
+        if key and not any(k.lower() == "authorization" for k in out):
+            out["Authorization"] = f"Bearer {key}"
+        return out
 
     def _log(self, call: _Call) -> None:
         if call.session_id is None:
@@ -561,21 +557,55 @@ class CaptureProxy:
             )
             self.counters["logged_calls"] += 1
 
-    def _strip(self, call: _Call, payload: dict[str, Any], streaming: bool) -> None:
-        """Give the agent back the reply it asked for: its model name, no extras it did not request."""
-        if call.client_model is not None and "model" in payload:
-            payload["model"] = call.client_model
-        if not call.wants_token_ids:
-            _drop(payload, "prompt_token_ids", streaming)
-            for choice in payload.get("choices") or []:
-                _drop(choice, "token_ids", streaming)
-                _drop(choice, "prompt_token_ids", streaming)
-        if not call.wants_logprobs:
-            for choice in payload.get("choices") or []:
-                if "logprobs" in choice:
-                    choice["logprobs"] = None
-        if not call.wants_prompt_text:
-            _drop(payload, "prompt_text", streaming)
+def collect(call: _Call, payload: dict[str, Any], streaming: bool) -> None:
+    """Add a reply (or one stream chunk) to the call: prompt and completion ids, logprobs, text, finish."""
+    call.response_id = call.response_id or payload.get("id")
+    if call.kind == "chat" and payload.get("prompt_token_ids") is not None:
+        for choice in payload.get("choices") or [{"index": 0}]:
+            call.prompt_ids[int(choice.get("index", 0))] = list(payload["prompt_token_ids"])
+        call.prompt_ids.setdefault(-1, list(payload["prompt_token_ids"]))  # n>1: later choices reuse it
+    if payload.get("prompt_text") and call.prompt_text is None:
+        call.prompt_text = payload["prompt_text"]
+    for choice in payload.get("choices") or []:
+        i = int(choice.get("index", 0))
+        if call.kind == "completion" and choice.get("prompt_token_ids") is not None:
+            call.prompt_ids[i] = list(choice["prompt_token_ids"])
+        if choice.get("token_ids") is not None:
+            call.token_ids.setdefault(i, []).extend(choice["token_ids"])
+        lp = choice.get("logprobs")
+        if lp:
+            if call.kind == "chat":
+                call.logprobs.setdefault(i, []).extend(c.get("logprob") for c in lp.get("content") or [])
+            else:
+                call.logprobs.setdefault(i, []).extend(lp.get("token_logprobs") or [])
+        if call.kind == "chat":
+            message = choice.get("delta" if streaming else "message") or {}
+            text = message.get("content")
+            if text is None and message.get("tool_calls"):
+                text = json.dumps(message["tool_calls"])
+        else:
+            text = choice.get("text")
+        if text:
+            call.texts.setdefault(i, []).append(text)
+        if choice.get("finish_reason") is not None:
+            call.finish[i] = choice["finish_reason"]
+
+
+def strip(call: _Call, payload: dict[str, Any], streaming: bool) -> None:
+    """Give the agent back the reply it asked for: its model name, no extras it did not request."""
+    if call.client_model is not None and "model" in payload:
+        payload["model"] = call.client_model
+    if not call.wants_token_ids:
+        _drop(payload, "prompt_token_ids", streaming)
+        for choice in payload.get("choices") or []:
+            _drop(choice, "token_ids", streaming)
+            _drop(choice, "prompt_token_ids", streaming)
+    if not call.wants_logprobs:
+        for choice in payload.get("choices") or []:
+            if "logprobs" in choice:
+                choice["logprobs"] = None
+    if not call.wants_prompt_text:
+        _drop(payload, "prompt_text", streaming)
 
 
 def _drop(obj: dict[str, Any], key: str, streaming: bool) -> None:
@@ -587,11 +617,28 @@ def _drop(obj: dict[str, Any], key: str, streaming: bool) -> None:
             obj[key] = None
 
 
-def _error(status: int, message: str) -> Any:
+def _error(status: int, message: str, kind: str = "chat") -> Any:
+    """An error in the format the client speaks: OpenAI's, or Anthropic's for /v1/messages."""
     from aiohttp import web
 
+    if kind == "messages":
+        return web.json_response(dialects.messages_error(status, message), status=status)
     return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
                              status=status)
+
+
+def _upstream_error(status: int, raw: bytes, content_type: str, reply_as: str | None) -> Any:
+    """vLLM's error reply: passed through as it is, or, for a translated request, its message in that format."""
+    from aiohttp import web
+
+    if reply_as is None:
+        return web.Response(status=status, body=raw, content_type=content_type)
+    try:
+        detail = json.loads(raw)
+        message = str((detail.get("error") or {}).get("message") or detail) if isinstance(detail, dict) else str(detail)
+    except ValueError:
+        message = raw.decode("utf-8", "replace")[:2000]
+    return _error(status, f"upstream: {message}", reply_as)
 
 
 def make_app(proxy: CaptureProxy) -> Any:
@@ -601,6 +648,7 @@ def make_app(proxy: CaptureProxy) -> Any:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/chat/completions", proxy.chat)
     app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_post("/v1/messages", proxy.messages)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/metrics", proxy.metrics)

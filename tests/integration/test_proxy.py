@@ -227,3 +227,38 @@ def test_calls_answered_just_before_a_sigkill_reach_kafka_after_the_restart(
                                f"{(tmp_path / 'second.log').read_text()[-2000:]}"
     calls = list(answered.values())
     assert all(len(c["completion_logprobs"]) == len(c["completion_token_ids"]) > 0 for c in calls)
+
+
+def test_the_anthropic_client_through_the_proxy_gets_what_vllm_generated_and_each_call_is_logged(
+        proxy: dict, vllm_url: str, kafka_bootstrap: str) -> None:
+    """POST /v1/messages, whole and streamed, with the official `anthropic` client: translated to chat completions
+    and back (serving/dialects.py; the tool-use blocks' translation is covered in tests/unit/test_proxy_messages.py,
+    as the tiny model's chat template renders no tool calls)."""
+    anthropic = pytest.importorskip("anthropic")
+
+    session = f"s-{uuid.uuid4().hex}"
+    client = anthropic.Anthropic(base_url=proxy["url"], api_key=SECRET, max_retries=0,
+                                 default_headers={"X-Flywheel-Session-Id": session})
+    args: dict[str, Any] = dict(model="claude-agent", max_tokens=24, temperature=0, messages=MESSAGES)
+    direct = _client(vllm_url).chat.completions.create(model="policy-v0", messages=MESSAGES, temperature=0,
+                                                       max_tokens=24)
+    whole = client.messages.create(**args)
+    with client.messages.stream(**args) as stream:
+        streamed_text = "".join(stream.text_stream)
+        streamed = stream.get_final_message()
+    expected = direct.choices[0].message.content or ""
+    texts = ["".join(b.text for b in m.content if b.type == "text") for m in (whole, streamed)]
+    assert texts == [expected, expected] and streamed_text == expected
+    assert whole.model == "claude-agent" and whole.stop_reason in ("end_turn", "max_tokens")
+
+    events = [e for e in _events(kafka_bootstrap, proxy["topic"], session, 2) if e["type"] == "llm_call"]
+    assert len(events) == 2, f"expected one llm_call per request, got {len(events)}"
+    for event, message in zip(events, (whole, streamed)):
+        schema.validate_event(event)
+        assert event["model"] == "policy-v0" and event["policy_version"] == 0
+        assert len(event["completion_logprobs"]) == len(event["completion_token_ids"]) > 0
+        assert all(lp <= 0 and lp == lp for lp in event["completion_logprobs"]), "a logprob is not finite"
+        assert message.usage.output_tokens == len(event["completion_token_ids"])
+        assert message.usage.input_tokens == len(event["prompt_token_ids"])
+        assert event["completion_text"] == expected
+    assert SECRET not in proxy["log"].read_text(), "the x-api-key reached the proxy's log"

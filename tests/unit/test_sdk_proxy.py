@@ -14,7 +14,7 @@ import pytest
 from flywheel.ingest import schema, wire
 from flywheel.ingest.sdk import SessionLogger
 from flywheel.ingest.spool import Spool
-from flywheel.serving.proxy import CaptureProxy, ProxyConfig, Routed, static_route
+from flywheel.serving.proxy import CaptureProxy, ProxyConfig, Routed, collect, static_route, strip
 
 
 class _Headers(dict):
@@ -78,9 +78,9 @@ def test_whole_reply_logs_each_choice_and_strips_unrequested_fields(proxy: Captu
     upstream = proxy._upstream_body("chat", body, call)
     assert upstream["model"] == "policy-v4" and upstream["return_token_ids"] is True and upstream["logprobs"] is True
     reply = json.loads(json.dumps(CHAT_REPLY))
-    proxy._collect(call, reply, streaming=False)
+    collect(call, reply, streaming=False)
     proxy._log(call)
-    proxy._strip(call, reply, streaming=False)
+    strip(call, reply, streaming=False)
     assert reply["model"] == "agent-name" and reply["prompt_token_ids"] is None
     assert all(c["logprobs"] is None and c["token_ids"] is None for c in reply["choices"])
     events = _logged(proxy)
@@ -102,8 +102,8 @@ def test_stream_chunks_are_accumulated_and_requested_fields_kept(proxy: CaptureP
                                                        "logprobs": {"content": [{"logprob": -3.0}]}, "finish_reason": "stop"}]},
     ]
     for chunk in chunks:
-        proxy._collect(call, chunk, streaming=True)
-        proxy._strip(call, chunk, streaming=True)
+        collect(call, chunk, streaming=True)
+        strip(call, chunk, streaming=True)
     proxy._log(call)
     assert chunks[0]["prompt_token_ids"] == [5, 6] and chunks[1]["choices"][0]["token_ids"] == [11, 12], "asked-for fields kept"
     assert chunks[1]["model"] == "m"
@@ -119,9 +119,9 @@ def test_completions_logprobs_and_echo(proxy: CaptureProxy) -> None:
     reply = {"id": "cmpl", "model": "policy-v4", "choices": [{
         "index": 0, "text": "xyz", "prompt_token_ids": [1], "token_ids": [2, 3], "finish_reason": "length",
         "logprobs": {"token_logprobs": [None, -0.5, -0.7], "tokens": ["x", "y", "z"]}}]}
-    proxy._collect(call, reply, streaming=False)
+    collect(call, reply, streaming=False)
     proxy._log(call)
-    proxy._strip(call, reply, streaming=False)
+    strip(call, reply, streaming=False)
     assert reply["choices"][0]["logprobs"] is None and reply["choices"][0]["prompt_token_ids"] is None
     (event,) = _logged(proxy)
     assert event["completion_logprobs"] == _f32([-0.5, -0.7]), "echo: the prompt's logprobs are not behaviour logprobs"
@@ -131,7 +131,7 @@ def test_mismatched_reply_is_not_logged_but_counted(proxy: CaptureProxy) -> None
     call = _call(proxy, {"model": "m", "messages": []}, {"X-Flywheel-Session-Id": "s4"})
     reply = {"id": "x", "prompt_token_ids": [1], "choices": [{"index": 0, "message": {"content": "a"}, "token_ids": [1, 2],
                                                               "logprobs": {"content": [{"logprob": -1.0}]}}]}
-    proxy._collect(call, reply, streaming=False)
+    collect(call, reply, streaming=False)
     proxy._log(call)
     assert proxy.counters["log_errors"] == 1 and proxy.counters["logged_calls"] == 0
     assert _logged(proxy) == []
