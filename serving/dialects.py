@@ -265,3 +265,270 @@ def messages_error(status: int, message: str) -> dict[str, Any]:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             429: "rate_limit_error", 503: "overloaded_error"}.get(status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# ---------------------------------------------------------------- OpenAI Responses
+
+def _content_text(content: Any, where: str) -> str:
+    """A Responses message's content: text, or input_text / output_text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: expected text or a list of content parts")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}]: a {_block_type(part)} part cannot be translated (input_text, output_text)")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _input_items(items: Any) -> list[dict[str, Any]]:
+    """Responses input items as chat messages; consecutive function calls join one assistant message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise ValueError("input: expected text or a non-empty list of items")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"input[{i}]: expected an object")
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
+            role = "system" if item["role"] == "developer" else item["role"]
+            out.append({"role": role, "content": _content_text(item.get("content"), f"input[{i}].content")})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name")):
+                raise ValueError(f"input[{i}]: a function_call needs a call_id and a name")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise ValueError(f"input[{i}]: a function_call_output needs a call_id")
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": output if isinstance(output, str) else _content_text(output, f"input[{i}].output")})
+        else:
+            raise ValueError(f"input[{i}]: a {kind!r} item cannot be translated (messages, function_call, "
+                             "function_call_output)")
+    return out
+
+
+def responses_request(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completions request for a Responses request; `history`: the chat messages of the conversation
+    its previous_response_id names (without that response's instructions, as the Responses API does)."""
+    chat: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        if not isinstance(body["instructions"], str):
+            raise ValueError("instructions: expected text")
+        chat.append({"role": "system", "content": body["instructions"]})
+    chat += history + _input_items(body.get("input"))
+    out: dict[str, Any] = {"model": body.get("model"), "messages": chat}
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    for key in ("temperature", "top_p"):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    if body.get("tools"):
+        out["tools"] = []
+        for i, tool in enumerate(body["tools"]):
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+                raise ValueError(f"tools[{i}]: only function tools can be translated, got {_block_type(tool)}")
+            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+            out["tools"].append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    if isinstance(choice, str):
+        out["tool_choice"] = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        raise ValueError(f"tool_choice: expected auto, none, required or a function, got {choice!r}")
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        out["response_format"] = {"type": "json_schema", "json_schema": {
+            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        out["response_format"] = {"type": "json_object"}
+    if body.get("stream"):
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def _response(rid: str, body: dict[str, Any], created: float, status: str, output: list[dict[str, Any]],
+              usage: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+    return {"id": rid, "object": "response", "created_at": int(created), "status": status, "model": body.get("model"),
+            "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "instructions": body.get("instructions"), "previous_response_id": body.get("previous_response_id"),
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": True, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
+            "text": body.get("text") or {"format": {"type": "text"}}, "store": body.get("store", True)}
+
+
+def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def responses_reply(payload: dict[str, Any], body: dict[str, Any], rid: str, created: float) -> dict[str, Any]:
+    """The Response object for a whole chat completion (its first choice)."""
+    choice = (payload.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    output = [_message_item(message["content"])] if message.get("content") else []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        output.append(_call_item(call.get("id") or f"call_{uuid.uuid4().hex[:24]}", function.get("name") or "",
+                                 function.get("arguments") or ""))
+    usage = payload.get("usage") or {}
+    finish = choice.get("finish_reason")
+    return _response(rid, body, created, "incomplete" if finish == "length" else "completed", output,
+                     _usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)), finish)
+
+
+def reply_messages(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Response's output as the chat messages a follow-up with previous_response_id continues from."""
+    text = "".join(part.get("text", "") for item in reply["output"] if item["type"] == "message"
+                   for part in item.get("content") or [])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                      "arguments": item["arguments"]}}
+             for item in reply["output"] if item["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+class ResponsesStream:
+    """Chat completion chunks in, Responses stream events out; `reply` is the final Response once finished."""
+
+    def __init__(self, body: dict[str, Any], rid: str, created: float) -> None:
+        self.body, self.rid, self.created = body, rid, created
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.text_item: dict[str, Any] | None = None  # the open message item (its text so far in self.text)
+        self.text = ""
+        self.calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> its function_call item
+        self.finish_reason: str | None = None
+        self.input_tokens = self.output_tokens = 0
+        self.reply: dict[str, Any] | None = None
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        self.seq += 1
+        return sse(kind, {"type": kind, "sequence_number": self.seq - 1, **data})
+
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if self.seq == 0:
+            snapshot = _response(self.rid, self.body, self.created, "in_progress", [], None, None)
+            out += [self._event("response.created", response=snapshot),
+                    self._event("response.in_progress", response=snapshot)]
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.input_tokens = int(usage.get("prompt_tokens") or self.input_tokens)
+            self.output_tokens = int(usage.get("completion_tokens") or self.output_tokens)
+        for choice in chunk.get("choices") or []:
+            if int(choice.get("index", 0)) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                out += self._call(call)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        return out
+
+    def _text(self, piece: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.text_item is None:
+            self.text_item = _message_item("", status="in_progress")
+            self.output.append(self.text_item)
+            index = len(self.output) - 1
+            out += [self._event("response.output_item.added", output_index=index, item=self.text_item),
+                    self._event("response.content_part.added", item_id=self.text_item["id"], output_index=index,
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+        self.text += piece
+        out.append(self._event("response.output_text.delta", item_id=self.text_item["id"],
+                               output_index=self.output.index(self.text_item), content_index=0, delta=piece,
+                               logprobs=[]))
+        return out
+
+    def _call(self, call: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        index = int(call.get("index", 0))
+        function = call.get("function") or {}
+        item = self.calls.get(index)
+        if item is None:
+            item = self.calls[index] = _call_item(call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                                                  function.get("name") or "", "", status="in_progress")
+            self.output.append(item)
+            out.append(self._event("response.output_item.added", output_index=len(self.output) - 1, item=item))
+        if function.get("arguments"):
+            item["arguments"] += function["arguments"]
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=self.output.index(item), delta=function["arguments"]))
+        return out
+
+    def finish(self) -> list[bytes]:
+        """The closing events once the upstream stream is complete; sets `reply`."""
+        out: list[bytes] = []
+        for index, item in enumerate(self.output):
+            if item is self.text_item:
+                part = {"type": "output_text", "text": self.text, "annotations": []}
+                out += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                    content_index=0, text=self.text, logprobs=[]),
+                        self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                    content_index=0, part=part)]
+                item.update(status="completed", content=[part])
+            else:
+                out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                       output_index=index, arguments=item["arguments"]))
+                item["status"] = "completed"
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        self.reply = _response(self.rid, self.body, self.created, status, self.output,
+                               _usage(self.input_tokens, self.output_tokens), self.finish_reason)
+        out.append(self._event(f"response.{status}", response=self.reply))
+        return out
+
+
+class ResponseStore:
+    """The conversations previous_response_id continues, in memory, newest `capacity` kept: response id -> (the
+    session it belongs to, the chat messages up to and including its reply). A restarted proxy forgets them (a
+    follow-up then gets a 404 that says so); store=false responses are not kept."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self._kept: OrderedDict[str, tuple[str, list[dict[str, Any]]]] = OrderedDict()
+
+    def get(self, rid: str) -> tuple[str, list[dict[str, Any]]] | None:
+        return self._kept.get(rid)
+
+    def put(self, rid: str, session_id: str, messages: list[dict[str, Any]]) -> None:
+        self._kept[rid] = (session_id, messages)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)

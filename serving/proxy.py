@@ -20,7 +20,9 @@ model name and the policy version (through the SessionLogger SDK, so a broker ou
 the agent nothing).
 
 Routes: POST /v1/chat/completions and /v1/completions (streaming and not), POST /v1/messages (Anthropic
-Messages, streaming and not, translated to chat completions and back: flywheel.serving.dialects), GET /v1/models
+Messages) and POST /v1/responses (OpenAI Responses), streaming and not, each translated to chat completions and
+back (flywheel.serving.dialects; a Responses conversation continued by previous_response_id stays one session
+without a session header, the proxy starting it and ending it at the idle timeout), GET /v1/models
 (passed through), GET /health, GET /metrics (Prometheus text: flywheel_proxy_* and its SDK's delivery, see
 docs/serving.md) and GET /stats (the same counters as JSON and, with the serving router, the aliases it routes by
 and since when).
@@ -47,6 +49,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -190,7 +193,12 @@ class _Call:
     echo: bool = False
     version_before: int | None = None
     stops: list[str] = field(default_factory=list)  # the request's stop strings (a Messages reply names the one hit)
-    reply_as: str | None = None  # "messages": captured as chat, answered in that format (serving.dialects)
+    reply_as: str | None = None  # "messages" | "responses": captured as chat, answered so (serving.dialects)
+    original: dict[str, Any] = field(default_factory=dict)  # the request as the client sent it (reply_as set)
+    translated: list[dict[str, Any]] = field(default_factory=list)  # the chat messages it became
+    rid: str = field(default_factory=dialects.response_id)  # a Responses reply's id
+    created: float = field(default_factory=time.time)
+    session_key: str | None = None  # the session the request named (session_id is cleared for unloggable calls)
 
 
 class CaptureProxy:
@@ -204,6 +212,7 @@ class CaptureProxy:
         self.router_state = router_state
         self.upstream = cfg.upstream.rstrip("/")
         self.sessions: dict[str, _SessionState] = {}
+        self.conversations = dialects.ResponseStore()  # what previous_response_id continues
         self.counters = {"requests": 0, "logged_calls": 0, "unlogged_no_session": 0, "upstream_errors": 0,
                          "bad_requests": 0, "log_errors": 0, "client_disconnects": 0, "idle_timeouts": 0,
                          "version_ambiguous": 0}
@@ -322,6 +331,9 @@ class CaptureProxy:
     async def messages(self, request: Any) -> Any:
         return await self._timed(request, "messages", "/v1/chat/completions")
 
+    async def responses(self, request: Any) -> Any:
+        return await self._timed(request, "responses", "/v1/chat/completions")
+
     async def _timed(self, request: Any, kind: str, path: str) -> Any:
         started = time.monotonic()
         try:
@@ -342,25 +354,26 @@ class CaptureProxy:
         except ValueError as exc:
             self.counters["bad_requests"] += 1
             return _error(400, f"request body is not valid JSON: {exc}", kind)
-        reply_as = None
-        if kind == "messages":  # captured as the chat call it is translated into, answered in its own format
+        original, who, dialect = body, request, kind
+        if kind in ("messages", "responses"):  # captured as the chat call it becomes, answered in its own format
             try:
-                reply_as, body = body, dialects.messages_request(body)
-            except ValueError as exc:
+                body, who = translate(kind, body, request, self.conversations)
+            except (ValueError, LookupError) as exc:
                 self.counters["bad_requests"] += 1
-                return _error(400, f"cannot translate this Messages request: {exc}", kind)
+                return _error(404 if isinstance(exc, LookupError) else 400, f"{kind} request: {exc}", kind)
             kind = "chat"
         loop = asyncio.get_running_loop()
-        session_id = request.headers.get(H_SESSION) or ""
+        session_id = who.headers.get(H_SESSION) or ""
         try:  # the router may read the registry or probe servers: never on the event loop
             routed = await loop.run_in_executor(None, self.route, session_id)
         except Exception as exc:
             self.counters["upstream_errors"] += 1
             log.warning("proxy: routing session %r failed (%s); answered 503", session_id, exc)
-            return _error(503, f"no policy route for this session: {exc}", kind if reply_as is None else "messages")
-        call = self._begin(request, kind, body, started, routed)
-        if reply_as is not None:
-            call.client_model, call.reply_as = reply_as.get("model"), "messages"
+            return _error(503, f"no policy route for this session: {exc}", dialect)
+        call = self._begin(who, kind, body, started, routed)
+        if dialect != kind:
+            call.reply_as, call.original, call.client_model = dialect, original, original.get("model")
+            call.translated = body["messages"]
         if routed.loaded_version is not None:
             call.version_before = await self._loaded_version(routed)
         upstream_body = self._upstream_body(kind, body, call)
@@ -368,7 +381,7 @@ class CaptureProxy:
         url = f"{(routed.server or self.upstream).rstrip('/')}{path}"
         try:
             if body.get("stream"):
-                return await self._stream(request, url, upstream_body, headers, call, routed)
+                return await self._stream(request, who, url, upstream_body, headers, call, routed)
             async with self._http.post(url, json=upstream_body, headers=headers) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
@@ -382,9 +395,9 @@ class CaptureProxy:
         collect(call, payload, streaming=False)
         await self._check_version(call, routed)
         self._log(call)
-        self._after(request, call)
-        if call.reply_as == "messages":
-            return web.json_response(dialects.messages_reply(payload, call.client_model, call.stops))
+        self._after(who, call)
+        if call.reply_as is not None:
+            return web.json_response(translated_reply(call, payload, self.conversations))
         strip(call, payload, streaming=False)
         return web.json_response(payload)
 
@@ -410,8 +423,8 @@ class CaptureProxy:
         else:
             call.policy_version = after
 
-    async def _stream(self, request: Any, url: str, upstream_body: dict[str, Any], headers: dict[str, str], call: _Call,
-                      routed: Routed) -> Any:
+    async def _stream(self, request: Any, who: Any, url: str, upstream_body: dict[str, Any], headers: dict[str, str],
+                      call: _Call, routed: Routed) -> Any:
         import aiohttp
         from aiohttp import web
 
@@ -419,7 +432,7 @@ class CaptureProxy:
             if resp.status != 200:
                 self.counters["upstream_errors"] += 1
                 return _upstream_error(resp.status, await resp.read(), resp.content_type, call.reply_as)
-            translate = dialects.MessagesStream(call.client_model, call.stops) if call.reply_as == "messages" else None
+            translator = stream_translator(call)
             out = web.StreamResponse(status=200,
                                      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await out.prepare(request)
@@ -434,7 +447,7 @@ class CaptureProxy:
                     data = text[len("data:"):].strip()
                     if data == "[DONE]":
                         complete = True
-                        await out.write(b"".join(translate.finish()) if translate else b"data: [DONE]\n\n")
+                        await out.write(b"".join(translator.finish()) if translator else b"data: [DONE]\n\n")
                         continue
                     try:
                         chunk = json.loads(data)
@@ -443,8 +456,8 @@ class CaptureProxy:
                         continue
                     if isinstance(chunk, dict) and "choices" in chunk:
                         collect(call, chunk, streaming=True)
-                        if translate is not None:
-                            await out.write(b"".join(translate.feed(chunk)))
+                        if translator is not None:
+                            await out.write(b"".join(translator.feed(chunk)))
                             continue
                         strip(call, chunk, streaming=True)
                     await out.write(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode())
@@ -462,7 +475,9 @@ class CaptureProxy:
             if complete or call.finish:
                 await self._check_version(call, routed)
                 self._log(call)
-            self._after(request, call)
+            if complete and isinstance(translator, dialects.ResponsesStream) and translator.reply is not None:
+                remember(call, translator.reply, self.conversations)
+            self._after(who, call)
             try:
                 await out.write_eof()
             except ConnectionResetError:
@@ -485,6 +500,7 @@ class CaptureProxy:
             echo=bool(body.get("echo")),
             stops=[x for x in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or [])],
         )
+        call.session_key = session_id
         if session_id is None:
             self.counters["unlogged_no_session"] += 1
             return call
@@ -499,7 +515,7 @@ class CaptureProxy:
         return call
 
     def _after(self, request: Any, call: _Call) -> None:
-        session_id = request.headers.get(H_SESSION) or None  # (call.session_id is cleared for unloggable calls)
+        session_id = call.session_key
         if session_id is None:
             return
         state = self.sessions.get(session_id)
@@ -617,6 +633,65 @@ def _drop(obj: dict[str, Any], key: str, streaming: bool) -> None:
             obj[key] = None
 
 
+class _Headed:
+    """Request headers as the proxy reads them for a session (a Responses conversation's derived session id)."""
+
+    def __init__(self, headers: Any) -> None:
+        self.headers = headers
+
+
+def translate(kind: str, body: dict[str, Any], request: Any, conversations: dialects.ResponseStore
+              ) -> tuple[dict[str, Any], Any]:
+    """(the chat request, what to read the session headers from) for a Messages or Responses request.
+
+    A Responses request names its session by header, or by the previous response it continues; a first one
+    without a header opens a session of its own, which the proxy starts (and the idle timeout ends).
+    ValueError: the body cannot be translated; LookupError: previous_response_id is not known here."""
+    if kind == "messages":
+        return dialects.messages_request(body), request
+    from multidict import CIMultiDict
+
+    headers: CIMultiDict[str] = CIMultiDict(request.headers)
+    history: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    if previous:
+        kept = conversations.get(str(previous))
+        if kept is None:
+            raise LookupError(f"previous_response_id {previous!r} is not known to this proxy (it keeps the last "
+                              f"{conversations.capacity} responses in memory, and none from before a restart)")
+        session_id, history = kept
+        headers.setdefault(H_SESSION, session_id)
+    elif not headers.get(H_SESSION):
+        headers[H_SESSION] = f"resp-{uuid.uuid4().hex}"
+        headers.setdefault(H_EVENT, "start")
+    return dialects.responses_request(body, history), _Headed(headers)
+
+
+def translated_reply(call: _Call, payload: dict[str, Any], conversations: dialects.ResponseStore) -> dict[str, Any]:
+    """A whole chat completion as the reply the client's format expects."""
+    if call.reply_as == "messages":
+        return dialects.messages_reply(payload, call.client_model, call.stops)
+    reply = dialects.responses_reply(payload, call.original, call.rid, call.created)
+    remember(call, reply, conversations)
+    return reply
+
+
+def stream_translator(call: _Call) -> dialects.MessagesStream | dialects.ResponsesStream | None:
+    if call.reply_as == "messages":
+        return dialects.MessagesStream(call.client_model, call.stops)
+    if call.reply_as == "responses":
+        return dialects.ResponsesStream(call.original, call.rid, call.created)
+    return None
+
+
+def remember(call: _Call, reply: dict[str, Any], conversations: dialects.ResponseStore) -> None:
+    """Keep a Responses conversation for a follow-up (store defaults to true, as in the Responses API)."""
+    if call.original.get("store", True) is False or call.session_key is None:
+        return
+    history = call.translated[1:] if call.original.get("instructions") else call.translated  # not carried on
+    conversations.put(call.rid, call.session_key, history + dialects.reply_messages(reply))
+
+
 def _error(status: int, message: str, kind: str = "chat") -> Any:
     """An error in the format the client speaks: OpenAI's, or Anthropic's for /v1/messages."""
     from aiohttp import web
@@ -649,6 +724,7 @@ def make_app(proxy: CaptureProxy) -> Any:
     app.router.add_post("/v1/chat/completions", proxy.chat)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/messages", proxy.messages)
+    app.router.add_post("/v1/responses", proxy.responses)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/metrics", proxy.metrics)

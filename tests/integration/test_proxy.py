@@ -262,3 +262,47 @@ def test_the_anthropic_client_through_the_proxy_gets_what_vllm_generated_and_eac
         assert message.usage.input_tokens == len(event["prompt_token_ids"])
         assert event["completion_text"] == expected
     assert SECRET not in proxy["log"].read_text(), "the x-api-key reached the proxy's log"
+
+
+def test_the_openai_responses_client_through_the_proxy_continues_one_session_by_previous_response_id(
+        proxy: dict, vllm_url: str, kafka_bootstrap: str) -> None:
+    """POST /v1/responses, whole, streamed and continued, with the official `openai` client and no session header:
+    the proxy opens a session for the first response and keeps the follow-up in it."""
+    client = _client(proxy["url"])
+    first = client.responses.create(model="agent", input=MESSAGES[0]["content"], temperature=0, max_output_tokens=16)
+    follow = client.responses.create(model="agent", input="And another?", previous_response_id=first.id,
+                                     temperature=0, max_output_tokens=16)
+    events = list(client.responses.create(model="agent", input=MESSAGES[0]["content"], temperature=0,
+                                          max_output_tokens=16, stream=True))
+    streamed = events[-1].response
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    direct = _client(vllm_url).chat.completions.create(model="policy-v0", messages=MESSAGES, temperature=0,
+                                                       max_tokens=16)
+    assert first.output_text == streamed.output_text == (direct.choices[0].message.content or "")
+
+    stats = json.loads(urllib.request.urlopen(f"{proxy['url']}/stats").read())
+    assert stats["open_sessions"] >= 2
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=500, client_id="tests")
+    tp = TopicPartition(proxy["topic"], 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    calls: dict[str, dict] = {}
+    deadline = time.time() + 20
+    while time.time() < deadline and len(calls) < 3:
+        for m in consumer:
+            e = wire.as_lists(wire.decode(m.value))
+            if e["type"] == "llm_call" and e["session_id"].startswith("resp-") and e["request_id"]:
+                calls[e["event_id"]] = e
+    consumer.close()
+    ordered = sorted(calls.values(), key=lambda e: e["ts"])
+    assert len(ordered) == 3, f"expected 3 llm_calls of resp- sessions, got {len(calls)}"
+    first_call, follow_call, stream_call = ordered
+    session = first_call["session_id"]
+    assert follow_call["session_id"] == session != stream_call["session_id"], "the chain is one session"
+    assert len(follow_call["prompt_token_ids"]) > len(first_call["prompt_token_ids"]), "the follow-up saw the history"
+    for event, reply in zip(ordered, (first, follow, streamed)):
+        assert len(event["completion_logprobs"]) == len(event["completion_token_ids"]) == reply.usage.output_tokens
+        assert len(event["prompt_token_ids"]) == reply.usage.input_tokens
+        assert event["completion_text"] == reply.output_text

@@ -1,7 +1,8 @@
-"""Anthropic Messages on the capture proxy: the translation to chat completions and back (serving/dialects.py), and
-the official `anthropic` client through the proxy against a stand-in for vLLM's chat route (the same route with
-the real vLLM: tests/integration/test_proxy.py). Each reply is one llm_call with the ids and logprobs upstream
-returned; the client reads text, tool_use blocks, stop reasons and usage as the Messages API gives them."""
+"""Anthropic Messages and OpenAI Responses on the capture proxy: the translation to chat completions and back
+(serving/dialects.py), and the official `anthropic` and `openai` clients through the proxy against a stand-in for
+vLLM's chat route (the same routes with the real vLLM: tests/integration/test_proxy.py). Each reply is one
+llm_call with the ids and logprobs upstream returned; the clients read text, tool calls, stop reasons and usage
+as their APIs give them."""
 
 from __future__ import annotations
 
@@ -155,13 +156,17 @@ def _dead_bootstrap() -> str:
         return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
-def _logged(spool_dir: Path) -> list[dict[str, Any]]:
+def _all(spool_dir: Path) -> list[dict[str, Any]]:
     spool = Spool(spool_dir)
     events = [wire.decode(r) for r in spool.peek(10_000)]
     spool.close()
     for event in events:
         schema.validate_event(event)
-    return [wire.as_lists(event) for event in events if event["type"] == "llm_call"]
+    return [wire.as_lists(event) for event in events]
+
+
+def _logged(spool_dir: Path) -> list[dict[str, Any]]:
+    return [event for event in _all(spool_dir) if event["type"] == "llm_call"]
 
 
 def test_the_anthropic_client_gets_messages_and_streams_and_each_call_is_logged(
@@ -249,3 +254,113 @@ def test_bad_messages_bodies_get_an_anthropic_error_and_the_proxy_stays_up(tmp_p
     assert "messages: expected a non-empty list" in results[2][1]["error"]["message"]
     assert "max_tokens: required" in results[3][1]["error"]["message"]
     assert "unavailable" in results[4][1]["error"]["message"]
+
+
+# ---------------------------------------------------------------- OpenAI Responses
+
+def test_responses_input_items_and_history_become_chat_messages() -> None:
+    history = [{"role": "user", "content": "weather in oslo"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]}]
+    body = {"model": "m", "instructions": "Be brief.", "max_output_tokens": 32, "temperature": 0.2,
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}, "strict": True}],
+            "tool_choice": {"type": "function", "name": "weather"},
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
+            "input": [{"type": "function_call_output", "call_id": "call_1", "output": "cloudy 12C"},
+                      {"role": "developer", "content": [{"type": "input_text", "text": "Say it."}]},
+                      {"type": "function_call", "call_id": "call_2", "name": "tz", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "call_3", "name": "tz", "arguments": "{}"}]}
+    chat = dialects.responses_request(body, history)
+    assert chat["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert chat["messages"][1:3] == history
+    assert chat["messages"][3] == {"role": "tool", "tool_call_id": "call_1", "content": "cloudy 12C"}
+    assert chat["messages"][4] == {"role": "system", "content": "Say it."}
+    assert [c["id"] for c in chat["messages"][5]["tool_calls"]] == ["call_2", "call_3"], "one assistant turn"
+    assert chat["tools"] == [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"},
+                                                               "strict": True}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "weather"}}
+    assert (chat["max_tokens"], chat["temperature"]) == (32, 0.2)
+    assert chat["response_format"]["json_schema"]["name"] == "w"
+    assert dialects.responses_request({"input": "hi"}, [])["messages"] == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({}, "input: expected text or a non-empty list"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "'input_image' item cannot be translated"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "'input_file' part cannot be translated"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "needs a call_id and a name"),
+])
+def test_a_responses_request_that_cannot_be_translated_says_what_is_wrong(body: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        dialects.responses_request(body, [])
+
+
+def test_the_openai_client_gets_responses_streams_and_follow_ups_in_one_session(tmp_path: Path) -> None:
+    from aiohttp.test_utils import TestServer
+    from openai import AsyncOpenAI, NotFoundError
+
+    seen: list[dict[str, Any]] = []
+    tools = [{"type": "function", "name": "weather", "parameters": {"type": "object",
+                                                                    "properties": {"city": {"type": "string"}}}}]
+
+    async def scenario() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with TestServer(_upstream(seen)) as upstream:
+            logger = SessionLogger(_dead_bootstrap(), name="r", spool_dir=tmp_path / "spool", linger_s=0.01)
+            proxy = CaptureProxy(ProxyConfig(upstream=str(upstream.make_url("")).rstrip("/"), heartbeat_s=0),
+                                 logger, static_route("policy-v3", 3))
+            async with TestServer(make_app(proxy)) as server:
+                client = AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=SECRET, max_retries=0)
+                out["call"] = first = await client.responses.create(model="agent", input="weather in oslo",
+                                                                    tools=tools, instructions="Use tools.")
+                call = next(item for item in first.output if item.type == "function_call")
+                out["answer"] = await client.responses.create(
+                    model="agent", previous_response_id=first.id,
+                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "cloudy 12C"}])
+                events = await client.responses.create(model="agent", input="hi", stream=True)
+                out["events"] = [e async for e in events]
+                async with client.responses.stream(model="agent", input="weather?", tools=tools) as stream:
+                    out["streamed_tool"] = await stream.get_final_response()
+                try:
+                    await client.responses.create(model="agent", input="x", previous_response_id="resp_unknown")
+                except NotFoundError as exc:
+                    out["missing"] = exc
+                await client.close()
+            out["open_sessions"] = dict(proxy.sessions)
+            logger.close(timeout=5)
+        return out
+
+    out = asyncio.run(scenario())
+    first, answer = out["call"], out["answer"]
+    assert [item.type for item in first.output] == ["function_call"] and first.status == "completed"
+    assert (first.output[0].name, json.loads(first.output[0].arguments)) == ("weather", {"city": "oslo"})
+    assert (first.usage.input_tokens, first.usage.output_tokens) == (len(PROMPT_IDS), len(TOOL_IDS))
+    assert answer.output_text == "".join(TEXT) and answer.previous_response_id == first.id
+    # the follow-up carried the conversation (not its instructions) to the model
+    sent = seen[1]["body"]["messages"]
+    assert sent[0] == {"role": "user", "content": "weather in oslo"}
+    assert sent[1]["tool_calls"][0]["id"] == first.output[0].call_id
+    assert sent[2] == {"role": "tool", "tool_call_id": first.output[0].call_id, "content": "cloudy 12C"}
+    assert all(m["role"] != "system" for m in sent), "instructions are not carried over by previous_response_id"
+
+    kinds = [e.type for e in out["events"]]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in out["events"] if e.type == "response.output_text.delta") == "".join(TEXT)
+    assert [e.sequence_number for e in out["events"]] == list(range(len(kinds)))
+    assert out["events"][-1].response.usage.output_tokens == len(TEXT_IDS)
+    streamed_tool = out["streamed_tool"]
+    assert streamed_tool.output[0].type == "function_call"
+    assert json.loads(streamed_tool.output[0].arguments) == {"city": "oslo"}
+    assert "not known to this proxy" in str(out["missing"])
+
+    calls = _logged(tmp_path / "spool")
+    assert len(calls) == 4
+    assert calls[0]["session_id"] == calls[1]["session_id"], "a previous_response_id chain is one session"
+    assert len({c["session_id"] for c in calls}) == 3 and all(c["session_id"].startswith("resp-") for c in calls)
+    assert [c["completion_token_ids"] for c in calls] == [TOOL_IDS, TEXT_IDS, TEXT_IDS, TOOL_IDS]
+    starts = [e for e in _all(tmp_path / "spool") if e["type"] == "session_start"]
+    assert sorted(e["session_id"] for e in starts) == sorted({c["session_id"] for c in calls}), \
+        "the proxy starts each session it opened, once"
+    assert all(s.owned for s in out["open_sessions"].values()), "the idle timeout will end them"
