@@ -146,6 +146,9 @@ EVENT_FIELDS: dict[str, tuple[Col, ...]] = {
         Col("group_id", "str", False, "samples sharing a group id get group-relative advantages"),
         Col("request_id", "str", False, "the serving request id, for tracing"),
         Col("arm", "str", False, "the router's arm for the session: control, champion or challenger (null: no router)"),
+        Col("policy_version_alt", "int", False, "set when the server's weights changed during the call (a full-weight "
+            "reload): the completion came from policy_version or this one. policy_version is then the older of the "
+            "two, from which the learner counts staleness; the behaviour logprobs are exact per token either way"),
     ),
     "tool_call": (
         Col("call_id", "str", True, "pairs the call with its result"),

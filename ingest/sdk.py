@@ -480,9 +480,13 @@ class Session:
         group_id: str | None = None,
         request_id: str | None = None,
         arm: str | None = None,
+        policy_version_alt: int | None = None,
         **extra: Any,
     ) -> None:
         """One model call with the exact token ids the server saw and sampled, and their behaviour logprobs.
+
+        policy_version_alt: the other version the call may have been served by, when the server's weights
+        changed during it (policy_version is then the older one; see the schema).
 
         The lists are kept by reference until the background thread encodes them (milliseconds): do not
         mutate them after the call (numpy arrays and tensors are converted, which copies them).
@@ -492,6 +496,7 @@ class Session:
             "completion_token_ids": completion_token_ids, "completion_logprobs": completion_logprobs,
             "finish_reason": finish_reason, "latency_s": latency_s, "sampling": sampling, "prompt_text": prompt_text,
             "completion_text": completion_text, "group_id": group_id, "request_id": request_id, "arm": arm,
+            "policy_version_alt": policy_version_alt,
         }, extra)
 
     def tool_call(self, name: str | None = None, arguments: Any = None, call_id: str | None = None,

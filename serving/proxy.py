@@ -38,8 +38,11 @@ Headers (all optional; without a session id the request is forwarded but not log
 The agent does not choose the policy: the model name it sends is replaced by the routed one
 (`route(session_id) -> Routed(served name, policy version, server)`; `--router serving` uses
 flywheel.serving.router's sticky champion/challenger split), and the reply shows its own name back.
-For a full-weight route the proxy reads the server's loaded version before and after the call
-and logs the call only when both agree (a reload in between makes the version unknowable).
+For a full-weight route the proxy reads the server's loaded version before and after the call. When they differ
+(a reload during the call) the call is still logged, as policy_version the older of the two and policy_version_alt
+the other: its tokens and behaviour logprobs are exact whichever served them, so the learner's importance
+correction holds, and its staleness counts from the older version (counted as version_straddled). Only a call
+whose server could not tell its version is left unlogged (version_unknown).
 Authorization (or Anthropic's x-api-key, sent on as a bearer token) is forwarded to vLLM and never logged.
 """
 
@@ -192,6 +195,7 @@ class _Call:
     prompt_text: str | None = None
     echo: bool = False
     version_before: int | None = None
+    version_alt: int | None = None  # the other candidate, when the server's version changed during the call
     stops: list[str] = field(default_factory=list)  # the request's stop strings (a Messages reply names the one hit)
     reply_as: str | None = None  # "messages" | "responses": captured as chat, answered so (serving.dialects)
     original: dict[str, Any] = field(default_factory=dict)  # the request as the client sent it (reply_as set)
@@ -215,7 +219,7 @@ class CaptureProxy:
         self.conversations = dialects.ResponseStore()  # what previous_response_id continues
         self.counters = {"requests": 0, "logged_calls": 0, "unlogged_no_session": 0, "upstream_errors": 0,
                          "bad_requests": 0, "log_errors": 0, "client_disconnects": 0, "idle_timeouts": 0,
-                         "version_ambiguous": 0}
+                         "version_straddled": 0, "version_unknown": 0}
         self._http: Any = None
         self.prom = Metrics("proxy")
         self.prom.read(self._readings)
@@ -302,10 +306,12 @@ class CaptureProxy:
         """The counters GET /stats shows, for Prometheus (read at scrape time, see flywheel.base.metrics)."""
         c, sdk = dict(self.counters), self.logger.metrics()
         unlogged = {"no_session": c["unlogged_no_session"], "log_error": c["log_errors"],
-                    "version_ambiguous": c["version_ambiguous"], "client_disconnect": c["client_disconnects"]}
+                    "version_unknown": c["version_unknown"], "client_disconnect": c["client_disconnects"]}
         return [
             Reading("counter", "http", "requests", "completion requests received", c["requests"]),
             Reading("counter", "logged", "calls", "llm_call events handed to the SDK", c["logged_calls"]),
+            Reading("counter", "straddled", "calls", "logged calls during which the server's version changed (logged "
+                    "with both candidates)", c["version_straddled"]),
             Reading("counter", "unlogged", "calls", "answered calls not logged, by reason", unlogged, "reason"),
             Reading("counter", "upstream", "errors", "routing failures, upstream non-200s and broken upstreams",
                     c["upstream_errors"]),
@@ -410,18 +416,23 @@ class CaptureProxy:
             return None
 
     async def _check_version(self, call: _Call, routed: Routed) -> None:
-        """Full weights can be replaced under one served name: log only when the version is certain."""
+        """Full weights can be replaced under one served name: the version(s) that may have served the call."""
         if routed.loaded_version is None:
             return
-        after = await self._loaded_version(routed)
-        if call.version_before is None or after != call.version_before:
-            self.counters["version_ambiguous"] += 1
-            log.warning("proxy: session %s: %s held policy-v%s before and policy-v%s after the call; "
-                        "llm_call not logged",
-                        call.session_id, routed.server, call.version_before, after)
+        after, before = await self._loaded_version(routed), call.version_before
+        if before is None or after is None:
+            self.counters["version_unknown"] += 1
+            log.warning("proxy: session %s: %s could not tell its loaded version (before %s, after %s); "
+                        "llm_call not logged", call.session_id, routed.server, before, after)
             call.session_id = None  # nothing is logged for it
-        else:
-            call.policy_version = after
+            return
+        call.policy_version = min(before, after)  # the older: staleness counts from it
+        if after != before:
+            self.counters["version_straddled"] += 1
+            call.version_alt = max(before, after)
+            log.info("proxy: session %s: %s held policy-v%d before and policy-v%d after the call; logged as "
+                     "policy-v%d with policy_version_alt %d", call.session_id, routed.server, before, after,
+                     call.policy_version, call.version_alt)
 
     async def _stream(self, request: Any, who: Any, url: str, upstream_body: dict[str, Any], headers: dict[str, str],
                       call: _Call, routed: Routed) -> Any:
@@ -567,7 +578,7 @@ class CaptureProxy:
                 model=call.model, policy_version=call.policy_version, prompt_token_ids=prompt,
                 completion_token_ids=completion, completion_logprobs=[float(x) for x in logprobs if x is not None],
                 finish_reason=call.finish.get(i), latency_s=latency, sampling=call.sampling or None, group_id=group,
-                request_id=call.response_id, arm=call.arm,
+                request_id=call.response_id, arm=call.arm, policy_version_alt=call.version_alt,
                 prompt_text=call.prompt_text if self.cfg.log_prompt_text else None,
                 completion_text="".join(call.texts.get(i, [])) if self.cfg.log_completion_text else None,
             )

@@ -470,8 +470,10 @@ def test_ledger_skips_a_torn_line_and_the_proxy_log_gives_the_calls_it_did_not_l
     assert ledger.expected[sid] == Counter({("main", "llm_call"): 1}) and ledger.done == {sid: ("ok", True)}
     assert ledger.llm_times[sid] == [5.0]
     (tmp_path / "proxy.log").write_text(  # the proxy's own warnings (serving/proxy.py), word for word
-        f"[w] proxy: session {sid}: http://127.0.0.1:8000 held policy-v1 before and policy-v2 after the call; "
+        f"[w] proxy: session {sid}: http://127.0.0.1:8000 could not tell its loaded version (before 1, after None); "
         "llm_call not logged\n"
+        f"[i] proxy: session {sid}: http://127.0.0.1:8000 held policy-v1 before and policy-v2 after the call; "
+        "logged as policy-v1 with policy_version_alt 2\n"
         f"[w] proxy: session {sid} choice 0: vLLM returned no prompt ids, 3 token ids and 3 logprobs; llm_call not logged\n"
         f"[i] proxy: session {'f' * 32} routed\n")
     assert chaos.not_logged_calls(tmp_path / "proxy.log") == Counter({sid: 2})

@@ -629,3 +629,34 @@ def test_a_harmful_prune_reported_after_label_1_costs_its_row_in_the_relabel(rig
     rig.run(after(end, 960))
     label3 = {r["episode_id"]: r for r in rig.labels("s1")[3]}
     assert label3[pruning["event_id"]]["r_penalty"] == -0.3
+
+
+def test_a_call_served_across_a_reload_keeps_its_older_version_which_the_learner_ages_it_by(rig: Rig) -> None:
+    """The proxy logs a call during which the server's weights changed with policy_version the older of the two and
+    policy_version_alt the other (serving/proxy.py). The lake keeps both; the episode is the older version's row;
+    the learner counts its staleness from there, so it is dropped no later than a row of that version."""
+    from flywheel.learner.data import EpisodeStream
+
+    b = synthetic.SessionBuilder("s-reload", T0).begin()
+    call = b.llm_call(version=2)
+    call["policy_version_alt"] = 3  # policy-v2 before the call, policy-v3 after it
+    b.tool()
+    end = b.end()
+    rig.feed.write("events", b.events)
+    rig.feed.write("outcomes", [synthetic.outcome("s-reload", "task_success", 1.0, after(end, 1))])
+    rig.run(after(end, 2))
+    stored = [r for f in lake.list_files(rig.root, "events") for r in lake.read_file(rig.root, f).to_pylist()
+              if r["event_id"] == call["event_id"]]
+    assert [(r["policy_version"], r["policy_version_alt"]) for r in stored] == [(2, 3)]
+    (row,) = [r for r in rig.rows() if r["episode_id"] == call["event_id"]]
+    assert row["policy_version"] == 2 and row["reward"] == pytest.approx(1.0)
+
+    stream = EpisodeStream(rig.root, vocab_size=512, max_seq_len=256)
+    stream.poll()
+    # v2 served 12 steps ago, v3 2 steps ago: at a staleness limit of 8 the row is v2's, and stale
+    batch, stats = stream.take(10, {2: 12, 3: 2}, 8)
+    assert batch == [] and stats.stale == 1, stats
+    stream = EpisodeStream(rig.root, vocab_size=512, max_seq_len=256)
+    stream.poll()
+    batch, stats = stream.take(10, {2: 5, 3: 2}, 8)
+    assert [e.episode_id for e in batch] == [call["event_id"]] and stats.lags == {5: 1}, stats

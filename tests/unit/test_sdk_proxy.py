@@ -199,3 +199,31 @@ def test_stats_show_what_the_router_routes_by(tmp_path: Path) -> None:
         assert json.loads(asyncio.run(static.stats(None)).text)["router"] is None
     finally:
         logger.close(timeout=5)
+
+
+def test_a_call_during_a_reload_is_logged_with_both_versions_and_an_unknown_version_is_not(tmp_path: Path) -> None:
+    import asyncio
+
+    logger = SessionLogger(_dead_bootstrap(), name="v", spool_dir=tmp_path / "spool", linger_s=0.01)
+    proxy = CaptureProxy(ProxyConfig(idle_timeout_s=5.0), logger, static_route("policy-v4", 4))
+    proxy.spool_dir = tmp_path / "spool"  # type: ignore[attr-defined]
+    held = iter([2, 3, 5, 5, None, 5])  # the server's version before and after each call
+
+    def route(session_id: str) -> Routed:
+        return Routed("policy-full", 0, "http://127.0.0.1:1", loaded_version=lambda: next(held))
+
+    async def one(session: str) -> None:
+        routed = route(session)
+        call = proxy._begin(_Request({"X-Flywheel-Session-Id": session}), "chat", {"model": "m"}, 0.0, routed)
+        call.version_before = await proxy._loaded_version(routed)
+        collect(call, json.loads(json.dumps(CHAT_REPLY)), streaming=False)
+        await proxy._check_version(call, routed)
+        proxy._log(call)
+
+    for session in ("straddled", "steady", "unknown"):
+        asyncio.run(one(session))
+    calls = [e for e in _logged(proxy) if e["type"] == "llm_call"]
+    by_session = {(e["session_id"], e["policy_version"], e.get("policy_version_alt")) for e in calls}
+    assert by_session == {("straddled", 2, 3), ("steady", 5, None)}, by_session
+    assert proxy.counters["version_straddled"] == 1 and proxy.counters["version_unknown"] == 1
+    assert proxy.counters["logged_calls"] == 4  # two choices each
