@@ -364,3 +364,30 @@ def test_the_openai_client_gets_responses_streams_and_follow_ups_in_one_session(
     assert sorted(e["session_id"] for e in starts) == sorted({c["session_id"] for c in calls}), \
         "the proxy starts each session it opened, once"
     assert all(s.owned for s in out["open_sessions"].values()), "the idle timeout will end them"
+
+
+def test_bad_responses_bodies_get_an_openai_error_and_the_proxy_stays_up(tmp_path: Path) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async def scenario() -> list[tuple[int, dict[str, Any]]]:
+        logger = SessionLogger(_dead_bootstrap(), name="rb", spool_dir=tmp_path / "spool")
+        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{_dead_bootstrap()}", heartbeat_s=0), logger,
+                             static_route("policy-v0", 0))
+        out = []
+        async with TestClient(TestServer(make_app(proxy))) as client:
+            for body in (b"{not json", b"[1]", json.dumps({"model": "m"}).encode(),
+                         json.dumps({"model": "m", "input": [{"type": "input_image"}]}).encode(),
+                         json.dumps({"model": "m", "input": "x", "previous_response_id": "resp_x"}).encode(),
+                         json.dumps({"model": "m", "input": "x"}).encode()):
+                resp = await client.post("/v1/responses", data=body)
+                out.append((resp.status, await resp.json()))
+            out.append(((await client.get("/health")).status, {}))
+        logger.close(timeout=1)
+        return out
+
+    results = asyncio.run(scenario())
+    assert [status for status, _ in results] == [400, 400, 400, 400, 404, 502, 200], results
+    for _, body in results[:6]:
+        assert body["error"]["message"], body
+    assert "input: expected text" in results[2][1]["error"]["message"]
+    assert "not known to this proxy" in results[4][1]["error"]["message"]
