@@ -239,7 +239,8 @@ def test_the_anthropic_client_through_the_proxy_gets_what_vllm_generated_and_eac
     session = f"s-{uuid.uuid4().hex}"
     client = anthropic.Anthropic(base_url=proxy["url"], api_key=SECRET, max_retries=0,
                                  default_headers={"X-Flywheel-Session-Id": session})
-    args: dict[str, Any] = dict(model="claude-agent", max_tokens=24, temperature=0, messages=MESSAGES)
+    # greedy, to compare with vLLM's own reply (this SDK's create() takes no temperature argument: the body does)
+    args: dict[str, Any] = dict(model="claude-agent", max_tokens=24, messages=MESSAGES, extra_body={"temperature": 0})
     direct = _client(vllm_url).chat.completions.create(model="policy-v0", messages=MESSAGES, temperature=0,
                                                        max_tokens=24)
     whole = client.messages.create(**args)
