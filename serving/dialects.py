@@ -182,7 +182,22 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-class MessagesStream:
+class _ChunkReader:
+    """What each stream translator reads of a chat completion chunk: the token counts the usage chunk gives, and
+    the first choice (Messages and Responses have no n)."""
+
+    input_tokens = 0
+    output_tokens = 0
+
+    def _first_choice(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.input_tokens = int(usage.get("prompt_tokens") or self.input_tokens)
+            self.output_tokens = int(usage.get("completion_tokens") or self.output_tokens)
+        return next((c for c in chunk.get("choices") or [] if int(c.get("index", 0)) == 0), None)
+
+
+class MessagesStream(_ChunkReader):
     """Chat completion chunks in, Anthropic stream events out (feed each chunk, then finish once)."""
 
     def __init__(self, model: Any, stops: list[str]) -> None:
@@ -192,8 +207,6 @@ class MessagesStream:
         self.open: str | None = None  # "text" or the chat tool call index ("tool:<i>") the open block is for
         self.reason: str | None = None
         self.sequence: str | None = None
-        self.input_tokens = 0
-        self.output_tokens = 0
 
     def feed(self, chunk: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
@@ -205,29 +218,25 @@ class MessagesStream:
                 "id": message_id(chunk.get("id")), "type": "message", "role": "assistant", "model": self.model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}}))
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self.input_tokens = int(usage.get("prompt_tokens") or self.input_tokens)
-            self.output_tokens = int(usage.get("completion_tokens") or self.output_tokens)
-        for choice in chunk.get("choices") or []:
-            if int(choice.get("index", 0)) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._block("text", {"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-            for call in delta.get("tool_calls") or []:
-                key = f"tool:{call.get('index', 0)}"
-                function = call.get("function") or {}
-                if self.open != key:
-                    tool_id = call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}"
-                    out += self._block(key, {"type": "tool_use", "id": tool_id, "name": function.get("name"),
-                                             "input": {}})
-                if function.get("arguments"):
-                    out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
-            reason, sequence = _stop_reason(choice, self.stops)
-            if reason is not None:
-                self.reason, self.sequence = reason, sequence
+        choice = self._first_choice(chunk)
+        if choice is None:
+            return out
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            out += self._block("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+        for call in delta.get("tool_calls") or []:
+            key = f"tool:{call.get('index', 0)}"
+            function = call.get("function") or {}
+            if self.open != key:
+                tool_id = call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}"
+                out += self._block(key, {"type": "tool_use", "id": tool_id, "name": function.get("name"),
+                                         "input": {}})
+            if function.get("arguments"):
+                out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+        reason, sequence = _stop_reason(choice, self.stops)
+        if reason is not None:
+            self.reason, self.sequence = reason, sequence
         return out
 
     def finish(self) -> list[bytes]:
@@ -420,7 +429,7 @@ def reply_messages(reply: dict[str, Any]) -> list[dict[str, Any]]:
     return [message]
 
 
-class ResponsesStream:
+class ResponsesStream(_ChunkReader):
     """Chat completion chunks in, Responses stream events out; `reply` is the final Response once finished."""
 
     def __init__(self, body: dict[str, Any], rid: str, created: float) -> None:
@@ -431,7 +440,6 @@ class ResponsesStream:
         self.text = ""
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> its function_call item
         self.finish_reason: str | None = None
-        self.input_tokens = self.output_tokens = 0
         self.reply: dict[str, Any] | None = None
 
     def _event(self, kind: str, **data: Any) -> bytes:
@@ -444,20 +452,16 @@ class ResponsesStream:
             snapshot = _response(self.rid, self.body, self.created, "in_progress", [], None, None)
             out += [self._event("response.created", response=snapshot),
                     self._event("response.in_progress", response=snapshot)]
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self.input_tokens = int(usage.get("prompt_tokens") or self.input_tokens)
-            self.output_tokens = int(usage.get("completion_tokens") or self.output_tokens)
-        for choice in chunk.get("choices") or []:
-            if int(choice.get("index", 0)) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._text(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                out += self._call(call)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
+        choice = self._first_choice(chunk)
+        if choice is None:
+            return out
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            out += self._text(delta["content"])
+        for call in delta.get("tool_calls") or []:
+            out += self._call(call)
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
         return out
 
     def _text(self, piece: str) -> list[bytes]:

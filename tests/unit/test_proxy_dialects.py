@@ -227,7 +227,9 @@ def test_the_anthropic_client_gets_messages_and_streams_and_each_call_is_logged(
     assert SECRET not in records, "the client's key reached a record or a log"
 
 
-def test_bad_messages_bodies_get_an_anthropic_error_and_the_proxy_stays_up(tmp_path: Path) -> None:
+def _posted_to_a_dead_upstream(tmp_path: Path, route: str, bodies: list[bytes],
+                                headers: dict[str, str]) -> list[tuple[int, dict[str, Any]]]:
+    """(status, JSON body) of each body POSTed to the proxy's route with no vLLM behind it, then GET /health's."""
     from aiohttp.test_utils import TestClient, TestServer
 
     async def scenario() -> list[tuple[int, dict[str, Any]]]:
@@ -236,17 +238,22 @@ def test_bad_messages_bodies_get_an_anthropic_error_and_the_proxy_stays_up(tmp_p
                              static_route("policy-v0", 0))
         out = []
         async with TestClient(TestServer(make_app(proxy))) as client:
-            for body in (b"{not json", b"[1]", json.dumps({"model": "m", "max_tokens": 4}).encode(),
-                         json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode(),
-                         json.dumps({"model": "m", "max_tokens": 4,
-                                     "messages": [{"role": "user", "content": "x"}]}).encode()):
-                resp = await client.post("/v1/messages", data=body, headers={"X-Flywheel-Session-Id": "s"})
+            for body in bodies:
+                resp = await client.post(route, data=body, headers=headers)
                 out.append((resp.status, await resp.json()))
             out.append(((await client.get("/health")).status, {}))
         logger.close(timeout=1)
         return out
 
-    results = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_bad_messages_bodies_get_an_anthropic_error_and_the_proxy_stays_up(tmp_path: Path) -> None:
+    results = _posted_to_a_dead_upstream(tmp_path, "/v1/messages", [
+        b"{not json", b"[1]", json.dumps({"model": "m", "max_tokens": 4}).encode(),
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode(),
+        json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}).encode()],
+        {"X-Flywheel-Session-Id": "s"})
     assert [status for status, _ in results] == [400, 400, 400, 400, 502, 200], results
     for status, body in results[:5]:
         assert body["type"] == "error" and body["error"]["message"], body
@@ -367,25 +374,11 @@ def test_the_openai_client_gets_responses_streams_and_follow_ups_in_one_session(
 
 
 def test_bad_responses_bodies_get_an_openai_error_and_the_proxy_stays_up(tmp_path: Path) -> None:
-    from aiohttp.test_utils import TestClient, TestServer
-
-    async def scenario() -> list[tuple[int, dict[str, Any]]]:
-        logger = SessionLogger(_dead_bootstrap(), name="rb", spool_dir=tmp_path / "spool")
-        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{_dead_bootstrap()}", heartbeat_s=0), logger,
-                             static_route("policy-v0", 0))
-        out = []
-        async with TestClient(TestServer(make_app(proxy))) as client:
-            for body in (b"{not json", b"[1]", json.dumps({"model": "m"}).encode(),
-                         json.dumps({"model": "m", "input": [{"type": "input_image"}]}).encode(),
-                         json.dumps({"model": "m", "input": "x", "previous_response_id": "resp_x"}).encode(),
-                         json.dumps({"model": "m", "input": "x"}).encode()):
-                resp = await client.post("/v1/responses", data=body)
-                out.append((resp.status, await resp.json()))
-            out.append(((await client.get("/health")).status, {}))
-        logger.close(timeout=1)
-        return out
-
-    results = asyncio.run(scenario())
+    results = _posted_to_a_dead_upstream(tmp_path, "/v1/responses", [
+        b"{not json", b"[1]", json.dumps({"model": "m"}).encode(),
+        json.dumps({"model": "m", "input": [{"type": "input_image"}]}).encode(),
+        json.dumps({"model": "m", "input": "x", "previous_response_id": "resp_x"}).encode(),
+        json.dumps({"model": "m", "input": "x"}).encode()], {})
     assert [status for status, _ in results] == [400, 400, 400, 400, 404, 502, 200], results
     for _, body in results[:6]:
         assert body["error"]["message"], body
