@@ -11,7 +11,7 @@ of a held-out loss; kernel choice alone moves that decimal (0.88447 default, 0.8
 `MKL_CBWR=COMPATIBLE`, 0.88466 with `ATEN_CPU_CAPABILITY=avx2` at step 25, same seed and weights),
 so one machine kept step 100 (about 5% held-out success) and another step 200 (about 25%). Now the
 build always runs `max_steps` (past the plateau after which add/mul's digit copy forms) in a process
-whose numerics are pinned (`PINS`: one thread, MKL's and oneDNN's code paths, ATen's kernel level,
+whose numerics are pinned (`PINS`: two threads, MKL's and oneDNN's code paths, ATen's kernel level,
 deterministic algorithms): two builds on one machine give bit-identical weights, and the record says
 what was pinned. `run()` starts that process itself when its own environment is not pinned.
 
@@ -54,7 +54,11 @@ RULE = "fixed-steps/pinned-numerics/three-generations"
 # has: machines with avx512 or AMX then run the same kernels as those without.
 # MKL_CBWR=AVX2 rather than COMPATIBLE: both are reproducible across CPUs that have the branch; COMPATIBLE (no SIMD)
 # made a step 3.6x slower here, AVX2 1.6x (0.75 s against 0.48 s unpinned on an avx512 machine).
-PINS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "AVX2,STRICT",
+# Two threads: MKL's strict CNR mode (the STRICT above) makes its gemm bitwise the same for any thread count, and a
+# 600-step build on two threads gave the same weights hash as on one (f6385bc6581e), 1.8x faster. Pinned all the
+# same (a build records its thread count): the other kernels' splits are not promised thread-independent.
+THREADS = 2
+PINS = {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS), "MKL_CBWR": "AVX2,STRICT",
         "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 # The documented band of the base (README, What the demo measures), per tool: the probability of production's name
@@ -79,7 +83,7 @@ class WarmStartSettings:
 
     # Fixed, not tuned to what online RL gains afterwards: past the plateau after which the digit copy of add/mul
     # forms (per-slot right digit ~0.1 at step 100, ~0.32 at 400, ~0.5 at 600 on the earlier 3-tool space);
-    # about 8 minutes on one pinned core.
+    # about 5 minutes on two pinned threads.
     max_steps: int = 600
     eval_every: int = 100  # steps between held-out loss evaluations (recorded, never decided on)
     loss_parts: int = 64  # held-out demonstrations (two examples each) of the loss, one batch, a fixed set
@@ -414,7 +418,7 @@ def _pin_torch() -> dict[str, Any]:
     """In-process pins (the environment's are read by the libraries themselves); what is pinned, for the record."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     torch.use_deterministic_algorithms(True)
     return {"env": {k: os.environ.get(k) for k in PINS}, "torch_threads": torch.get_num_threads(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),

@@ -7,7 +7,7 @@ rows because the warm start does not copy their digits; at lr 8e-4 and 1.6e-3 on
 test holds the project to what it does: every lookup at least 0.55 and 0.2 above its start, sampled first calls
 right at least three times the first step's.
 
-The warm start is the demo's own (var/models/tiny-warm, the fixed 600-step pinned build, about 8 minutes on one core;
+The warm start is the demo's own (var/models/tiny-warm, the fixed 600-step pinned build, about 6 minutes on two threads;
 reused when it is current), so this test is the demo's promise, not a smaller stand-in's."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from flywheel.demo.model_init import ModelInitConfig
 from flywheel.demo.model_init import run as model_init
 
 ROOT = Path(__file__).resolve().parents[2]
-# the warm start it needs takes about 10 minutes on one pinned core when a fresh checkout has none; a busy machine
+# the warm start it needs takes about 6 minutes on two pinned threads when a fresh checkout has none; a busy machine
 # can double that
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

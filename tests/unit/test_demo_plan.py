@@ -114,7 +114,7 @@ def test_the_pipeline_processes_share_this_runs_topics_lake_and_heartbeats(tmp_p
     agent = _parse(AgentSimConfig, demo_plan.agent_sim_command(cfg, run, ENDS)[1:])
     # the duration is a cap: the demo stops the agent when the final window has had its measure_s
     assert (agent.proxy_url, agent.events_topic, agent.concurrency, agent.duration_s, agent.multi_share, agent.handoff) == \
-        ("http://127.0.0.1:8123", "demo-t.events", 3, 1200.0 + 600.0, 0.1, run.handoff), agent
+        ("http://127.0.0.1:8123", "demo-t.events", 3, cfg.minutes * 60 + 600.0, 0.1, run.handoff), agent
     assert agent.tokenizer == str((tmp_path / "warm").resolve()), agent.tokenizer
     outcomes = _parse(OutcomeSimConfig, demo_plan.outcome_sim_command(run, ENDS)[1:])
     assert (outcomes.outcomes_topic, outcomes.handoff, outcomes.var_dir) == ("demo-t.outcomes", run.handoff, run.var_dir)

@@ -31,7 +31,7 @@ def test_two_builds_on_one_machine_give_bit_identical_weights(built: tuple[dict,
     assert [h["heldout_loss"] for h in a["history"]] == [h["heldout_loss"] for h in b["history"]]
     assert a["tools"] == b["tools"], "the record's sampled figures are seeded too"
     # what was pinned is recorded, and the build really ran under it (a child process, since this one is not pinned)
-    assert a["pins"]["env"] == warm_start.PINS and a["pins"]["torch_threads"] == 1
+    assert a["pins"]["env"] == warm_start.PINS and a["pins"]["torch_threads"] == warm_start.THREADS
     assert a["pins"]["deterministic_algorithms"] is True
     assert a["steps"] == SHORT.max_steps and [h["step"] for h in a["history"]] == [6, 12]
     # the check can fail: another seed is another model
