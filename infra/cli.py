@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "topics": ("flywheel.topics:main", "create|check the events, outcomes and DLQ topics on a Kafka cluster"),
     "model": ("flywheel.demo.model_init:main", "init: build the tiny base model (tokenizer + Qwen2-style LM)"),
     "proxy": ("flywheel.serving.proxy:main", "OpenAI-compatible capture proxy in front of vLLM"),
+    "otlp-receiver": ("flywheel.ingest.otlp_receiver:main", "OTLP/HTTP receiver: OpenTelemetry GenAI spans -> "
+                                                            "session events on Kafka"),
     "lake-writer": ("flywheel.ingest.lake_writer:main", "Kafka -> exactly-once Parquet lake daemon"),
     "compact": ("flywheel.ingest.compact:main", "merge small files of closed lake partitions"),
     "episodes": ("flywheel.rewards.builder:main", "build episodes (outcome join + rewards) from the lake"),

@@ -25,7 +25,9 @@ matters, in the lake: a v3 row is a v1 row. Base64 in JSON was measured against 
 envelope on `flywheel bench ingest` (docs/lake.md, "Ingest throughput") and chosen because
 it kept within a few percent of it while every record stays JSON for every tool that reads
 one. A decoded v3 record holds such a field as a memoryview of its items, which validation
-accepts beside the JSON list of v1 and v2. v4 adds a tool_call's `malformed_token`.
+accepts beside the JSON list of v1 and v2. v4 adds a tool_call's `malformed_token`. v5 adds the event type
+`traced_llm_call`: a model call known only from a trace (an OpenTelemetry GenAI span, ingest/otlp_receiver.py),
+with its text and token counts but without token ids or behaviour logprobs.
 
 This module imports only the standard library: it is on the SDK's hot import path.
 """
@@ -40,12 +42,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SCHEMA_VERSION = 4
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4})
+SCHEMA_VERSION = 5
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4, 5})
 # Fields a version added (the first version carrying them), by event type ("outcome" for outcomes); a record
 # of an older version that holds one is rejected like any unknown field. v2: an outcome may name the tool
 # call it verifies (per-turn credit). v4: a malformed tool call may say where it stopped parsing.
 ADDED_IN: dict[str, dict[str, int]] = {"outcome": {"call_id": 2}, "tool_call": {"malformed_token": 4}}
+# Event types a version added: a record of such a type needs at least that version. v5: traced_llm_call.
+TYPE_ADDED_IN: dict[str, int] = {"traced_llm_call": 5}
 
 # Kafka topics (the transport contract); every process takes them from its config, these are the defaults.
 EVENTS_TOPIC = "flywheel.events"
@@ -75,6 +79,7 @@ LIMIT_REASONS = ("too_deep", "string_too_long", "too_many_tokens", "ts_out_of_ra
 EVENT_TYPES = (
     "session_start",
     "llm_call",
+    "traced_llm_call",
     "tool_call",
     "tool_result",
     "subagent_spawn",
@@ -127,6 +132,17 @@ EVENT_COMMON: tuple[Col, ...] = (
     Col("truncated", "strs", False, "names of fields the SDK cut to size (their values are prefixes)"),
 )
 
+# What a model call says beside its tokens: the captured llm_call and the traced one (v5) share these columns.
+_CALL_DETAILS: tuple[Col, ...] = (
+    Col("finish_reason", "str", False, "stop, length, tool_calls ..."),
+    Col("latency_s", "float", False, "wall time of the call"),
+    Col("sampling", "json", False, "sampling parameters (temperature, top_p, max_tokens ...)"),
+    Col("prompt_text", "str", False, "optional rendered prompt (redacted)"),
+    Col("completion_text", "str", False, "optional completion text (redacted)"),
+)
+_REQUEST_ID = Col("request_id", "str", False, "the serving request id, for tracing")
+_ARM = Col("arm", "str", False, "the router's arm for the session: control, champion or challenger (null: no router)")
+
 EVENT_FIELDS: dict[str, tuple[Col, ...]] = {
     "session_start": (
         Col("task_type", "str", True, "the task family, e.g. code_edit; baselines and rubrics are per task_type"),
@@ -138,17 +154,28 @@ EVENT_FIELDS: dict[str, tuple[Col, ...]] = {
         Col("prompt_token_ids", "ints", True, "the exact prompt token ids the server saw"),
         Col("completion_token_ids", "ints", True, "the exact sampled token ids"),
         Col("completion_logprobs", "floats", True, "behaviour logprob of each completion token"),
-        Col("finish_reason", "str", False, "stop, length, tool_calls ..."),
-        Col("latency_s", "float", False, "wall time of the call"),
-        Col("sampling", "json", False, "sampling parameters (temperature, top_p, max_tokens ...)"),
-        Col("prompt_text", "str", False, "optional rendered prompt (redacted)"),
-        Col("completion_text", "str", False, "optional completion text (redacted)"),
+        *_CALL_DETAILS,
         Col("group_id", "str", False, "samples sharing a group id get group-relative advantages"),
-        Col("request_id", "str", False, "the serving request id, for tracing"),
-        Col("arm", "str", False, "the router's arm for the session: control, champion or challenger (null: no router)"),
+        _REQUEST_ID,
+        _ARM,
         Col("policy_version_alt", "int", False, "set when the server's weights changed during the call (a full-weight "
             "reload): the completion came from policy_version or this one. policy_version is then the older of the "
             "two, from which the learner counts staleness; the behaviour logprobs are exact per token either way"),
+    ),
+    # v5. What an OpenTelemetry GenAI span says of a model call: no token ids, no behaviour logprobs, so the
+    # learner never trains on it; the gate counts its session (version, tokens), the lake keeps its text.
+    "traced_llm_call": (
+        Col("model", "str", True, "the model the span names (gen_ai.response.model, else gen_ai.request.model)"),
+        Col("policy_version", "int", False, "the policy version, when the span says it (flywheel.policy_version, "
+            "or a served name policy-v<N>)"),
+        Col("provider", "str", False, "gen_ai.provider.name (gen_ai.system in older conventions)"),
+        Col("input_tokens", "int", False, "gen_ai.usage.input_tokens"),
+        Col("output_tokens", "int", False, "gen_ai.usage.output_tokens"),
+        *_CALL_DETAILS,
+        _REQUEST_ID,
+        _ARM,
+        Col("trace_id", "str", False, "the span's trace id (hex)"),
+        Col("span_id", "str", False, "the span's id (hex)"),
     ),
     "tool_call": (
         Col("call_id", "str", True, "pairs the call with its result"),
@@ -428,11 +455,15 @@ def validate_outcome(record: Any) -> dict[str, Any]:
 
 def version_needed(record: Mapping[str, Any], what: str) -> int:
     """The oldest schema_version that has every field `record` holds (`what`: its event type, or "outcome")."""
-    return max((since for k, since in ADDED_IN.get(what, {}).items() if record.get(k) is not None), default=1)
+    fields = (since for k, since in ADDED_IN.get(what, {}).items() if record.get(k) is not None)
+    return max([TYPE_ADDED_IN.get(what, 1), *fields])
 
 
 def _check_added(record: Mapping[str, Any], what: str) -> None:
     version = record["schema_version"]
+    if version < TYPE_ADDED_IN.get(what, 1):
+        raise SchemaError(f"unknown event type {what!r} in schema v{version} (it needs schema_version >= "
+                          f"{TYPE_ADDED_IN[what]})")
     early = sorted(k for k, since in ADDED_IN.get(what, {}).items() if k in record and version < since)
     if early:
         raise SchemaError(f"{what}: unknown field(s) {early} (schema v{version} is closed; they need schema_version "

@@ -417,7 +417,8 @@ class Session:
         return headers
 
     # ---------------------------------------------------------------- hot path
-    def _emit(self, etype: str, fields: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+    def _emit(self, etype: str, fields: dict[str, Any], extra: dict[str, Any] | None = None,
+              ts: str | None = None, event_id: str | None = None) -> None:
         pipe = self._pipe
         if pipe is None:
             return
@@ -438,16 +439,19 @@ class Session:
                 if value is not None:
                     fields[name] = _snapshot(name, value)
             # One dict build; None values are dropped by the background encoder, not here.
-            pipe.put({
+            record = {
                 "schema_version": schema.SCHEMA_VERSION,
                 "session_id": self.session_id,
                 "agent_id": self.agent_id,
                 "parent_agent_id": self.parent_agent_id,
                 "seq": next(self._seq),
-                "ts": schema.now_ts(),
+                "ts": ts or schema.now_ts(),
                 "type": etype,
                 **fields,
-            })
+            }
+            if event_id is not None:
+                record["event_id"] = event_id  # else the encoder draws one
+            pipe.put(record)
         except Exception as exc:  # the SDK's own bug must never reach the agent
             pipe.counts.invalid += 1
             pipe.warn(f"emit:{etype}", "sdk: %s could not be enqueued (%s); event dropped", etype, exc)
@@ -498,6 +502,37 @@ class Session:
             "completion_text": completion_text, "group_id": group_id, "request_id": request_id, "arm": arm,
             "policy_version_alt": policy_version_alt,
         }, extra)
+
+    def traced_llm_call(self, model: str | None = None, *, policy_version: int | None = None,
+                        provider: str | None = None, input_tokens: int | None = None,
+                        output_tokens: int | None = None, finish_reason: str | None = None,
+                        latency_s: float | None = None, sampling: dict[str, Any] | None = None,
+                        prompt_text: str | None = None, completion_text: str | None = None,
+                        request_id: str | None = None, arm: str | None = None, trace_id: str | None = None,
+                        span_id: str | None = None, **extra: Any) -> None:
+        """A model call known without its token ids or logprobs (a hosted model, a trace): schema v5.
+
+        The learner does not train on it; the gate counts its session and the lake keeps its text."""
+        self._emit("traced_llm_call", {
+            "model": model, "policy_version": policy_version, "provider": provider, "input_tokens": input_tokens,
+            "output_tokens": output_tokens, "finish_reason": finish_reason, "latency_s": latency_s,
+            "sampling": sampling, "prompt_text": prompt_text, "completion_text": completion_text,
+            "request_id": request_id, "arm": arm, "trace_id": trace_id, "span_id": span_id}, extra)
+
+    def record(self, etype: str, fields: dict[str, Any], *, ts: str | None = None,
+               event_id: str | None = None) -> None:
+        """Emit one event of type `etype` with `fields`, at time `ts` (a wire timestamp; default now) and with
+        `event_id` (default: a fresh one). For importers that replay what happened elsewhere, such as the OTLP
+        receiver: the event keeps its own time, and a stable id makes a re-sent import a duplicate the lake writer
+        drops. Unknown types and fields are dropped and counted like any invalid event."""
+        if etype not in _REQUIRED:
+            if self._pipe is not None:
+                self._pipe.counts.invalid += 1
+                self._pipe.warn(f"type:{etype}", "sdk: unknown event type %r; event dropped", etype)
+            return
+        known = {c.name for c in schema.EVENT_FIELDS[etype]}
+        self._emit(etype, {k: v for k, v in fields.items() if k in known},
+                   {k: v for k, v in fields.items() if k not in known}, ts=ts, event_id=event_id)
 
     def tool_call(self, name: str | None = None, arguments: Any = None, call_id: str | None = None,
                   malformed: bool | None = None, malformed_token: int | None = None, **extra: Any) -> str:

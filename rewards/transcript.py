@@ -58,6 +58,10 @@ def _event_turn(e: dict[str, Any]) -> TranscriptStep | None:
         text = e.get("completion_text")
         return TranscriptStep("[assistant]", text if text is not None
                               else f"(text not logged: {len(e.get('completion_token_ids') or [])} tokens)")
+    if kind == "traced_llm_call":  # known from a trace: text if the span carried it, else its token count
+        text = e.get("completion_text")
+        return TranscriptStep(f"[assistant, traced: {e.get('model')}]", text if text is not None
+                              else f"(text not in the trace: {e.get('output_tokens') or '?'} tokens)")
     if kind == "tool_call":
         bad = " MALFORMED" if e.get("malformed") else ""
         return TranscriptStep(f"[tool call{bad}] {_short(e.get('name') or '?')}({_short(e.get('arguments') or '')})")
@@ -77,7 +81,7 @@ def _event_turn(e: dict[str, Any]) -> TranscriptStep | None:
 
 def render(s: SessionEvents) -> tuple[TranscriptStep, list[TranscriptStep]]:
     """(the request, every other turn in order) of a session."""
-    main_calls = [e for e in s.agents.get(s.main_agent, []) if e["type"] == "llm_call"]
+    main_calls = [e for e in s.agents.get(s.main_agent, []) if e["type"] in ("llm_call", "traced_llm_call")]
     first = main_calls[0] if main_calls else None
     if first is None:
         request = TranscriptStep("[request]", "(no llm_call)")

@@ -108,6 +108,12 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
         has_arm = "arm" in columns
         arm = "min(arm)" if has_arm else "NULL"
         malformed = ("count(*) FILTER (WHERE type = 'tool_call' AND malformed)" if "malformed" in columns else "0")
+        # a traced_llm_call (schema v5: a model call known from an OpenTelemetry span) counts like a captured one:
+        # its version and arm when it says them, its tokens from the span's usage (it has no token ids)
+        traced = "input_tokens" in columns
+        call_types = "('llm_call', 'traced_llm_call')" if traced else "('llm_call')"
+        tokens = ("coalesce(len(prompt_token_ids) + len(completion_token_ids), input_tokens + output_tokens)"
+                  if traced else "len(prompt_token_ids) + len(completion_token_ids)")
         _session_outcomes_view(con, lake_root, outcomes)
         _judge_view(con, lake_root, judge)
         rows = con.execute(
@@ -117,8 +123,8 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
                             FROM ev WHERE type = 'session_start' AND parent_agent_id IS NULL GROUP BY 1),
                  calls AS (SELECT session_id, min(policy_version) AS vmin, max(policy_version) AS vmax,
                                   {arm} AS arm, count(DISTINCT {"arm" if has_arm else "NULL"}) AS arms,
-                                  sum(len(prompt_token_ids) + len(completion_token_ids)) AS tokens
-                           FROM ev WHERE type = 'llm_call' GROUP BY 1),
+                                  sum({tokens}) AS tokens
+                           FROM ev WHERE type IN {call_types} GROUP BY 1),
                  bad AS (SELECT session_id, {malformed} AS malformed,
                                 count(*) FILTER (WHERE type = 'tool_call') AS tool_calls FROM ev GROUP BY 1),
                  ends AS (SELECT session_id, max(ts) AS end_ts, arg_max(status, ts) AS status

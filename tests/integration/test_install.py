@@ -35,7 +35,7 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 # The demo's tools run from a checkout with everything (`make setup` installs .[all]).
 DEMO = ("lake", "train", "serve", "dev")
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "infra": (), "status": (), "proxy": (), "topics": (),
+    "infra": (), "status": (), "proxy": (), "topics": (), "otlp-receiver": ("otlp",),
     "lake-writer": ("lake",), "compact": ("lake",), "episodes": ("lake",), "judge": ("lake",),
     "learner": ("train", "lake"), "model": ("train",), "preflight": ("train",),
     "publish": ("serve",), "promote": ("serve", "lake"), "rollback": ("serve", "lake"),

@@ -61,17 +61,20 @@ def test_every_event_type_and_outcome_round_trips(kafka_bootstrap: str, new_topi
         with s.spawn_subagent(subtask="search docs") as child:
             child.tool_call("search", {"q": "kafka"}, malformed=True)
         s.context_edit("prune", tokens_removed=300)
+        s.traced_llm_call("gpt-x", provider="openai", input_tokens=40, output_tokens=7, completion_text="fine")
     outcome_id = reporter.report(s.session_id, kind="tests_passed", value=1.0, source="ci")
     assert log.flush(30) and reporter.flush(30), f"not delivered: {log.metrics()} {reporter.metrics()}"
 
-    events = [wire.decode(v) for v in _consume(kafka_bootstrap, events_topic, 9)]
+    events = [wire.decode(v) for v in _consume(kafka_bootstrap, events_topic, 10)]
     for event in events:
         schema.validate_event(event)  # as the lake writer sees a v3 record: token lists as packed views
     llm_call = next(e for e in events if e["type"] == "llm_call")
     assert llm_call["schema_version"] == 3 and llm_call["prompt_token_ids"].tolist() == [1, 2, 3]
     assert llm_call["completion_logprobs"].tolist() == [-0.5, -0.25, -1.5], "exact in float32"
     assert {e["type"] for e in events} == set(schema.EVENT_TYPES), sorted(e["type"] for e in events)
-    assert len(events) == 9 and len({e["event_id"] for e in events}) == 9
+    assert len(events) == 10 and len({e["event_id"] for e in events}) == 10
+    traced = next(e for e in events if e["type"] == "traced_llm_call")
+    assert traced["schema_version"] == 5 and (traced["input_tokens"], traced["output_tokens"]) == (40, 7)
     # One key per session: the whole session is in one partition, in the order it was logged.
     assert [e["type"] for e in events][0] == "session_start" and events[-1]["type"] == "session_end"
     outcomes = [json.loads(v) for v in _consume(kafka_bootstrap, outcomes_topic, 1)]
@@ -80,7 +83,7 @@ def test_every_event_type_and_outcome_round_trips(kafka_bootstrap: str, new_topi
     log.close()
     reporter.close()
     m = log.metrics()
-    assert m["sent"] == 9 and m["spilled"] == 0 and m["dropped"] == 0, m
+    assert m["sent"] == 10 and m["spilled"] == 0 and m["dropped"] == 0, m
 
 
 def test_bad_input_never_reaches_the_agent_and_the_rest_arrives(kafka_bootstrap: str, new_topic: Callable[..., str],

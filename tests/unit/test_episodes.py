@@ -660,3 +660,23 @@ def test_a_call_served_across_a_reload_keeps_its_older_version_which_the_learner
     stream.poll()
     batch, stats = stream.take(10, {2: 5, 3: 2}, 8)
     assert [e.episode_id for e in batch] == [call["event_id"]] and stats.lags == {5: 1}, stats
+
+
+def test_a_traced_session_trains_nothing_and_its_captured_calls_still_do(rig: Rig) -> None:
+    """Schema v5: a traced_llm_call (an OpenTelemetry span: no token ids, no logprobs) is never a row; a session that
+    also has captured llm_calls gets its rows as before."""
+    traced = synthetic.SessionBuilder("otel-only", T0).begin()
+    traced._event("main", "traced_llm_call", model="gpt-x", input_tokens=30, output_tokens=5, completion_text="hi")
+    traced.tool()
+    traced_end = traced.end()
+    mixed = synthetic.SessionBuilder("mixed", T0).begin()
+    mixed._event("main", "traced_llm_call", model="gpt-x", input_tokens=30, output_tokens=5)
+    mixed.llm_call()
+    mixed.tool()
+    mixed.end()
+    rig.feed.write("events", traced.events + mixed.events)
+    rig.feed.write("outcomes", [synthetic.outcome(s, "task_success", 1.0, after(traced_end, 1))
+                                for s in ("otel-only", "mixed")])
+    rig.run(after(traced_end, 30))
+    assert rig.labels("otel-only") == {}
+    assert [len(rows) for rows in rig.labels("mixed").values()] == [1]

@@ -169,6 +169,25 @@ def test_read_sessions_takes_version_arm_end_and_latest_outcome(tmp_path: Path) 
     assert got["s0"].started == pytest.approx(t0.timestamp() + 1.0)
 
 
+def test_a_traced_session_counts_with_its_version_arm_and_the_spans_token_usage(tmp_path: Path) -> None:
+    """Schema v5: a session known from OpenTelemetry spans (ingest/otlp_receiver.py) has traced_llm_calls, no token
+    ids; the gate still reads its version and arm, and its tokens from the spans' usage."""
+    root = str(tmp_path / "lake")
+    t0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+    captured = SessionBuilder("captured", t0).begin()
+    captured.llm_call(version=1, arm="champion", n_prompt=16, n_completion=8)
+    captured.end("ok")
+    traced = SessionBuilder("otel-1", t0).begin()
+    for _ in range(2):
+        traced._event("main", "traced_llm_call", model="policy-v2", policy_version=2, arm="challenger",
+                      input_tokens=30, output_tokens=5)
+    traced.end("ok")
+    LakeFeeder(root).write("events", captured.events + traced.events)
+    got = {r.session_id: r for r in read_sessions(root)}
+    assert (got["otel-1"].version, got["otel-1"].arm, got["otel-1"].tokens) == (2, "challenger", 70)
+    assert (got["captured"].version, got["captured"].tokens) == (1, 24)
+
+
 def test_default_eval_tasks_are_deterministic_and_checkable() -> None:
     a, b = arithmetic_tasks(), arithmetic_tasks()
     assert [t.messages for t in a] == [t.messages for t in b] and len(a) == 64

@@ -55,6 +55,20 @@ def test_transcript_of_a_short_session_is_whole() -> None:
         assert piece in text, (piece, text)
 
 
+def test_a_traced_session_reads_as_a_transcript_too() -> None:
+    """Calls known from OpenTelemetry spans (traced_llm_call, schema v5) carry text, not token ids."""
+    b = synthetic.SessionBuilder("otel-1", T0).begin()
+    b._event("main", "traced_llm_call", model="gpt-x", prompt_text="USER: weather in rome?", completion_text="CALL")
+    b.tool()
+    b._event("main", "traced_llm_call", model="gpt-x", output_tokens=4)
+    b.end()
+    text = transcript.transcript(assemble("otel-1", [e | {"ts": schema.parse_ts(e["ts"])} for e in b.events]),
+                                 max_tokens=1000, chars_per_token=4.0)
+    assert text.split("\n")[1] == "USER: weather in rome?", text
+    for piece in ("[assistant, traced: gpt-x]", "CALL", "(text not in the trace: 4 tokens)", "[tool call] search"):
+        assert piece in text, (piece, text)
+
+
 def test_cache_key_covers_content_rubric_version_and_model() -> None:
     base = judge.cache_key("text", RUBRIC, "m")
     assert base == judge.cache_key("text", config.Rubric("t", "1", "Rate it."), "m")

@@ -51,6 +51,7 @@ def _full_session(log: SessionLogger) -> str:
                        completion_logprobs=[-0.5])
         child.finish(ok=True)
         s.context_edit("summarize", tokens_removed=120, summary_token_ids=[7, 8, 9])
+        s.traced_llm_call("gpt-x", provider="openai", input_tokens=12, output_tokens=3, completion_text="done")
     return s.session_id
 
 
