@@ -2,7 +2,7 @@
 VENV := .venv
 FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST := $(VENV)/bin/python -m pytest
-DEMO_MINUTES ?= 15
+DEMO_MINUTES ?= 20
 
 .PHONY: setup demo test lint test-unit test-integration up down status model clean
 

@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -232,6 +233,9 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
 # ---------------------------------------------------------------------------------------------
 # the traffic phase
 # ---------------------------------------------------------------------------------------------
+SCAN_EVERY_S = 60.0  # between the live view's lake scans (Traffic.success_now)
+
+
 class Traffic:
     """The traffic phase: the learner and the gate run (from the first session, or after policy-v0 served
     base_sessions), and in the final window (measure_s seconds at the end) the champion is measured against
@@ -245,6 +249,7 @@ class Traffic:
         self.final_since: float | None = None  # the final window's start, once it began
         self._success: dict[int, tuple[int, int]] = {}
         self._success_at = 0.0
+        self._scanning: threading.Thread | None = None
 
     def elapsed(self) -> float:
         return time.time() - self.traffic_start
@@ -256,9 +261,20 @@ class Traffic:
         self.training = True
 
     def success_now(self) -> dict[int, tuple[int, int]]:
-        # a full lake scan costs CPU the learner needs: refresh it every 20 s, not every frame
-        if time.time() - self._success_at >= 20.0:
-            self._success, self._success_at = success_by_version(self.plan.lake_root, self.started_at), time.time()
+        """The live view's success by version: the last scan's, refreshed in the background every SCAN_EVERY_S.
+
+        A full lake scan takes 13 s on a quiet machine by the end of a run and about a minute beside the learner and
+        three vLLM servers. Run inline every 20 s (runs 1-8), the scans ran back to back on one core, and each
+        delayed the loop's checks, so the final window and the end of the traffic came up to 70 s late."""
+        busy = self._scanning is not None and self._scanning.is_alive()
+        if not busy and time.time() - self._success_at >= SCAN_EVERY_S:
+            self._success_at = time.time()
+
+            def scan() -> None:
+                self._success = success_by_version(self.plan.lake_root, self.started_at)
+
+            self._scanning = threading.Thread(target=scan, name="live-view-scan", daemon=True)
+            self._scanning.start()
         return self._success
 
     def start_final_window(self) -> None:
@@ -272,7 +288,9 @@ class Traffic:
 
         log.info("demo: stopping the learner and the gate for the final window (%.0f s of traffic)", self.cfg.measure_s)
         self.procs.stop("learner")
-        self.procs.stop("promote")  # after the learner: its last round may still decide the last challenger
+        # after the learner: its last round may still decide the last challenger. A round with the offline evaluation
+        # took over 30 s in run 8, and the kill at 30 s landed between moving the alias and recording the decision
+        self.procs.stop("promote", timeout_s=120.0)
         registry = Registry(self.ends.tracking_uri, self.plan.registered_model)
         registry.clear_alias(CHALLENGER)
         cleared_at = time.time()

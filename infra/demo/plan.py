@@ -40,7 +40,7 @@ class DemoConfig:
 
     RECIPE_SECTION: ClassVar[str] = ""  # --recipe: the whole recipe (its top-level keys, [learner], [gate])
 
-    minutes: float = setting(15.0, "minutes of agent traffic (set-up and the report come on top)")
+    minutes: float = setting(20.0, "minutes of agent traffic (set-up and the report come on top)")
     var_dir: Path = setting(Path(defaults.VAR_DIR), "state directory; the run lives under <var_dir>/demo/<run id>")
     report_dir: Path = setting(Path(defaults.VAR_DIR) / "report", "where report.md, the PNGs and summary.json go")
     base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "the tiny base model (built when missing)")

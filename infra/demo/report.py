@@ -365,7 +365,9 @@ def registry_facts(facts: Facts, tracking_uri: str, registered_model: str, polic
             facts.trained_to_served_s.append(max(0.0, created - written))
         except (OSError, ValueError, KeyError):
             pass
-        if tags.get("gate_decision") == "promote":
+        # promoted_ts too: a gate stopped between moving the alias and recording its decision (serving/promote.py
+        # applies, then records) leaves the first without the second
+        if tags.get("gate_decision") == "promote" or tags.get("promoted_ts"):
             facts.promotions.append(version)
     facts.versions_published.sort()
     facts.promotions.sort()

@@ -232,3 +232,30 @@ def test_learner_help_with_a_recipe_shows_the_demos_defaults_for_every_knob() ->
 def test_the_default_demo_is_its_recipe() -> None:
     """`flywheel demo` and `flywheel demo --recipe tool_use` run the same config: the recipe is the default."""
     assert DemoConfig() == from_recipe(DemoConfig, demo_plan.DEFAULT_RECIPE)
+
+
+def test_the_live_views_lake_scan_never_holds_up_the_traffic_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan takes about a minute beside the learner and vLLM late in a run: it runs in the background, and the
+    loop's checks (final window, end of traffic) read the last result at once."""
+    import threading
+
+    from flywheel.demo import closed_loop
+
+    release = threading.Event()
+    scans: list[float] = []
+
+    def slow_scan(_root: Path, _since: float) -> dict[int, tuple[int, int]]:
+        scans.append(time.time())
+        release.wait(10)
+        return {1: (10, 7)}
+
+    monkeypatch.setattr(closed_loop, "success_by_version", slow_scan)
+    cfg, run = _plan(tmp_path)
+    traffic = closed_loop.Traffic(cfg, run, ENDS, closed_loop.Processes(tmp_path / "logs"), time.time())
+    t0 = time.time()
+    assert traffic.success_now() == {} and traffic.success_now() == {}, "no result before the first scan ends"
+    assert time.time() - t0 < 1.0 and len(scans) == 1, "one scan at a time, and the caller does not wait for it"
+    release.set()
+    assert traffic._scanning is not None
+    traffic._scanning.join(5)
+    assert traffic.success_now() == {1: (10, 7)} and len(scans) == 1, "the next scan waits SCAN_EVERY_S"

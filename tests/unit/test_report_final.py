@@ -212,6 +212,20 @@ def test_report_names_v0_after_the_gate_rolled_back_its_only_promotion(
     assert summary["final_window_start"] == FINAL_SINCE, summary  # v0 has no promotion time: the window's start
 
 
+def test_a_promotion_whose_gate_was_killed_before_recording_it_still_counts(
+        tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serving/promote.py moves the alias (and tags promoted_ts), then records the decision: run 8's demo killed the
+    gate between the two, and its report said 0 promotions with v1 the champion."""
+    registry.register(1, "file:///nowhere/policy-v1", {"kind": "full"})
+    registry.make_champion(1)
+    registry.tag_version(1, {"promoted_ts": f"{PROMOTED:.3f}", "champion_since_ts": f"{PROMOTED:.3f}"})
+    monkeypatch.setattr(gate_sim, "false_promotion_rate", lambda rule, scenario, challengers=2000, seed=0: 0.02)
+    summary = report.write_report(tmp_path / "out", final_window_lake(tmp_path / "lake").publish(), T0, None,
+                                  str(tmp_path / "p"), registry.uri, registry.name, final_since=FINAL_SINCE,
+                                  gate_rule=GateRule(), shares={"control": 0.2, "challenger": 0.4})
+    assert (summary["promoted_versions"], summary["champion_version"]) == ([1], 1), summary
+
+
 def test_write_report_adds_the_honest_fields_and_puts_the_design_first(
         tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     for version in (1, 2):
