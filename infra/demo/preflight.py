@@ -38,8 +38,12 @@ class PreflightConfig:
     steps: int = setting(20, "on-policy steps")
     target: float = setting(0.9, "p(production's tool name) every tool must reach")
     batch_size: int = setting(64, "sampled first calls per step (the demo recipe's batch)")
+    mix: str = setting("production", "the tools of the sampled requests: production (the demo's traffic, "
+                                      "tasks.PRODUCTION_MIX: lookups 80%, add/mul 10% each) or uniform")
     lr: float = setting(4e-4, "the demo recipe's learner lr")
-    probe_parts: int = setting(24, "held-out parts per tool the naming probability is measured on")
+    probe_parts: int = setting(24, "parts per tool the naming probability is measured on")
+    probe_split: str = setting("heldout", "the prompts it is measured on: heldout (none the warm start or this loop "
+                                          "trained on) or train (production's own, about 80% of its traffic)")
     max_new_tokens: int = setting(40, "a first call's token budget (the agent's)")
     seed: int = setting(0, "seed of the requests, the sampling and torch")
     out: Path | None = setting(None, "also write the history here as JSON")
@@ -47,6 +51,9 @@ class PreflightConfig:
     def check(self) -> None:
         if self.steps < 1 or self.batch_size < 2:
             raise ConfigError(f"steps ({self.steps}) must be >= 1 and batch_size ({self.batch_size}) >= 2")
+        if self.mix not in ("production", "uniform") or self.probe_split not in ("heldout", "train"):
+            raise ConfigError(f"mix: production or uniform, got {self.mix!r}; probe_split: heldout or train, got "
+                              f"{self.probe_split!r}")
         if not 0 < self.target <= 1:
             raise ConfigError(f"target: a probability in (0, 1], got {self.target}")
 
@@ -94,13 +101,14 @@ def run(cfg: PreflightConfig) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(str(cfg.model))
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    probe = warm_start.heldout_parts(cfg.probe_parts, seed=30_000)
+    probe = warm_start.heldout_parts(cfg.probe_parts, seed=30_000, split=cfg.probe_split)
     rng = random.Random(cfg.seed)
     history = [{"step": 0, "production_name": _production(warm_start.naming_probabilities(model, tok, probe))}]
     reached: dict[str, int] = {}
     t0 = time.time()
     for step in range(1, cfg.steps + 1):
-        parts = [tasks.make_part(rng, "train") for _ in range(cfg.batch_size)]
+        mix = tasks.PRODUCTION_MIX if cfg.mix == "production" else None
+        parts = [tasks.make_part(rng, "train", mix) for _ in range(cfg.batch_size)]
         (ids, attention), mask, texts = _sample(model, tok, parts, cfg.max_new_tokens)
         rewards = [float(tasks.call_is_correct(p, t)) for p, t in zip(parts, texts)]
         broken = [tasks.parse_reply(t).kind == "malformed_call" for t in texts]

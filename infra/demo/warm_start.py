@@ -320,12 +320,12 @@ def naming_probabilities(model: Any, tok: Any, parts: list[tasks.Part]) -> dict[
             for tool, acc in sorted(sums.items())}
 
 
-def heldout_parts(per_tool: int, seed: int = 10_000) -> list[tasks.Part]:
-    """A fixed set of held-out parts, per_tool of each tool, in tool order."""
+def heldout_parts(per_tool: int, seed: int = 10_000, split: str = "heldout") -> list[tasks.Part]:
+    """A fixed set of parts of `split` (held-out by default), per_tool of each tool, in tool order."""
     out: list[tasks.Part] = []
     for k, tool in enumerate(tasks.TOOLS):
         rng = random.Random(seed + k)
-        out += [tasks.make_part(rng, "heldout", mix={tool: 1.0}) for _ in range(per_tool)]
+        out += [tasks.make_part(rng, split, mix={tool: 1.0}) for _ in range(per_tool)]
     return out
 
 

@@ -1,14 +1,16 @@
 """The demo's pre-flight: from the fixed warm start, an on-policy loop with the learner's own loss moves every lookup's
 call toward production's name within 20 steps. No stack: the headroom the demo's RL needs, checked offline.
 
-Issue 38 asks for p >= 0.9 for every tool within 20 steps. Measured (seed 0, the recipe's lr 4e-4): weather 0.82,
-country 0.61, timezone 0.82, mul 0.92, add 0.53 at step 20 (0.30-0.37 at the start). Add/mul get few rewarded
-rows because the warm start does not copy their digits; at lr 8e-4 and 1.6e-3 one tool fell back or stalled. This
-test holds the project to what it does: every lookup at least 0.55 and 0.2 above its start, sampled first calls
-right at least three times the first step's.
+Issue 38 asks for p >= 0.9 for every tool within 20 steps. Measured at step 20 (the recipe's lr 4e-4, requests in
+production's mix; docs/experiments.md, session 27), on production's own prompts (the train split, about 80% of its
+traffic): lookups 0.95-0.97 in each of seeds 0, 1, 2 (reached by step 10-15), add 0.23-0.67, mul 0.64-0.92. On
+prompts no one trained on (held out): lookups 0.63-0.96, add/mul 0.23-0.92. Add/mul get few rewarded rows because
+the warm start does not copy their digits. This test holds the project to what it does: on production's prompts
+every lookup at 0.9 or more; on held-out ones every lookup at least 0.55 and 0.2 above its start; sampled first
+calls right at least three times the first step's.
 
-The warm start is the demo's own (var/models/tiny-warm, the fixed 600-step pinned build, about 6 minutes on two threads;
-reused when it is current), so this test is the demo's promise, not a smaller stand-in's."""
+The warm start is the demo's own (var/models/tiny-warm, the fixed 600-step pinned build, about 6 minutes on two
+threads; reused when it is current), so this test is the demo's promise, not a smaller stand-in's."""
 
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ def test_every_tool_reaches_production_names_within_20_on_policy_steps(tmp_path:
     first, final = result["history"][0]["production_name"], result["history"][-1]["production_name"]
     for tool in tasks.LOOKUPS:
         assert final[tool] >= 0.55 and final[tool] >= first[tool] + 0.2, (tool, first, final)
+    on_production = preflight.run(preflight.PreflightConfig(model=warm, steps=20, seed=0, probe_split="train"))
+    reached = on_production["history"][-1]["production_name"]
+    assert all(reached[tool] >= 0.9 for tool in tasks.LOOKUPS), reached
     early = result["history"][1]["reward"]
     late = sum(h["reward"] for h in result["history"][-5:]) / 5
     assert late >= 3 * early, f"sampled first calls right: {early:.2f} at step 1, {late:.2f} over the last five steps"
