@@ -25,6 +25,9 @@ the host calls, as they do in production. Prints a table and, last, one JSON lin
 With --baseline, two versions of the SDK are also compared in the same run: see "same-run comparison"
 below and docs/ingest-sdk.md ("What a call costs").
 
+Last, the capture proxy's added latency per route (chat, completions, Messages, Responses) against calling
+vLLM directly, in the same run (bench/proxy_latency.py; --proxy-requests 0 skips it, it starts vLLM).
+
 Starts the shared Kafka broker only if it is not running, and stops only what it started.
 """
 
@@ -533,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --baseline: untimed calls per arm and round")
     parser.add_argument("--only-baseline", action="store_true",
                         help="run only the --baseline comparison (the JSON line then has only its fields)")
+    parser.add_argument("--proxy-requests", type=int, default=200,
+                        help="requests per route through the capture proxy and straight to vLLM (0: skip; starts vLLM)")
+    parser.add_argument("--proxy-max-tokens", type=int, default=16, help="max_tokens of those requests (greedy)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one arm of one round (JSON spec)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker is not None:
@@ -559,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, float]] = {}
     extra: dict[str, Any] = {}
     interleaved: dict[str, Any] | None = None
+    proxied: dict[str, Any] | None = None
     tmp = Path(tempfile.mkdtemp(prefix="bench-sidecar-"))
     privates: list[Any] = []
     try:
@@ -573,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
             interleaved = compare_interleaved(args, cfg.kafka_bootstrap, topic, tmp, console)
         admin.delete_topics([topic])
         admin.close()
+        if args.proxy_requests > 0 and not args.only_baseline:
+            from bench import proxy_latency
+
+            proxied = proxy_latency.run(args.proxy_requests, args.proxy_max_tokens, tmp, console)
     finally:
         for private in privates:
             stack_mod.stop_kafka(private)
@@ -585,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         fields, rows = summarize_interleaved(interleaved, args.rounds)
         _print_interleaved(args, interleaved, rows, console)
         summary.update(fields)
+    if proxied is not None:
+        from bench import proxy_latency
+
+        proxy_latency.print_table(proxied, console)
+        summary.update(proxy_latency.summary_fields(proxied))
     print(json.dumps(summary))
     return 0
 

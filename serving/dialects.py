@@ -137,14 +137,20 @@ def _tool_choice(choice: Any) -> Any:
     raise ValueError(f"tool_choice: expected type auto, any, tool (with a name) or none, got {choice!r}")
 
 
-def _stop_reason(choice: dict[str, Any], stops: list[str]) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence) of a chat choice: vLLM names the stop string it matched in `stop_reason`."""
+def _stop_reason(choice: dict[str, Any], stops: list[str], called_tools: bool = False
+                 ) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a chat choice: vLLM names the stop string it matched in `stop_reason`.
+
+    A reply that called a tool stopped for it (tool_use), whatever the finish reason: vLLM ends a call to a tool
+    named in tool_choice with "stop", not "tool_calls"."""
     finish = choice.get("finish_reason")
     if finish is None:
         return None, None
     matched = choice.get("stop_reason")
     if finish == "stop" and isinstance(matched, str) and matched in stops:
         return "stop_sequence", matched
+    if finish == "stop" and called_tools:
+        return "tool_use", None
     return _STOP_REASONS.get(finish, "end_turn"), None
 
 
@@ -170,7 +176,7 @@ def messages_reply(payload: dict[str, Any], model: Any, stops: list[str]) -> dic
         function = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
                         "name": function.get("name"), "input": _input(function.get("arguments") or "")})
-    reason, sequence = _stop_reason(choice, stops)
+    reason, sequence = _stop_reason(choice, stops, bool(message.get("tool_calls")))
     usage = payload.get("usage") or {}
     return {"id": message_id(payload.get("id")), "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
@@ -207,6 +213,7 @@ class MessagesStream(_ChunkReader):
         self.open: str | None = None  # "text" or the chat tool call index ("tool:<i>") the open block is for
         self.reason: str | None = None
         self.sequence: str | None = None
+        self.called_tools = False
 
     def feed(self, chunk: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
@@ -228,13 +235,14 @@ class MessagesStream(_ChunkReader):
         for call in delta.get("tool_calls") or []:
             key = f"tool:{call.get('index', 0)}"
             function = call.get("function") or {}
+            self.called_tools = True
             if self.open != key:
                 tool_id = call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}"
                 out += self._block(key, {"type": "tool_use", "id": tool_id, "name": function.get("name"),
                                          "input": {}})
             if function.get("arguments"):
                 out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
-        reason, sequence = _stop_reason(choice, self.stops)
+        reason, sequence = _stop_reason(choice, self.stops, self.called_tools)
         if reason is not None:
             self.reason, self.sequence = reason, sequence
         return out

@@ -586,7 +586,8 @@ class CaptureProxy:
 
 def collect(call: _Call, payload: dict[str, Any], streaming: bool) -> None:
     """Add a reply (or one stream chunk) to the call: prompt and completion ids, logprobs, text, finish."""
-    call.response_id = call.response_id or payload.get("id")
+    # the id its client got: a Responses reply's own (resp_...), which previous_response_id names; else vLLM's
+    call.response_id = call.response_id or (call.rid if call.reply_as == "responses" else payload.get("id"))
     if call.kind == "chat" and payload.get("prompt_token_ids") is not None:
         for choice in payload.get("choices") or [{"index": 0}]:
             call.prompt_ids[int(choice.get("index", 0))] = list(payload["prompt_token_ids"])

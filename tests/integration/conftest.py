@@ -35,8 +35,15 @@ def stack() -> Iterator[stack_mod.StackConfig]:
     uri = f"sqlite:///{TEST_MLFLOW_DIR / 'mlflow.db'}"
     # the flat FLYWHEEL_MLFLOW_TRACKING_URI reaches every process a test starts (the demo's, the learner's, torchrun's)
     os.environ["FLYWHEEL_MLFLOW_TRACKING_URI"] = uri
+    # a tool-call parser (vLLM reads it only with auto tool choice on), so a request may name its tool in tool_choice:
+    # vLLM then writes the arguments under its structured-output grammar, here without free whitespace (the untrained
+    # tiny model filled its token budget with it). pythonic: the one parser that needs no special tokens in the tiny
+    # model's vocabulary. Requests without tools are untouched.
     cfg = stack_mod.replace_config(stack_mod.load_stack_config([]), vllm_servers=2, mlflow_tracking_uri=uri,
-                                   mlflow_artifacts_dir=TEST_MLFLOW_DIR / "artifacts")
+                                   mlflow_artifacts_dir=TEST_MLFLOW_DIR / "artifacts",
+                                   vllm_extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+                                                    "--structured-outputs-config",
+                                                    '{"backend": "xgrammar", "disable_any_whitespace": true}'])
     ensure_base_model(cfg.base_model)  # make test built it; a bare `pytest tests/integration` builds it here
     started = stack_mod.ensure_up(cfg)
     yield cfg

@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 # machine (set-up included). "{tmp}" is the test's tmp_path, "{kafka}" the session broker's bootstrap.
 SMALL: dict[str, list[str]] = {
     # every variant, the outage one included (it starts and kills a private broker: most of the ~40 s)
-    "sidecar": ["--calls", "500", "--warmup", "100", "--burst-calls", "500"],  # ~40 s
+    # and 20 requests per proxy route beside vLLM directly (the session's vLLM)
+    "sidecar": ["--calls", "500", "--warmup", "100", "--burst-calls", "500", "--proxy-requests", "20"],  # ~60 s
     "ingest": ["--events", "500", "--live-rate", "100", "--live-seconds", "3", "--kafka-bootstrap", "{kafka}"],  # ~40 s
     # --new under the 50 sessions of one lake file fails the bench's own check (it still writes one file)
     "episodes": ["--sessions", "50", "--new", "50", "--reps", "1", "--listing-files", "2"],  # ~30 s
@@ -69,6 +70,8 @@ def check_sidecar(r: dict[str, Any]) -> None:
     _positive(r, "p99_us", "burst_p99_us", "parked_p99_us", "otel_p99_us", "outage_p99_us", "sent")
     assert r.get("delivered") is True, f"the SDK did not deliver everything with the broker up: {r.get('delivered')!r}"
     assert r.get("calls") == 500, f"calls = {r.get('calls')!r}"
+    assert r.get("proxy_requests") == 20, f"proxy_requests = {r.get('proxy_requests')!r}"
+    _positive(r, *(f"proxy_{route}_p50_ratio" for route in ("chat", "completions", "messages", "responses")))
 
 
 def check_ingest(r: dict[str, Any]) -> None:

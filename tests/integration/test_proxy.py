@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -194,6 +194,61 @@ def test_serving_router_logs_the_version_the_server_holds(kafka_bootstrap: str, 
         _stop_proxy(proc, tmp_path / "proxy.log")
 
 
+def test_a_call_during_which_vllm_reloads_its_weights_is_logged_with_both_versions(
+        kafka_bootstrap: str, vllm_url: str, base_model_dir: Path, new_topic: Any, tmp_path: Path,
+        vllm_weights_lock: None, start_proxy: Any) -> None:
+    """A real in-place weight reload (vLLM's reload_weights, then the new version recorded) while a long streamed call
+    is being generated: the call is still logged, with policy_version the version before and policy_version_alt the
+    one after, and counted; the lake keeps both (the learner's rule for such rows, staleness from the older version,
+    is tests/unit/test_episodes.py's). The publisher's own path pauses first (mode=wait), so there a call straddles
+    only when its end and the reload race; this drives the reload into the middle of the call on purpose."""
+    from flywheel.ingest import lake
+    from flywheel.ingest.lake_writer import LakeWriterConfig, run
+    from flywheel.serving import vllm_client
+    from flywheel.serving.publisher import reload_full
+
+    topic, outcomes, dlq = new_topic("proxy-straddle"), new_topic("straddle-out"), new_topic("straddle-dlq")
+    held = vllm_client.weight_version(vllm_url)
+    assert held is not None
+    env = {"FLYWHEEL_REGISTERED_MODEL": f"test-proxy-{uuid.uuid4().hex[:8]}", "FLYWHEEL_SERVERS": vllm_url}
+    proc, url = start_proxy(["--router", "serving", "--kafka-bootstrap", kafka_bootstrap, "--events-topic", topic,
+                              "--spool-name", f"test-proxy-s-{uuid.uuid4().hex[:8]}"], tmp_path / "proxy.log", env)
+    session = f"s-{uuid.uuid4().hex}"
+    try:
+        # ~1,900 tokens without stopping at eos: seconds of decoding, longer than the reload
+        stream = _client(url).chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=1900, temperature=1.0, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Flywheel-Session-Id": session})
+        chunks = iter(stream)
+        first = next(chunks)
+        vllm_client.reload_weights(vllm_url, base_model_dir)  # the same weights, really reloaded
+        vllm_client.update_weight_version(vllm_url, held + 7)
+        text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in chunks
+                                                                 if c.choices)
+        assert text
+        stats = json.loads(urllib.request.urlopen(f"{url}/stats").read())
+        assert stats["version_straddled"] == 1, stats
+    finally:
+        try:
+            _stop_proxy(proc, tmp_path / "proxy.log")
+        finally:
+            reload_full(vllm_url, base_model_dir, held)
+    (event,) = [e for e in _events(kafka_bootstrap, topic, session, 1) if e["type"] == "llm_call"]
+    assert (event["policy_version"], event["policy_version_alt"]) == (held, held + 7), event
+    assert len(event["completion_logprobs"]) == len(event["completion_token_ids"]) == 1900
+    root = tmp_path / "lake"
+    cfg = LakeWriterConfig(kafka_bootstrap=kafka_bootstrap, events_topic=topic, outcomes_topic=outcomes,
+                           dlq_topic=dlq, group_id=f"test-straddle-{uuid.uuid4().hex[:8]}", lake_root=str(root),
+                           var_dir=str(tmp_path / "var"), roll_max_age_s=0.5, session_timeout_s=6,
+                           status_interval_s=0.5)
+    deadline = time.monotonic() + 60
+    run(cfg, stop=lambda _w: sum(lake.next_offsets(str(root), "events", topic).values()) >= 1
+        or time.monotonic() > deadline)
+    stored = [r for f in lake.list_files(str(root), "events") for r in lake.read_file(str(root), f).to_pylist()
+              if r["event_id"] == event["event_id"]]
+    assert [(r["policy_version"], r["policy_version_alt"]) for r in stored] == [(held, held + 7)]
+
+
 def test_calls_answered_just_before_a_sigkill_reach_kafka_after_the_restart(
         kafka_bootstrap: str, vllm_url: str, tmp_path: Path, start_proxy: Any, new_topic: Any) -> None:
     """The proxy journals each call before it answers (ingest/journal.py). Its first life cannot reach Kafka (port 1),
@@ -307,3 +362,85 @@ def test_the_openai_responses_client_through_the_proxy_continues_one_session_by_
         assert len(event["completion_logprobs"]) == len(event["completion_token_ids"]) == reply.usage.output_tokens
         assert len(event["prompt_token_ids"]) == reply.usage.input_tokens
         assert event["completion_text"] == reply.output_text
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome", "oslo"]}},
+        "required": ["city"]}
+
+
+def _calls(kafka_bootstrap: str, topic: str, want: int, keep: Callable[[dict], bool]) -> list[dict]:
+    """The llm_calls `keep` selects, oldest first, waiting until `want` of them arrived."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=500, client_id="tests")
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    calls: dict[str, dict] = {}
+    deadline = time.time() + 20
+    while time.time() < deadline and len(calls) < want:
+        for m in consumer:
+            e = wire.as_lists(wire.decode(m.value))
+            if e["type"] == "llm_call" and keep(e):
+                calls[e["event_id"]] = e
+    consumer.close()
+    return sorted(calls.values(), key=lambda e: e["ts"])
+
+
+def test_a_tool_use_turn_and_its_follow_up_through_messages_and_responses(proxy: dict, kafka_bootstrap: str) -> None:
+    """A real tool-use turn with vLLM: the tool is named in tool_choice, so vLLM writes its arguments under its
+    structured-output grammar (no tool-call parser needed; the tiny model's template renders no tools). Each turn is
+    one llm_call with one finite logprob per completion id and the reply's token counts; the follow-up that hands
+    back the tool's result continues the conversation."""
+    anthropic = pytest.importorskip("anthropic")
+
+    session = f"s-{uuid.uuid4().hex}"
+    claude = anthropic.Anthropic(base_url=proxy["url"], api_key=SECRET, max_retries=0,
+                                 default_headers={"X-Flywheel-Session-Id": session})
+    tool = {"name": "weather", "description": "The weather of a city", "input_schema": CITY}
+    ask = [{"role": "user", "content": "How is the weather in rome?"}]
+    turn = claude.messages.create(model="claude-agent", max_tokens=40, messages=ask, tools=[tool],
+                                  tool_choice={"type": "tool", "name": "weather"}, extra_body={"temperature": 0})
+    (use,) = [b for b in turn.content if b.type == "tool_use"]
+    assert use.name == "weather" and use.input.get("city") in ("paris", "rome", "oslo"), turn
+    assert turn.stop_reason == "tool_use", turn.stop_reason
+    with claude.messages.stream(model="claude-agent", max_tokens=40, messages=ask, tools=[tool],
+                                tool_choice={"type": "tool", "name": "weather"},
+                                extra_body={"temperature": 0}) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in streamed.content if b.type == "tool_use"] == \
+        [("tool_use", "weather", use.input)], streamed
+    answer = claude.messages.create(
+        model="claude-agent", max_tokens=16, tools=[tool], tool_choice={"type": "none"},
+        messages=ask + [{"role": "assistant", "content": [b.model_dump() for b in turn.content]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                      "content": "sunny, 21 C"}]}])
+    assert answer.content and answer.content[0].type == "text"
+    logged = _calls(kafka_bootstrap, proxy["topic"], 3, lambda e: e["session_id"] == session)
+    assert len(logged) == 3, f"one llm_call per request, got {len(logged)}"
+    for event, reply in zip(logged, (turn, streamed, answer)):
+        schema.validate_event(event)
+        assert len(event["completion_logprobs"]) == len(event["completion_token_ids"]) == reply.usage.output_tokens
+        assert all(lp <= 0 and lp == lp for lp in event["completion_logprobs"]), "a logprob is not finite"
+        assert len(event["prompt_token_ids"]) == reply.usage.input_tokens
+    assert len(logged[2]["prompt_token_ids"]) > len(logged[0]["prompt_token_ids"]), "the follow-up saw the result"
+
+    client = _client(proxy["url"])
+    function = {"type": "function", "name": "weather", "description": "The weather of a city", "parameters": CITY}
+    first = client.responses.create(model="agent", input="How is the weather in oslo?", tools=[function],
+                                    tool_choice={"type": "function", "name": "weather"}, temperature=0,
+                                    max_output_tokens=40)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "weather" and json.loads(call.arguments)["city"] in ("paris", "rome", "oslo"), first
+    follow = client.responses.create(model="agent", previous_response_id=first.id, tools=[function],
+                                     tool_choice="none", temperature=0, max_output_tokens=16,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "snow, -3 C"}])
+    assert follow.output and follow.output[0].type == "message"
+    # a Responses chain is its own session (resp-...); each call is logged under its response's id
+    pair = _calls(kafka_bootstrap, proxy["topic"], 2, lambda e: e.get("request_id") in (first.id, follow.id))
+    assert [e["request_id"] for e in pair] == [first.id, follow.id] and pair[0]["session_id"] == pair[1]["session_id"]
+    for event, reply in zip(pair, (first, follow)):
+        assert len(event["completion_logprobs"]) == len(event["completion_token_ids"]) == reply.usage.output_tokens
+        assert len(event["prompt_token_ids"]) == reply.usage.input_tokens
+    assert SECRET not in proxy["log"].read_text()

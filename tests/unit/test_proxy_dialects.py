@@ -91,6 +91,16 @@ def test_a_reply_with_text_and_a_tool_call_becomes_blocks_and_a_stop_sequence_is
                             "message": {"role": "assistant", "content": "x"}}]}
     assert (dialects.messages_reply(stopped, "m", ["END"])["stop_reason"],
             dialects.messages_reply(stopped, "m", ["END"])["stop_sequence"]) == ("stop_sequence", "END")
+    # a tool named in tool_choice: vLLM finishes with "stop", and the reply still stopped for the tool
+    named = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "",
+                                                                          "tool_calls": payload["choices"][0][
+                                                                              "message"]["tool_calls"]}}]}
+    assert dialects.messages_reply(named, "m", [])["stop_reason"] == "tool_use"
+    stream = dialects.MessagesStream("m", [])
+    stream.feed({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "function": {"name": "add", "arguments": '{"a": 1}'}}]}}]})
+    stream.feed({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert b'"stop_reason":"tool_use"' in b"".join(stream.finish())
     broken = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"tool_calls": [
         {"id": "c", "function": {"name": "add", "arguments": '{"a": '}}]}}]}
     assert dialects.messages_reply(broken, "m", [])["content"][0]["input"] == {"_unparsed_arguments": '{"a": '}
@@ -367,6 +377,8 @@ def test_the_openai_client_gets_responses_streams_and_follow_ups_in_one_session(
     assert calls[0]["session_id"] == calls[1]["session_id"], "a previous_response_id chain is one session"
     assert len({c["session_id"] for c in calls}) == 3 and all(c["session_id"].startswith("resp-") for c in calls)
     assert [c["completion_token_ids"] for c in calls] == [TOOL_IDS, TEXT_IDS, TEXT_IDS, TOOL_IDS]
+    assert [c["request_id"] for c in calls[:2]] == [out["call"].id, out["answer"].id], \
+        "a Responses call is logged under the id its client got, the one previous_response_id names"
     starts = [e for e in _all(tmp_path / "spool") if e["type"] == "session_start"]
     assert sorted(e["session_id"] for e in starts) == sorted({c["session_id"] for c in calls}), \
         "the proxy starts each session it opened, once"
