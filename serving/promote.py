@@ -414,11 +414,30 @@ def stream_alpha(cfg: PromoteConfig, registry: Registry, challenger: int) -> flo
     return level
 
 
+def complete_recorded_promotion(registry: Registry) -> int | None:
+    """Finish a promotion the gate recorded but did not apply (it was stopped in between): the challenger tagged
+    gate_decision=promote becomes champion. Returns its version, or None when there was nothing to finish."""
+    slots = registry.alias_versions()
+    challenger, champion = slots.get(CHALLENGER), slots.get(CHAMPION)
+    if challenger is None or challenger.tags.get("gate_decision") != "promote":
+        return None
+    if champion is not None and champion.policy_version == challenger.policy_version:
+        registry.clear_alias(CHALLENGER)
+        return None
+    log.warning("promote: policy-v%d was recorded as promoted but not made champion (the gate stopped in between); "
+                "completing it", challenger.policy_version)
+    registry.make_champion(challenger.policy_version)
+    now = f"{time.time():.3f}"
+    registry.tag_version(challenger.policy_version, {"promoted_ts": now, "champion_since_ts": now})
+    return challenger.policy_version
+
+
 def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalTask] | None = None,
               records: list[SessionRecord] | None = None, now: float | None = None) -> list[Decision]:
     """One round: the challenger gate, then (with auto_rollback) the champion against the control."""
     records = (read_sessions(cfg.lake_root, cfg.outcome_kind, cfg.maturity_s, judge="judge" in cfg.guardrails)
                if records is None else records)
+    complete_recorded_promotion(registry)
     slots = registry.alias_versions()
     champion = slots[CHAMPION].policy_version if CHAMPION in slots else 0
     champion_kind = slots[CHAMPION].kind if CHAMPION in slots else "full"
@@ -437,8 +456,14 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
              if challenger is not None and challenger.policy_version != champion else None)
     decision = gate_round(champion, challenger.policy_version if challenger else None,
                           records, offline, cfg, now, since, level)
-    apply(decision, registry, cfg)
-    record(decision, cfg, registry)
+    if decision.action == "promote":
+        # recorded first, then applied: a gate stopped in between leaves a recorded promotion that the next round
+        # completes (complete_recorded_promotion), not a moved alias with no record of why (run 8's demo)
+        record(decision, cfg, registry)
+        apply(decision, registry, cfg)
+    else:
+        apply(decision, registry, cfg)
+        record(decision, cfg, registry)
     decisions = [decision]
     if cfg.auto_rollback and decision.action != "promote" and CHAMPION in slots:
         back = rollback_round(champion, records, cfg, since, now)

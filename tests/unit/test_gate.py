@@ -297,3 +297,26 @@ def test_a_rollback_moves_the_alias_only_once_its_target_is_served(monkeypatch: 
     assert promote.rollback_to_served(reg, tier) == 2
     assert served[-1] == (2, {0, 2, 3}), served  # the champion and the control kept their servers
     assert reg.calls == ["clear challenger", "rollback", "tag v2 ['champion_since_ts']"], reg.calls
+
+
+def test_a_promotion_recorded_but_not_applied_is_completed_by_the_next_round(tmp_path: Path) -> None:
+    """The gate records a promotion, then moves the alias; stopped in between (run 8's demo killed it there, when
+    it still applied first), the next round finds the challenger tagged promote and finishes the promotion. Against a
+    real MLflow registry (sqlite, no server)."""
+    from flywheel.serving import promote
+    from flywheel.serving.registry import Registry
+
+    registry = Registry(f"sqlite:///{tmp_path}/mlflow.db", "gate-test")
+    for version in (1, 2):
+        registry.register(version, f"file:///nowhere/policy-v{version}", {"kind": "full"})
+    registry.make_champion(1)
+    registry.set_alias("challenger", 2)
+    assert promote.complete_recorded_promotion(registry) is None, "nothing recorded: nothing to finish"
+    assert registry.aliases() == {"champion": 1, "challenger": 2}
+    registry.tag_version(2, {"gate_decision": "promote"})  # what record() wrote before the stop
+    assert promote.complete_recorded_promotion(registry) == 2
+    assert registry.aliases() == {"champion": 2}
+    tags = registry.alias_versions()["champion"].tags
+    assert float(tags["promoted_ts"]) > 0 and tags["champion_since_ts"] == tags["promoted_ts"]
+    assert registry.previous_champion() == 1, "the completed promotion is in the champion history"
+    assert promote.complete_recorded_promotion(registry) is None, "done once"
