@@ -1,7 +1,7 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Both set up what is missing first.
 VENV := .venv
 FLYWHEEL := $(VENV)/bin/flywheel
-PYTEST := $(VENV)/bin/python -m pytest
+PYTEST := $(VENV)/bin/python -m pytest --durations=15  # the slowest tests, named at the end of every run
 DEMO_MINUTES ?= 20
 
 .PHONY: setup demo test lint test-unit test-integration up down status model clean
