@@ -1,6 +1,6 @@
 """The OTLP receiver: OpenTelemetry GenAI spans, made by the real opentelemetry-sdk and encoded as its OTLP
 exporter encodes them, become this project's events; bad bodies get a reason. The same with Kafka and the lake:
-tests/integration/test_otlp_receiver.py."""
+tests/integration/test_otlp_receiver_kafka.py."""
 
 from __future__ import annotations
 
