@@ -12,15 +12,16 @@ What a span gives and what it cannot (docs/ingest-sdk.md, "Agents traced with Op
   (`flywheel.policy_version`, or a served name `policy-v<N>`). A span has no token ids and no behaviour
   logprobs, so such calls never reach the policy gradient: the session feeds the lake and the gate (outcomes,
   versions, tokens), not the learner. A span that does carry them (`flywheel.prompt_token_ids`,
-  `flywheel.completion_token_ids`, `flywheel.completion_logprobs` and `flywheel.policy_version`) becomes a
-  full `llm_call` and trains like a captured one.
+  `flywheel.completion_token_ids`, `flywheel.completion_logprobs`) and a version (as above) becomes a full
+  `llm_call` and trains like a captured one.
 * An `execute_tool` span becomes a `tool_call` at its start and a `tool_result` at its end (ok unless the span's
   status is ERROR).
 * A session is one trace: `otel-<trace id in hex>` (report outcomes against that id). Its `session_start` and
-  `session_end` come from the trace's root span, once the trace has shown a GenAI span (the receiver remembers
+  `session_end` come from the trace's root span (or, for a trace that came in from another service, the span
+  whose parent is remote), once the trace has shown a GenAI span (the receiver remembers
   the last `remember_traces` such traces, so a root exported after its children still closes the session).
 * Agents: the outermost `invoke_agent` span of a chain is the main agent; an `invoke_agent` span nested in it is
-  a sub-agent (its `gen_ai.agent.id`, else `agent-<span id>`), with `subagent_spawn` / `subagent_finish` on its
+  one run of a sub-agent (`<gen_ai.agent.id>-<span id>`), with `subagent_spawn` / `subagent_finish` on its
   parent. The nesting is read within one export, so a sub-agent whose spans reach the receiver in another export
   than its own `invoke_agent` span is logged under the main agent.
 
@@ -62,6 +63,7 @@ INFERENCE_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"}
 TOOL_OPERATION = "execute_tool"
 AGENT_OPERATION = "invoke_agent"
 STATUS_ERROR = 2  # OTLP Status.StatusCode STATUS_CODE_ERROR
+PARENT_IS_REMOTE = 0x300  # SpanFlags: CONTEXT_HAS_IS_REMOTE | CONTEXT_IS_REMOTE
 _SERVED_NAME = re.compile(r"policy-v(\d+)$")
 # gen_ai.request.* attributes that are sampling parameters, as the llm_call's `sampling` names them
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens",
@@ -114,6 +116,13 @@ class Span:
     attributes: dict[str, Any]
     resource: dict[str, Any]
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    flags: int = 0  # OTLP SpanFlags: bits 8 and 9 say whether the parent is known and is remote
+
+    @property
+    def is_root(self) -> bool:
+        """The top of this service's part of the trace: no parent, or a parent in another process (a trace that
+        came in from an upstream service)."""
+        return self.parent_span_id is None or self.flags & PARENT_IS_REMOTE == PARENT_IS_REMOTE
 
     @property
     def operation(self) -> str | None:
@@ -121,7 +130,8 @@ class Span:
         if isinstance(op, str):
             return op
         # conventions before gen_ai.operation.name (and OpenLLMetry): a call span names its system and model
-        if "gen_ai.system" in self.attributes and "gen_ai.request.model" in self.attributes:
+        if ("gen_ai.system" in self.attributes and "gen_ai.request.model" in self.attributes
+                and self.attributes.get("llm.request.type") in (None, "chat", "completion")):
             return "chat"
         return None
 
@@ -179,7 +189,9 @@ def spans_from_json(body: Any) -> list[Span]:
         raise ExportError(f"the body is a JSON {type(body).__name__}, expected an ExportTraceServiceRequest object")
     spans: list[Span] = []
     for rs in body.get("resourceSpans") or []:
-        resource = _json_attributes(((rs or {}).get("resource") or {}).get("attributes"))
+        if not isinstance(rs, dict):
+            raise ExportError("a resourceSpans entry is not a JSON object")
+        resource = _json_attributes((rs.get("resource") or {}).get("attributes"))
         for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
             for sp in (ss or {}).get("spans") or []:
                 if not isinstance(sp, dict):
@@ -197,7 +209,7 @@ def spans_from_json(body: Any) -> list[Span]:
                     _int(sp.get("endTimeUnixNano"), "endTimeUnixNano"), _int(code, "status.code"),
                     _json_attributes(sp.get("attributes")), resource,
                     [(str(e.get("name", "")), _json_attributes(e.get("attributes")))
-                     for e in sp.get("events") or [] if isinstance(e, dict)]))
+                     for e in sp.get("events") or [] if isinstance(e, dict)], _int(sp.get("flags"), "flags")))
     return spans
 
 
@@ -241,7 +253,7 @@ def spans_from_protobuf(data: bytes) -> list[Span]:
                 spans.append(Span(
                     sp.trace_id.hex(), sp.span_id.hex(), sp.parent_span_id.hex() or None, sp.name,
                     sp.start_time_unix_nano, sp.end_time_unix_nano, sp.status.code, _pb_attributes(sp.attributes),
-                    resource, [(e.name, _pb_attributes(e.attributes)) for e in sp.events]))
+                    resource, [(e.name, _pb_attributes(e.attributes)) for e in sp.events], sp.flags))
     return spans
 
 
@@ -410,10 +422,10 @@ class Converter:
                 self._note_trace(s.trace_id, _task_type(s) if s.operation == AGENT_OPERATION else None)
         for s in sorted(spans, key=lambda x: (x.start_ns, x.end_ns)):
             op = s.operation
-            if s.parent_span_id is None and s.trace_id in self._traces:
+            if s.is_root and s.trace_id in self._traces:
                 out.events.extend(self._session_bounds(s))
             if op is None:
-                if s.parent_span_id is not None or s.trace_id not in self._traces:
+                if not s.is_root or s.trace_id not in self._traces:
                     out.ignored_spans += 1
                 continue
             out.genai_spans += 1
@@ -498,11 +510,12 @@ def _agent_chain(s: Span, by_id: dict[tuple[str, str], Span]) -> list[Span]:
 
 
 def _agent_name(chain: list[Span], i: int) -> str:
-    """The agent id of chain[i]: the outermost agent is the main agent; a nested one its gen_ai.agent.id."""
+    """The agent id of chain[i]: the outermost agent is the main agent; a nested one is one run of an agent,
+    `<gen_ai.agent.id>-<span id>` (the convention's id names the agent, not the run: two runs must not merge)."""
     if i == len(chain) - 1:
         return MAIN_AGENT
     span = chain[i]
-    return _text(span.attributes.get("gen_ai.agent.id")) or f"agent-{span.span_id}"
+    return f"{_text(span.attributes.get('gen_ai.agent.id')) or 'agent'}-{span.span_id}"
 
 
 def _agent_of(s: Span, by_id: dict[tuple[str, str], Span]) -> tuple[str, str | None]:
@@ -547,7 +560,8 @@ class Receiver:
         self.cfg = cfg
         self.logger = logger
         self.converter = Converter(cfg.remember_traces, cfg.log_text)
-        self.counters = {"exports": 0, "bad_exports": 0, "spans": 0, "genai_spans": 0, "ignored_spans": 0,
+        self.counters = {"exports": 0, "bad_exports": 0, "spans": 0, "rejected_spans": 0, "genai_spans": 0,
+                         "ignored_spans": 0,
                          "events": 0, "traced_calls": 0, "full_calls": 0}
 
     def ingest(self, spans: list[Span]) -> Converted:
@@ -568,19 +582,26 @@ class Receiver:
     async def traces(self, request: Any) -> Any:
         from aiohttp import web
 
-        body = await request.read()
+        body = await request.read()  # aiohttp has already undone a gzip Content-Encoding (its size capped too)
         try:
-            spans, protobuf = decode_body(body, request.headers.get("Content-Type", ""),
-                                          request.headers.get("Content-Encoding", ""), self.cfg.max_body_bytes)
-        except ExportError as exc:
+            spans, protobuf = decode_body(body, request.headers.get("Content-Type", ""), "", self.cfg.max_body_bytes)
+            timeless = [x for x in spans if x.start_ns <= 0 or x.end_ns < x.start_ns]
+            if timeless:  # an event at 1970 would be dropped by the SDK after the export was answered
+                spans = [x for x in spans if x not in timeless]
+            self.ingest(spans)
+        except (ExportError, ValueError, TypeError, AttributeError) as exc:  # a value of the wrong type: the body's
             self.counters["bad_exports"] += 1
             log.warning("otlp-receiver: export refused: %s", exc)
-            return web.json_response({"error": str(exc)}, status=400)
-        self.ingest(spans)
-        # an empty ExportTraceServiceResponse: everything accepted (spans that are not GenAI are not errors)
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, ExportError)
+                                      else str(exc)}, status=400)
+        self.counters["rejected_spans"] += len(timeless)
+        message = f"{len(timeless)} span(s) without a start time, or ending before it" if timeless else ""
+        # ExportTraceServiceResponse: empty when everything was taken (spans that are not GenAI are not errors),
+        # partial_success naming what was not
         if protobuf:
-            return web.Response(body=b"", content_type="application/x-protobuf")
-        return web.json_response({})
+            return web.Response(body=_pb_response(len(timeless), message), content_type="application/x-protobuf")
+        return web.json_response({"partialSuccess": {"rejectedSpans": str(len(timeless)), "errorMessage": message}}
+                                 if timeless else {})
 
     async def health(self, _request: Any) -> Any:
         from aiohttp import web
@@ -596,6 +617,17 @@ class Receiver:
                                            "spool_records": sdk.get("spool_records"),
                                            "broker_down": sdk.get("broker_down")})
             await asyncio.sleep(self.cfg.heartbeat_s)
+
+
+def _pb_response(rejected: int, message: str) -> bytes:
+    if not rejected:
+        return b""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    response = ExportTraceServiceResponse()
+    response.partial_success.rejected_spans = rejected
+    response.partial_success.error_message = message
+    return response.SerializeToString()
 
 
 def make_app(receiver: Receiver) -> Any:

@@ -112,7 +112,8 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
         # its version and arm when it says them, its tokens from the span's usage (it has no token ids)
         traced = "input_tokens" in columns
         call_types = "('llm_call', 'traced_llm_call')" if traced else "('llm_call')"
-        tokens = ("coalesce(len(prompt_token_ids) + len(completion_token_ids), input_tokens + output_tokens)"
+        tokens = ("coalesce(len(prompt_token_ids) + len(completion_token_ids), CASE WHEN input_tokens IS NULL AND "
+                  "output_tokens IS NULL THEN NULL ELSE coalesce(input_tokens, 0) + coalesce(output_tokens, 0) END)"
                   if traced else "len(prompt_token_ids) + len(completion_token_ids)")
         _session_outcomes_view(con, lake_root, outcomes)
         _judge_view(con, lake_root, judge)

@@ -181,10 +181,12 @@ def test_a_traced_session_counts_with_its_version_arm_and_the_spans_token_usage(
     for _ in range(2):
         traced._event("main", "traced_llm_call", model="policy-v2", policy_version=2, arm="challenger",
                       input_tokens=30, output_tokens=5)
+    traced._event("main", "traced_llm_call", model="policy-v2", policy_version=2, arm="challenger",
+                  output_tokens=4)  # a span that gave only one of the counts: the one it gave still counts
     traced.end("ok")
     LakeFeeder(root).write("events", captured.events + traced.events)
     got = {r.session_id: r for r in read_sessions(root)}
-    assert (got["otel-1"].version, got["otel-1"].arm, got["otel-1"].tokens) == (2, "challenger", 70)
+    assert (got["otel-1"].version, got["otel-1"].arm, got["otel-1"].tokens) == (2, "challenger", 74)
     assert (got["captured"].version, got["captured"].tokens) == (1, 24)
 
 

@@ -113,12 +113,14 @@ def test_an_agent_trace_becomes_one_session_with_calls_tools_and_a_sub_agent(tra
     assert json.loads(call["prompt_text"]) == INPUT
     assert json.loads(call["completion_text"]) == {"tool_call": {"name": "weather", "arguments": {"city": "paris"}}}
     assert call["latency_s"] >= 0 and (call["trace_id"], len(call["span_id"])) == (trace_id, 16)
-    # the sub-agent's call is its own, with no version (gpt-x is not a served policy name)
-    assert (inner["agent_id"], inner["parent_agent_id"], inner["model"]) == ("checker", "main", "gpt-x")
+    # the sub-agent's call is its own (one run of the agent "checker"), with no version (gpt-x is not a served name)
+    sub_span = next(x for x in spans if x.name == "invoke_agent checker")
+    run = f"checker-{sub_span.span_id}"
+    assert (inner["agent_id"], inner["parent_agent_id"], inner["model"]) == (run, "main", "gpt-x")
     assert "policy_version" not in inner
     spawn, finish = by_type["subagent_spawn"][0], by_type["subagent_finish"][0]
-    assert (spawn["agent_id"], spawn["child_agent_id"], spawn["subtask"]) == ("main", "checker", "check the answer")
-    assert (finish["child_agent_id"], finish["ok"]) == ("checker", False)
+    assert (spawn["agent_id"], spawn["child_agent_id"], spawn["subtask"]) == ("main", run, "check the answer")
+    assert (finish["child_agent_id"], finish["ok"]) == (run, False)
     tool_call, result = by_type["tool_call"][0], by_type["tool_result"][0]
     assert (tool_call["call_id"], tool_call["name"], tool_call["arguments"]) == ("c1", "weather", {"city": "paris"})
     assert (result["call_id"], result["ok"], result["output"]) == ("c1", True, "sunny")
@@ -191,6 +193,19 @@ def test_otlp_json_with_hex_ids_string_ints_and_gzip() -> None:
     assert records[0]["task_type"] == "bot" and records[1]["status"] == "error"
 
 
+def test_a_trace_that_came_in_from_another_service_is_a_session_from_its_remote_parented_span() -> None:
+    trace = "5b8efff798038103d269b633813fc60c"
+    span = {"traceId": trace, "spanId": "eee19b7ec3c1b174", "parentSpanId": "0102030405060708", "flags": 0x301,
+            "name": "invoke_agent a", "startTimeUnixNano": "1796400000000000000",
+            "endTimeUnixNano": "1796400002000000000",
+            "attributes": [{"key": "gen_ai.operation.name", "value": {"stringValue": "invoke_agent"}},
+                           {"key": "gen_ai.agent.name", "value": {"stringValue": "planner"}}]}
+    spans, _ = otlp.decode_body(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}).encode(),
+                                "application/json", "", 1 << 20)
+    records = _records(otlp.Converter().convert(spans).events)
+    assert [(r["type"], r.get("task_type")) for r in records] == [("session_start", "planner"), ("session_end", None)]
+
+
 @pytest.mark.parametrize(("body", "ctype", "encoding", "reason"), [
     (b"{}", "text/plain", "", "Content-Type 'text/plain'"),
     (b"{not json", "application/json", "", "not JSON"),
@@ -201,6 +216,7 @@ def test_otlp_json_with_hex_ids_string_ints_and_gzip() -> None:
     (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": "ab"}]}]}]}).encode(),
      "application/json", "", "neither hex nor base64"),
     (b"{" + b" " * 5000 + b"}", "application/json", "", "over 1024 bytes"),
+    (json.dumps({"resourceSpans": [None]}).encode(), "application/json", "", "not a JSON object"),
 ])
 def test_bad_bodies_get_a_reason(body: bytes, ctype: str, encoding: str, reason: str) -> None:
     with pytest.raises(otlp.ExportError, match=reason):
@@ -237,11 +253,31 @@ def test_the_receiver_takes_the_sdk_exporters_posts_and_logs_valid_events(traced
     try:
         tracer, memory = traced
         _agent_run(tracer)
+        from opentelemetry.exporter.otlp.proto.http import Compression
+
         exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{cfg.port}/v1/traces")
         assert exporter.export(memory.get_finished_spans()) == SpanExportResult.SUCCESS
-        assert exporter.export(memory.get_finished_spans()) == SpanExportResult.SUCCESS  # a retry, say
+        zipped = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{cfg.port}/v1/traces", compression=Compression.Gzip)
+        assert zipped.export(memory.get_finished_spans()) == SpanExportResult.SUCCESS  # sent again, gzip this time
         exporter.shutdown()
+        zipped.shutdown()
         import urllib.request
+
+        typed = {"resourceSpans": [{"scopeSpans": [{"spans": [{
+            "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174", "startTimeUnixNano": "1",
+            "endTimeUnixNano": "2", "attributes": [{"key": "gen_ai.usage.input_tokens", "value": {"intValue": "x"}}]}]}]}]}
+        wrong = urllib.request.Request(f"http://127.0.0.1:{cfg.port}/v1/traces", data=json.dumps(typed).encode(),
+                                       method="POST", headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused_type:
+            urllib.request.urlopen(wrong, timeout=10)
+        assert refused_type.value.code == 400, "a value of the wrong type is the body's fault, not a 500"
+        timeless = {"resourceSpans": [{"scopeSpans": [{"spans": [{
+            "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174", "name": "chat m",
+            "attributes": [{"key": "gen_ai.operation.name", "value": {"stringValue": "chat"}}]}]}]}]}
+        partial = urllib.request.Request(f"http://127.0.0.1:{cfg.port}/v1/traces", data=json.dumps(timeless).encode(),
+                                         method="POST", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(partial, timeout=10) as answer:
+            assert json.loads(answer.read())["partialSuccess"]["rejectedSpans"] == "1"
 
         bad = urllib.request.Request(f"http://127.0.0.1:{cfg.port}/v1/traces", data=b"{", method="POST",
                                      headers={"Content-Type": "application/json"})
@@ -250,7 +286,8 @@ def test_the_receiver_takes_the_sdk_exporters_posts_and_logs_valid_events(traced
         assert refused.value.code == 400 and "not JSON" in refused.value.read().decode()
         with urllib.request.urlopen(f"http://127.0.0.1:{cfg.port}/health", timeout=10) as answer:
             health = json.loads(answer.read())
-        assert (health["exports"], health["bad_exports"], health["genai_spans"], health["events"]) == (2, 1, 10, 16)
+        assert (health["exports"], health["bad_exports"], health["genai_spans"], health["events"]) == (3, 2, 10, 16)
+        assert health["rejected_spans"] == 1
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
