@@ -226,8 +226,13 @@ def test_a_call_during_which_vllm_reloads_its_weights_is_logged_with_both_versio
         text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in chunks
                                                                  if c.choices)
         assert text
-        stats = json.loads(urllib.request.urlopen(f"{url}/stats").read())
-        assert stats["version_straddled"] == 1, stats
+        deadline = time.time() + 30  # the proxy logs after the stream's end (its second version read): not at once
+        while True:
+            stats = json.loads(urllib.request.urlopen(f"{url}/stats").read())
+            if stats["logged_calls"] + stats["version_unknown"] >= 1 or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        assert stats["version_straddled"] == 1 and stats["logged_calls"] == 1, stats
     finally:
         try:
             _stop_proxy(proc, tmp_path / "proxy.log")
