@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,14 +24,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.sidecar import _free_port
+
 ROUTES = ("chat", "completions", "messages", "responses")
 PROMPT = "What is the weather in paris today? Answer in one short sentence."
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -585,22 +585,23 @@ class Receiver:
         body = await request.read()  # aiohttp has already undone a gzip Content-Encoding (its size capped too)
         try:
             spans, protobuf = decode_body(body, request.headers.get("Content-Type", ""), "", self.cfg.max_body_bytes)
-            timeless = [x for x in spans if x.start_ns <= 0 or x.end_ns < x.start_ns]
-            if timeless:  # an event at 1970 would be dropped by the SDK after the export was answered
-                spans = [x for x in spans if x not in timeless]
-            self.ingest(spans)
+            # a span without a start time (an event at 1970, which the SDK drops after the export was answered) or
+            # ending before it is refused alone
+            timed = [x for x in spans if 0 < x.start_ns <= x.end_ns]
+            timeless = len(spans) - len(timed)
+            self.ingest(timed)
         except (ExportError, ValueError, TypeError, AttributeError) as exc:  # a value of the wrong type: the body's
             self.counters["bad_exports"] += 1
             log.warning("otlp-receiver: export refused: %s", exc)
             return web.json_response({"error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, ExportError)
                                       else str(exc)}, status=400)
-        self.counters["rejected_spans"] += len(timeless)
-        message = f"{len(timeless)} span(s) without a start time, or ending before it" if timeless else ""
+        self.counters["rejected_spans"] += timeless
+        message = f"{timeless} span(s) without a start time, or ending before it" if timeless else ""
         # ExportTraceServiceResponse: empty when everything was taken (spans that are not GenAI are not errors),
         # partial_success naming what was not
         if protobuf:
-            return web.Response(body=_pb_response(len(timeless), message), content_type="application/x-protobuf")
-        return web.json_response({"partialSuccess": {"rejectedSpans": str(len(timeless)), "errorMessage": message}}
+            return web.Response(body=_pb_response(timeless, message), content_type="application/x-protobuf")
+        return web.json_response({"partialSuccess": {"rejectedSpans": str(timeless), "errorMessage": message}}
                                  if timeless else {})
 
     async def health(self, _request: Any) -> Any:

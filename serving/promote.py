@@ -52,7 +52,7 @@ from flywheel.serving import evaluate, guardrails, publisher, vllm_client
 from flywheel.serving.decision import GateRule, Verdict, concurrent
 from flywheel.serving.decision import decide as decide_online
 from flywheel.serving.decision import decide_rollback as decide_online_rollback
-from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
+from flywheel.serving.registry import CHALLENGER, CHAMPION, RegisteredVersion, Registry
 from flywheel.serving.sessions import SessionRecord, read_sessions
 from flywheel.serving.stats import daily_alpha, lord_alpha, mean_ci
 from flywheel.serving.tier import TierConfig
@@ -414,16 +414,17 @@ def stream_alpha(cfg: PromoteConfig, registry: Registry, challenger: int) -> flo
     return level
 
 
-def complete_recorded_promotion(registry: Registry) -> int | None:
+def complete_recorded_promotion(registry: Registry, slots: dict[str, RegisteredVersion] | None = None) -> int | None:
     """Finish a promotion the gate recorded but did not apply (it was stopped in between): the challenger tagged
-    gate_decision=promote becomes champion. Returns its version, or None when there was nothing to finish."""
-    slots = registry.alias_versions()
+    gate_decision=promote becomes champion. `slots`: the aliases as just read (default: read them). Returns the
+    version when it moved an alias, or None when there was nothing to finish."""
+    slots = registry.alias_versions() if slots is None else slots
     challenger, champion = slots.get(CHALLENGER), slots.get(CHAMPION)
     if challenger is None or challenger.tags.get("gate_decision") != "promote":
         return None
     if champion is not None and champion.policy_version == challenger.policy_version:
         registry.clear_alias(CHALLENGER)
-        return None
+        return challenger.policy_version
     log.warning("promote: policy-v%d was recorded as promoted but not made champion (the gate stopped in between); "
                 "completing it", challenger.policy_version)
     registry.make_champion(challenger.policy_version)
@@ -437,8 +438,9 @@ def gate_once(cfg: PromoteConfig, registry: Registry, tasks: list[evaluate.EvalT
     """One round: the challenger gate, then (with auto_rollback) the champion against the control."""
     records = (read_sessions(cfg.lake_root, cfg.outcome_kind, cfg.maturity_s, judge="judge" in cfg.guardrails)
                if records is None else records)
-    complete_recorded_promotion(registry)
     slots = registry.alias_versions()
+    if complete_recorded_promotion(registry, slots) is not None:
+        slots = registry.alias_versions()
     champion = slots[CHAMPION].policy_version if CHAMPION in slots else 0
     champion_kind = slots[CHAMPION].kind if CHAMPION in slots else "full"
     challenger = slots.get(CHALLENGER)

@@ -22,9 +22,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from flywheel.base.config import ConfigError, load_config, setting, setup_logging
+from flywheel.base.config import ConfigError, check_choices, load_config, setting, setup_logging
 from flywheel.demo import tasks
 
 log = logging.getLogger(__name__)
@@ -38,12 +38,14 @@ class PreflightConfig:
     steps: int = setting(20, "on-policy steps")
     target: float = setting(0.9, "p(production's tool name) every tool must reach")
     batch_size: int = setting(64, "sampled first calls per step (the demo recipe's batch)")
-    mix: str = setting("production", "the tools of the sampled requests: production (the demo's traffic, "
-                                      "tasks.PRODUCTION_MIX: lookups 80%, add/mul 10% each) or uniform")
+    mix: Literal["production", "uniform"] = setting(
+        "production", "the tools of the sampled requests: production (the demo's traffic, tasks.PRODUCTION_MIX: "
+                      "lookups 80%, add/mul 10% each) or uniform")
     lr: float = setting(4e-4, "the demo recipe's learner lr")
     probe_parts: int = setting(24, "parts per tool the naming probability is measured on")
-    probe_split: str = setting("heldout", "the prompts it is measured on: heldout (none the warm start or this loop "
-                                          "trained on) or train (production's own, about 80% of its traffic)")
+    probe_split: Literal["heldout", "train"] = setting(
+        "heldout", "the prompts it is measured on: heldout (none the warm start or this loop trained on) or train "
+                   "(production's own, about 80% of its traffic)")
     max_new_tokens: int = setting(40, "a first call's token budget (the agent's)")
     seed: int = setting(0, "seed of the requests, the sampling and torch")
     out: Path | None = setting(None, "also write the history here as JSON")
@@ -51,9 +53,7 @@ class PreflightConfig:
     def check(self) -> None:
         if self.steps < 1 or self.batch_size < 2:
             raise ConfigError(f"steps ({self.steps}) must be >= 1 and batch_size ({self.batch_size}) >= 2")
-        if self.mix not in ("production", "uniform") or self.probe_split not in ("heldout", "train"):
-            raise ConfigError(f"mix: production or uniform, got {self.mix!r}; probe_split: heldout or train, got "
-                              f"{self.probe_split!r}")
+        check_choices(self)  # mix, probe_split
         if not 0 < self.target <= 1:
             raise ConfigError(f"target: a probability in (0, 1], got {self.target}")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,33 +18,14 @@ from typing import Callable
 import pytest
 
 from flywheel.ingest import lake, schema, wire
-from flywheel.ingest.lake_writer import LakeWriterConfig, run
+from flywheel.ingest.lake_writer import LakeWriterConfig
 from flywheel.ingest.otlp_receiver import session_id_of
 from flywheel.ingest.sdk import OutcomeReporter
 from flywheel.serving.sessions import read_sessions
+from tests.integration.test_lake_writer import run_until
+from tests.integration.test_sdk_kafka import _consume, _free_port
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _consume(bootstrap: str, topic: str, want: int, timeout_s: float = 60.0) -> list[bytes]:
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, consumer_timeout_ms=1000, client_id="tests")
-    partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or {0})]
-    consumer.assign(partitions)
-    consumer.seek_to_beginning(*partitions)
-    values: list[bytes] = []
-    deadline = time.time() + timeout_s
-    while time.time() < deadline and len(values) < want:
-        values += [m.value for m in consumer]
-    consumer.close()
-    return values
 
 
 def _traced_agent_run(endpoint: str) -> str:
@@ -125,14 +105,8 @@ def test_spans_from_the_otel_exporter_reach_kafka_the_lake_and_the_gate(
                            dlq_topic=dlq, group_id=f"test-otlp-{uuid.uuid4().hex[:8]}", lake_root=str(root),
                            var_dir=str(tmp_path / "var"), roll_max_age_s=0.5, session_timeout_s=6,
                            status_interval_s=0.5)
-    deadline = time.monotonic() + 90
-
-    def landed(_writer: object) -> bool:
-        done = (sum(lake.next_offsets(str(root), "events", events_topic).values()) == 6
-                and sum(lake.next_offsets(str(root), "outcomes", outcomes_topic).values()) == 1)
-        return done or time.monotonic() > deadline
-
-    run(cfg, stop=landed)
+    run_until(cfg, lambda: sum(lake.next_offsets(str(root), "events", events_topic).values()) == 6
+              and sum(lake.next_offsets(str(root), "outcomes", outcomes_topic).values()) == 1, timeout_s=90)
     (record,) = read_sessions(str(root))
     assert (record.session_id, record.task_type, record.version, record.status, record.outcome, record.tokens) == \
         (session, "weather-bot", 3, "ok", 1.0, 20 + 21 + 5 + 5)

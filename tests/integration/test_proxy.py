@@ -53,8 +53,10 @@ def _client(base: str) -> Any:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=SECRET, max_retries=0)
 
 
-def _events(kafka_bootstrap: str, topic: str, session_id: str, want: int, timeout_s: float = 20.0) -> list[dict]:
-    """Every event of one session, waiting until at least `want` arrived."""
+def _matching(kafka_bootstrap: str, topic: str, keep: Callable[[dict], bool], want: int,
+              timeout_s: float = 20.0) -> list[dict]:
+    """The topic's events `keep` selects, in the topic's order, waiting until at least `want` arrived; no record of
+    the topic holds the agent's secret."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=500, client_id="tests")
@@ -66,12 +68,23 @@ def _events(kafka_bootstrap: str, topic: str, session_id: str, want: int, timeou
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         raw += [m.value for m in consumer]
-        found = [wire.as_lists(e) for e in map(wire.decode, raw) if e["session_id"] == session_id]  # v3: packed lists
+        found = [e for e in (wire.as_lists(wire.decode(r)) for r in raw) if keep(e)]  # v3: packed lists
         if len(found) >= want:
             break
     consumer.close()
     assert all(SECRET.encode() not in r for r in raw), "the Authorization key reached Kafka"
     return found
+
+
+def _events(kafka_bootstrap: str, topic: str, session_id: str, want: int, timeout_s: float = 20.0) -> list[dict]:
+    """Every event of one session, waiting until at least `want` arrived."""
+    return _matching(kafka_bootstrap, topic, lambda e: e["session_id"] == session_id, want, timeout_s)
+
+
+def _calls(kafka_bootstrap: str, topic: str, want: int, keep: Callable[[dict], bool]) -> list[dict]:
+    """The llm_calls `keep` selects, oldest first, waiting until `want` of them arrived."""
+    found = _matching(kafka_bootstrap, topic, lambda e: e["type"] == "llm_call" and keep(e), want)
+    return sorted(found, key=lambda e: e["ts"])
 
 
 MESSAGES = [{"role": "user", "content": "Name a prime number."}]
@@ -203,9 +216,10 @@ def test_a_call_during_which_vllm_reloads_its_weights_is_logged_with_both_versio
     is tests/unit/test_episodes.py's). The publisher's own path pauses first (mode=wait), so there a call straddles
     only when its end and the reload race; this drives the reload into the middle of the call on purpose."""
     from flywheel.ingest import lake
-    from flywheel.ingest.lake_writer import LakeWriterConfig, run
+    from flywheel.ingest.lake_writer import LakeWriterConfig
     from flywheel.serving import vllm_client
     from flywheel.serving.publisher import reload_full
+    from tests.integration.test_lake_writer import run_until
 
     topic, outcomes, dlq = new_topic("proxy-straddle"), new_topic("straddle-out"), new_topic("straddle-dlq")
     held = vllm_client.weight_version(vllm_url)
@@ -246,9 +260,7 @@ def test_a_call_during_which_vllm_reloads_its_weights_is_logged_with_both_versio
                            dlq_topic=dlq, group_id=f"test-straddle-{uuid.uuid4().hex[:8]}", lake_root=str(root),
                            var_dir=str(tmp_path / "var"), roll_max_age_s=0.5, session_timeout_s=6,
                            status_interval_s=0.5)
-    deadline = time.monotonic() + 60
-    run(cfg, stop=lambda _w: sum(lake.next_offsets(str(root), "events", topic).values()) >= 1
-        or time.monotonic() > deadline)
+    run_until(cfg, lambda: sum(lake.next_offsets(str(root), "events", topic).values()) >= 1)
     stored = [r for f in lake.list_files(str(root), "events") for r in lake.read_file(str(root), f).to_pylist()
               if r["event_id"] == event["event_id"]]
     assert [(r["policy_version"], r["policy_version_alt"]) for r in stored] == [(held, held + 7)]
@@ -343,22 +355,9 @@ def test_the_openai_responses_client_through_the_proxy_continues_one_session_by_
 
     stats = json.loads(urllib.request.urlopen(f"{proxy['url']}/stats").read())
     assert stats["open_sessions"] >= 2
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=500, client_id="tests")
-    tp = TopicPartition(proxy["topic"], 0)
-    consumer.assign([tp])
-    consumer.seek_to_beginning(tp)
-    calls: dict[str, dict] = {}
-    deadline = time.time() + 20
-    while time.time() < deadline and len(calls) < 3:
-        for m in consumer:
-            e = wire.as_lists(wire.decode(m.value))
-            if e["type"] == "llm_call" and e["session_id"].startswith("resp-") and e["request_id"]:
-                calls[e["event_id"]] = e
-    consumer.close()
-    ordered = sorted(calls.values(), key=lambda e: e["ts"])
-    assert len(ordered) == 3, f"expected 3 llm_calls of resp- sessions, got {len(calls)}"
+    ordered = _calls(kafka_bootstrap, proxy["topic"], 3,
+                     lambda e: e["session_id"].startswith("resp-") and bool(e.get("request_id")))
+    assert len(ordered) == 3, f"expected 3 llm_calls of resp- sessions, got {len(ordered)}"
     first_call, follow_call, stream_call = ordered
     session = first_call["session_id"]
     assert follow_call["session_id"] == session != stream_call["session_id"], "the chain is one session"
@@ -371,25 +370,6 @@ def test_the_openai_responses_client_through_the_proxy_continues_one_session_by_
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome", "oslo"]}},
         "required": ["city"]}
-
-
-def _calls(kafka_bootstrap: str, topic: str, want: int, keep: Callable[[dict], bool]) -> list[dict]:
-    """The llm_calls `keep` selects, oldest first, waiting until `want` of them arrived."""
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=500, client_id="tests")
-    tp = TopicPartition(topic, 0)
-    consumer.assign([tp])
-    consumer.seek_to_beginning(tp)
-    calls: dict[str, dict] = {}
-    deadline = time.time() + 20
-    while time.time() < deadline and len(calls) < want:
-        for m in consumer:
-            e = wire.as_lists(wire.decode(m.value))
-            if e["type"] == "llm_call" and keep(e):
-                calls[e["event_id"]] = e
-    consumer.close()
-    return sorted(calls.values(), key=lambda e: e["ts"])
 
 
 def test_a_tool_use_turn_and_its_follow_up_through_messages_and_responses(proxy: dict, kafka_bootstrap: str) -> None:

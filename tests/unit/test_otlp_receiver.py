@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import socket
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,6 +16,7 @@ from flywheel.ingest import otlp_receiver as otlp
 from flywheel.ingest import schema, wire
 from flywheel.ingest.sdk import SessionLogger
 from flywheel.ingest.spool import Spool
+from tests.unit.test_sdk import _closed_port
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans  # noqa: E402
@@ -223,12 +223,6 @@ def test_bad_bodies_get_a_reason(body: bytes, ctype: str, encoding: str, reason:
         otlp.decode_body(body, ctype, encoding, 1024)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_receiver_takes_the_sdk_exporters_posts_and_logs_valid_events(traced: Any, tmp_path: Path) -> None:
     """The opentelemetry-sdk's own OTLP/HTTP exporter posts to the receiver process's app; with no broker the
     events land in the SDK's spool, valid, once each even when the exporter sends the export twice."""
@@ -238,11 +232,9 @@ def test_the_receiver_takes_the_sdk_exporters_posts_and_logs_valid_events(traced
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"  # closed when the block ends: no broker there
+    dead = f"127.0.0.1:{_closed_port()}"  # no broker there
     logger = SessionLogger(dead, name="otlp-test", spool_dir=tmp_path / "spool", retry_s=0.2, linger_s=0.01)
-    cfg = otlp.OtlpReceiverConfig(port=_free_port(), heartbeat_s=0, journal=False)
+    cfg = otlp.OtlpReceiverConfig(port=_closed_port(), heartbeat_s=0, journal=False)
     receiver = otlp.Receiver(cfg, logger)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(otlp.make_app(receiver))
