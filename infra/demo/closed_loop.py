@@ -29,6 +29,7 @@ infra/demo/plan.py; this module runs it. The last line printed is summary.json a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -131,17 +132,23 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
     from flywheel.demo import warm_start
     from flywheel.demo.model_init import ensure_base_model
 
-    ensure_base_model(cfg.base_model)
+    if cfg.fetch_model:  # a real model: fetched and converted once, reused while current
+        from flywheel.models import ModelFetchConfig, fetch
+
+        fetch(ModelFetchConfig(name=cfg.fetch_model, out=Path(cfg.base_model)))
+    else:
+        ensure_base_model(cfg.base_model)
     if not cfg.warm_start:
         return {}
     build: Callable[[Path, Path], dict[str, Any]]
     if cfg.scenario == "swarm":  # its own policy-v0: the tools' format taught on a minority of demonstrations
         from flywheel.demo import swarm
 
-        rule, build = swarm.warm_rule(), swarm.warm_start_model
+        rule, build, settings = swarm.warm_rule(), swarm.warm_start_model, None
     else:
-        rule, build = warm_start.RULE, warm_start.run
-    if not warm_start.is_current(Path(cfg.warm_model), Path(cfg.base_model), rule):
+        rule, settings = warm_start.RULE, cfg.warm
+        build = functools.partial(warm_start.run, settings=cfg.warm)
+    if not warm_start.is_current(Path(cfg.warm_model), Path(cfg.base_model), rule, settings):
         log.info("demo: warm-starting %s into %s (rule %s)", cfg.base_model, cfg.warm_model, rule)
         return build(cfg.base_model, cfg.warm_model)
     return json.loads((Path(cfg.warm_model) / "warm_start.json").read_text())

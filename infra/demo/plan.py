@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, check_choices, from_recipe, setting, to_flags
 from flywheel.demo import swarm
+from flywheel.demo.warm_start import WarmStartSettings
 from flywheel.learner.config import LearnerConfig
 from flywheel.serving.decision import GateRule
 
@@ -48,6 +49,15 @@ class DemoConfig:
                                                              "when missing)")
     warm_start: bool = setting(True, "serve the warm-started model (False: serve base_model as it is; for "
                                      "quick loop tests)")
+    fetch_model: str = setting("", "a real model `flywheel model fetch` writes to base_model before anything starts "
+                                   "(the smollm2 recipe: smollm2-135m-instruct); empty: base_model is the tiny one, "
+                                   "built when missing")
+    warm: WarmStartSettings = field(default_factory=WarmStartSettings, metadata={
+        "help": "how the warm start trains (flywheel.demo.warm_start; a recipe's [warm] table)"})
+    gate_eval_tasks: str = setting("flywheel.demo.tasks:eval_tasks", "the gate's offline eval set (module:function; "
+                                                                      "flywheel promote --eval-tasks)")
+    learning_claim: bool = setting(True, "false for a smoke run (the smollm2 recipe on CPU: minutes, a handful of "
+                                         "learner steps): the report then says it makes no learning claim")
     concurrency: int = setting(3, "agent sessions in flight (about what the learner keeps up with on 2 cores; more "
                                   "only starves it of CPU)")
     multi_share: float = setting(0.1, "share of tasks split across two sub-agents (their rows share the session's "
@@ -104,6 +114,11 @@ class DemoConfig:
         if not 0 <= self.control_share < 1 or not 0 <= self.challenger_share <= 1 - self.control_share:
             raise ConfigError(f"control_share ({self.control_share}) and challenger_share ({self.challenger_share}): "
                               "each must be a share within [0, 1) and the two must sum to at most 1")
+        if self.fetch_model:
+            from flywheel.models import KNOWN
+
+            if self.fetch_model not in KNOWN:
+                raise ConfigError(f"fetch_model: {self.fetch_model!r} is not a known model ({', '.join(KNOWN)})")
         self.gate.check_rule()
         self.learner.check()
         if self.scenario == "swarm" and (self.gate.outcome_kind != swarm.PARTS_CORRECT
@@ -274,5 +289,5 @@ def promote_command(cfg: DemoConfig, run: RunPlan, ends: Endpoints) -> list[str]
             "--mlflow-tracking-uri", ends.tracking_uri, "--lake-root", str(run.lake_root),
             "--control-share", str(cfg.control_share), "--control-version", str(CONTROL_VERSION),
             "--challenger-share", str(cfg.challenger_share), *to_flags(cfg.gate),
-            "--eval-tasks", "flywheel.demo.tasks:eval_tasks",
+            "--eval-tasks", cfg.gate_eval_tasks,
             "--experiment", f"{run.run_id}-promotion", "--var-dir", str(run.var_dir)]

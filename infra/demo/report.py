@@ -895,6 +895,11 @@ def markdown(summary: dict[str, Any], images: list[str], context: dict[str, Any]
              f"Run: {context.get('started', '?')} to {context.get('ended', '?')} ({context.get('minutes', '?')} min of "
              "traffic). Every number below is read from the lake (production sessions of the simulated agent) and the "
              "MLflow registry.", ""]
+    if context.get("learning_claim") is False:
+        lines += [f"**A smoke run: this report makes no learning claim.** It shows that every stage ran on "
+                  f"{context.get('base_model', 'this model')} (the learner took {summary.get('learner_steps')} steps); "
+                  "the run is too short, on too few cores, for a lift to mean anything. The numbers below are "
+                  "what happened, not a measurement of what RL gains.", ""]
     lines += (design_section(summary) + headline_section(summary) + tool_section(summary) + whole_run_section(summary)
               + judge_section(summary))
     n = summary.get("freshness_n") or {}
@@ -952,6 +957,7 @@ def write_run_report(out_dir: str | Path, cfg: Any, plan: Any, tracking_uri: str
     rule and shares were (the demo at its end and `flywheel report --run-dir` both call this)."""
     from flywheel.demo.plan import CONTROL_VERSION
 
+    context = {**context, "learning_claim": cfg.learning_claim, "base_model": str(cfg.base_model)}
     return write_report(out_dir, str(plan.lake_root), since, str(plan.learner_dir), str(plan.policies_dir),
                         tracking_uri, plan.registered_model, context=context, final_since=final_since,
                         control_version=CONTROL_VERSION, gate_rule=cfg.gate, gate_interval_s=cfg.gate_interval_s,

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flywheel.base.atomic import Durability, publish
+from flywheel.base.config import setting
 from flywheel.demo import tasks
 
 log = logging.getLogger(__name__)
@@ -84,17 +85,23 @@ class WarmStartSettings:
     # Fixed, not tuned to what online RL gains afterwards: past the plateau after which the digit copy of add/mul
     # forms (per-slot right digit ~0.1 at step 100, ~0.32 at 400, ~0.5 at 600 on the earlier 3-tool space);
     # about 5 minutes on two pinned threads.
-    max_steps: int = 600
-    eval_every: int = 100  # steps between held-out loss evaluations (recorded, never decided on)
-    loss_parts: int = 64  # held-out demonstrations (two examples each) of the loss, one batch, a fixed set
-    # Per tool: held-out parts sampled at the end (as vLLM serves the model) for the record's success figures;
+    max_steps: int = setting(600, "training steps, fixed (the tiny model: past the plateau after which add/mul's "
+                                  "digit copy forms)")
+    eval_every: int = setting(100, "steps between held-out loss evaluations (recorded, never decided on)")
+    loss_parts: int = setting(64, "held-out demonstrations (two examples each) of the loss, one batch, a fixed set")
     # 48 measure each tool's success to about +-7 points (the demo measures the base on hundreds of sessions).
-    eval_parts_per_tool: int = 48
-    batch_size: int = 32  # examples (two per demonstration)
-    lr: float = 3e-3  # decayed linearly to 10% over max_steps: a constant 2e-3 diverged after 350 steps
-    max_new_tokens: int = 40
-    seed: int = 0
-    check_band: bool = True  # a test's short build is not the demo's base
+    eval_parts_per_tool: int = setting(48, "held-out parts per tool sampled at the end, as vLLM serves the model, "
+                                           "for the record's success figures")
+    batch_size: int = setting(32, "examples a step (two per demonstration)")
+    lr: float = setting(3e-3, "peak learning rate, decayed linearly to 10% over max_steps (the tiny model: a "
+                              "constant 2e-3 diverged after 350 steps)")
+    max_new_tokens: int = setting(40, "tokens a sampled reply of the record's evaluation may have")
+    seed: int = setting(0, "seed of the demonstrations drawn and of the evaluation's sampling")
+    check_band: bool = setting(True, "refuse a build outside the documented band (a test's or a recipe's short "
+                                     "build is not the demo's base)")
+    lora_rank: int = setting(0, "0: every weight trains (the tiny model); > 0: a LoRA adapter of this rank on the "
+                                "attention and MLP projections, merged into the written weights (a real model)")
+    lora_alpha: int = setting(0, "LoRA alpha (scale alpha / rank); 0: twice the rank")
 
 
 def _examples(tok: Any, parts: list[tasks.Part], generations: list[int]) -> list[Example]:
@@ -332,13 +339,21 @@ def heldout_parts(per_tool: int, seed: int = 10_000, split: str = "heldout") -> 
 def per_tool(model: Any, tok: Any, s: WarmStartSettings) -> dict[str, dict[str, Any]]:
     """Per tool: held-out success and first calls sampled as served, and the probability of each generation's name."""
     parts = heldout_parts(s.eval_parts_per_tool)
-    naming = naming_probabilities(model, tok, parts)
+    # the name slot is one token in the tiny model's vocabulary (its tool names were added whole); a real model's
+    # tokenizer splits them, and the record then gives success figures only
+    naming = naming_probabilities(model, tok, parts) if names_are_tokens(tok) else {}
     out: dict[str, dict[str, Any]] = {}
     for tool in tasks.TOOLS:
         mine = [p for p in parts if p.tool == tool]
-        out[tool] = {**_success(model, tok, mine, s), "naming": naming[tool],
-                     "production_name": naming[tool][tool], "parts": len(mine)}
+        out[tool] = {**_success(model, tok, mine, s), "naming": naming.get(tool, {}),
+                     "production_name": naming.get(tool, {}).get(tool), "parts": len(mine)}
     return out
+
+
+def names_are_tokens(tok: Any) -> bool:
+    """Every generation's name of every tool is one token of this tokenizer (what name_slot needs)."""
+    return all(len(tok(name, add_special_tokens=False)["input_ids"]) == 1
+               for names in tasks.TOOL_NAMES.values() for name in names)
 
 
 def band_breaches(tools: dict[str, dict[str, Any]]) -> list[str]:
@@ -346,7 +361,9 @@ def band_breaches(tools: dict[str, dict[str, Any]]) -> list[str]:
     out: list[str] = []
     for tool, rec in tools.items():
         lo, hi = BAND["production_name"]
-        if not lo <= rec["production_name"] <= hi:
+        if rec["production_name"] is None:
+            out.append(f"{tool}: no p(production name): its names are not single tokens of this tokenizer")
+        elif not lo <= rec["production_name"] <= hi:
             out.append(f"{tool}: p(production name {tool!r}) = {rec['production_name']:.3f}, band [{lo}, {hi}]")
         if tool not in tasks.LOOKUPS:
             continue
@@ -400,12 +417,17 @@ def train(model: Any, tok: Any, s: WarmStartSettings, demos: Demos | None = None
     return history, time.time() - t0
 
 
-def is_current(out_dir: Path, base_dir: Path, rule: str = RULE) -> bool:
-    """out_dir holds a warm start built by `rule` from the weights now in base_dir."""
+def is_current(out_dir: Path, base_dir: Path, rule: str = RULE, settings: WarmStartSettings | None = None) -> bool:
+    """out_dir holds a warm start built by `rule` from the weights now in base_dir (and with these settings, when
+    given: a setting the record predates counts as its default)."""
     try:
         record = json.loads((Path(out_dir) / "warm_start.json").read_text())
     except (OSError, ValueError):
         return False
+    if settings is not None:
+        held, default = record.get("settings", {}), asdict(WarmStartSettings())
+        if any(held.get(k, default[k]) != v for k, v in asdict(settings).items()):
+            return False
     return (record.get("rule") == rule and (Path(out_dir) / "model.safetensors").is_file()
             and record.get("base_sha256") == _file_sha256(Path(base_dir) / "model.safetensors"))
 
@@ -460,6 +482,19 @@ def _resolve(demos: str | None, kwargs: dict[str, Any]) -> Demos | None:
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
+def with_lora(model: Any, s: WarmStartSettings) -> Any:
+    """The model itself (lora_rank 0), or wrapped in a fresh LoRA adapter on the learner's default targets."""
+    if not s.lora_rank:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    from flywheel.learner.config import DEFAULT_LORA_TARGETS
+
+    config = LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha or 2 * s.lora_rank, lora_dropout=0.0,
+                        target_modules=list(DEFAULT_LORA_TARGETS), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
 def _build(base_dir: Path, out_dir: Path, s: WarmStartSettings, demos: str | None, demos_kwargs: dict[str, Any],
            rule: str) -> dict[str, Any]:
     import torch
@@ -469,13 +504,16 @@ def _build(base_dir: Path, out_dir: Path, s: WarmStartSettings, demos: str | Non
     random.seed(s.seed)
     torch.manual_seed(s.seed)
     tok = AutoTokenizer.from_pretrained(str(base_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = with_lora(AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32), s)
     model.train()
-    log.info("warm start: training %s for %d steps on train-split demonstrations of %d harness generations",
-             base_dir, s.max_steps, len(tasks.GENERATIONS))
+    log.info("warm start: training %s (%s) for %d steps on train-split demonstrations of %d harness generations",
+             base_dir, f"LoRA rank {s.lora_rank}" if s.lora_rank else "every weight", s.max_steps,
+             len(tasks.GENERATIONS))
     history, seconds = train(model, tok, s, _resolve(demos, demos_kwargs))
     torch.manual_seed(s.seed)  # the record's sampling starts from a known state too
     tools = per_tool(model, tok, s) if demos is None else {}
+    if s.lora_rank:
+        model = model.merge_and_unload()  # policy-v0 is one plain model: vLLM serves it, the learner adapts it
     held = tasks.heldout_keys()
     record = {"rule": rule, "base_model": str(base_dir),
               "base_sha256": _file_sha256(base_dir / "model.safetensors"),
@@ -498,6 +536,10 @@ def _build(base_dir: Path, out_dir: Path, s: WarmStartSettings, demos: str | Non
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
+    if getattr(model.config, "tie_word_embeddings", False):
+        from flywheel.learner.model import write_tied_head
+
+        write_tied_head(tmp)  # HF's save drops the tied head; vLLM's in-place reload of policy-v0 needs it
     record["weights_sha256"] = _file_sha256(tmp / "model.safetensors")
     for tool, rec in tools.items():
         log.info("warm start: %-8s held-out success %5.1f%%, first call right %5.1f%% (any name %5.1f%%), "

@@ -259,3 +259,18 @@ def test_the_live_views_lake_scan_never_holds_up_the_traffic_loop(tmp_path: Path
     assert traffic._scanning is not None
     traffic._scanning.join(5)
     assert traffic.success_now() == {1: (10, 7)} and len(scans) == 1, "the next scan waits SCAN_EVERY_S"
+
+
+def test_the_smollm2_recipe_is_a_real_model_in_lora_mode_that_claims_no_learning(tmp_path: Path) -> None:
+    cfg = from_recipe(DemoConfig, "smollm2")
+    cfg.check()
+    from flywheel.models import KNOWN
+
+    assert cfg.fetch_model in KNOWN and cfg.base_model == Path("var/models/smollm2-135m-instruct")
+    assert cfg.learner.mode == "lora" and cfg.warm.lora_rank > 0 and cfg.learning_claim is False
+    assert cfg.learner.parity_samples == 0, "vLLM 0.32's CPU LoRA path dies on batched prompt_logprobs"
+    run = demo_plan.plan_run(dataclasses.replace(cfg, var_dir=tmp_path, run_id="demo-s"), time.time())
+    gate = demo_plan.promote_command(cfg, run, ENDS)
+    assert gate[gate.index("--eval-tasks") + 1] == "flywheel.demo.tasks:eval_tasks_16"
+    with pytest.raises(ConfigError, match="fetch_model"):
+        dataclasses.replace(cfg, fetch_model="gpt-9").check()

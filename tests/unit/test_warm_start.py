@@ -89,3 +89,44 @@ def test_demonstrations_name_tools_by_their_generation(generation: int) -> None:
     part = tasks.Part("weather", {"city": "rome"}, "weather in rome")
     call = tasks.parse_reply(tasks.demonstration(part, generation)[1]["content"])
     assert call.tool == tasks.TOOL_NAMES["weather"][generation]
+
+
+def test_a_lora_warm_start_writes_plain_merged_weights_that_moved(tmp_path: Path) -> None:
+    """A real model's warm start (the smollm2 recipe) trains a LoRA adapter and merges it: vLLM then serves policy-v0
+    as a plain model and the learner adapts it; the tiny base stands in for the real one here."""
+    from safetensors.torch import load_file
+
+    lora = WarmStartSettings(**{**SHORT.__dict__, "lora_rank": 4, "lr": 1e-2})
+    record = warm_start.run(BASE, tmp_path / "lora", lora)
+    out = tmp_path / "lora"
+    assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
+    merged, base = load_file(str(out / "model.safetensors")), load_file(str(BASE / "model.safetensors"))
+    assert set(merged) == set(base), "merged weights keep the base's tensor names (no lora_A/lora_B, no base_model.)"
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (merged[q] - base[q]).abs().max() > 1e-4, "the adapter was merged into the projections"
+    assert (merged["model.embed_tokens.weight"] == base["model.embed_tokens.weight"]).all(), "only the targets moved"
+    assert record["settings"]["lora_rank"] == 4
+    assert warm_start.is_current(out, BASE, settings=lora)
+    assert not warm_start.is_current(out, BASE, settings=SHORT), "another training recipe is another policy-v0"
+
+
+def test_a_record_from_before_a_setting_existed_counts_it_at_its_default(built: tuple[dict, Path],
+                                                                        tmp_path: Path) -> None:
+    record, out = built
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    settings = {k: v for k, v in record["settings"].items() if k not in ("lora_rank", "lora_alpha")}
+    (older / "warm_start.json").write_text(json.dumps({**record, "settings": settings}))
+    assert warm_start.is_current(older, BASE, settings=SHORT)
+    assert not warm_start.is_current(older, BASE, settings=WarmStartSettings(**{**SHORT.__dict__, "lora_rank": 8}))
+
+
+def test_a_tokenizer_that_splits_tool_names_gives_success_figures_without_naming() -> None:
+    class Splitting:
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+            return {"input_ids": list(range(len(text)))}
+
+    assert not warm_start.names_are_tokens(Splitting())
+    assert warm_start.band_breaches({"weather": {"production_name": None, "first_call_any_name": 1.0}}) == [
+        "weather: no p(production name): its names are not single tokens of this tokenizer"]
