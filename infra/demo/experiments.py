@@ -44,7 +44,9 @@ class Run:
     dirty: bool | None  # None: not recorded (older files)
     summary: dict[str, Any]
     file: str
-    scenario: str = "tool_use"  # the demo's --scenario (older files: tool_use, the only one then)
+    # the demo's --scenario (older files: tool_use, the only one then), with a real model's name and a smoke run's
+    # "no learning claim" when its config says so
+    scenario: str = "tool_use"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +115,12 @@ def read_run(path: Path) -> Run:
         raise ValueError(f"experiments: {path.name} is not named <date>-<commit>[-<name>].json")
     date, commit, name = "-".join(pieces[:3]), pieces[3], "-".join(pieces[4:])
     if "summary" in data and "format" in data:
-        scenario = str((data.get("demo_config") or {}).get("scenario") or "tool_use")
+        demo = data.get("demo_config") or {}
+        scenario = str(demo.get("scenario") or "tool_use")
+        if demo.get("fetch_model"):  # a real model's run (the smollm2 recipe), not the tiny one's
+            scenario += f", {demo['fetch_model']}"
+        if demo.get("learning_claim") is False:
+            scenario += ", smoke: no learning claim"
         return Run(str(data.get("date", date)), str(data.get("commit", commit)), name, data.get("dirty"),
                    dict(data["summary"]), path.name, scenario)
     return Run(date, commit, name, None, dict(data), path.name)
