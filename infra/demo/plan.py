@@ -44,7 +44,8 @@ class DemoConfig:
     minutes: float = setting(20.0, "minutes of agent traffic (set-up and the report come on top)")
     var_dir: Path = setting(Path(defaults.VAR_DIR), "state directory; the run lives under <var_dir>/demo/<run id>")
     report_dir: Path = setting(Path(defaults.VAR_DIR) / "report", "where report.md, the PNGs and summary.json go")
-    base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "the tiny base model (built when missing)")
+    base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "the base model: the tiny one (built when missing), or "
+                                                              "where fetch_model writes a real one")
     warm_model: Path = setting(Path("var/models/tiny-warm"), "the warm-started model vLLM serves as policy-v0 (built "
                                                              "when missing)")
     warm_start: bool = setting(True, "serve the warm-started model (False: serve base_model as it is; for "
@@ -53,7 +54,8 @@ class DemoConfig:
                                    "(the smollm2 recipe: smollm2-135m-instruct); empty: base_model is the tiny one, "
                                    "built when missing")
     warm: WarmStartSettings = field(default_factory=WarmStartSettings, metadata={
-        "help": "how the warm start trains (flywheel.demo.warm_start; a recipe's [warm] table)"})
+        "help": "how the tool-use warm start trains (flywheel.demo.warm_start; a recipe's [warm] table; the swarm "
+                "scenario's warm start has its own, infra/demo/swarm.py)"})
     gate_eval_tasks: str = setting("flywheel.demo.tasks:eval_tasks", "the gate's offline eval set (module:function; "
                                                                       "flywheel promote --eval-tasks)")
     learning_claim: bool = setting(True, "false for a smoke run (the smollm2 recipe on CPU: minutes, a handful of "
@@ -119,6 +121,13 @@ class DemoConfig:
 
             if self.fetch_model not in KNOWN:
                 raise ConfigError(f"fetch_model: {self.fetch_model!r} is not a known model ({', '.join(KNOWN)})")
+            if Path(self.base_model) == Path(defaults.BASE_MODEL_DIR):
+                raise ConfigError(f"fetch_model: {self.fetch_model} would be written over the tiny model at "
+                                  f"{self.base_model}; set base_model (e.g. {defaults.MODELS_DIR}/{self.fetch_model})")
+        if self.warm.lora_rank < 0 or self.warm.max_steps < 1 or self.warm.eval_every < 1:
+            raise ConfigError(f"warm: lora_rank must be >= 0, max_steps and eval_every >= 1 (got {self.warm})")
+        if ":" not in self.gate_eval_tasks:
+            raise ConfigError(f"gate_eval_tasks: {self.gate_eval_tasks!r} is not module:function")
         self.gate.check_rule()
         self.learner.check()
         if self.scenario == "swarm" and (self.gate.outcome_kind != swarm.PARTS_CORRECT

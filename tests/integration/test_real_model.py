@@ -92,6 +92,18 @@ def _episode(call: dict, reward: float = 0.0) -> Episode:
                    tuple(call["completion_token_ids"]), tuple(call["completion_logprobs"]), (1,) * n, reward)
 
 
+def _records(kafka_bootstrap: str, topic: str) -> int:
+    """How many records the one-partition topic holds (its end offset)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, client_id="tests")
+    tp = TopicPartition(topic, 0)
+    try:
+        return int(consumer.end_offsets([tp])[tp])
+    finally:
+        consumer.close()
+
+
 def _sessions(proxy: dict, kafka_bootstrap: str, n: int) -> list[tuple[str, str, float]]:
     """n sessions through the SDK and the proxy, each one question; the outcome checks the answer."""
     logger = SessionLogger(kafka_bootstrap, topic=proxy["topics"]["events"], spool_dir=None)
@@ -145,8 +157,13 @@ def test_its_sessions_flow_through_lake_builder_and_gate_and_a_lora_step_hot_loa
         tmp_path: Path, request: pytest.FixtureRequest) -> None:
     done = _sessions(proxy, kafka_bootstrap, 8)
     assert 0 < sum(v for _, _, v in done) < len(done), f"the questions gave one outcome for all: {done}"
+    # every event of these sessions is on the topic (the proxy sends its calls after the replies), then the lake
+    # writer lands all of the topic: these and what an earlier test of the module left there
+    sids = {sid for sid, _, _ in done}
+    _matching(kafka_bootstrap, proxy["topics"]["events"], lambda e: e["session_id"] in sids, 3 * len(done))
     root = tmp_path / "lake"
-    write_lake(kafka_bootstrap, proxy["topics"], root, {"events": 3 * len(done), "outcomes": len(done)})
+    write_lake(kafka_bootstrap, proxy["topics"], root,
+               {"events": _records(kafka_bootstrap, proxy["topics"]["events"]), "outcomes": len(done)})
     built = builder(root, tmp_path)
     assert built.returncode == 0, built.stderr[-3000:]
     rows = [r for f in lake.list_files(str(root), "episodes") for r in lake.read_file(str(root), f).to_pylist()]
@@ -168,9 +185,9 @@ def test_its_sessions_flow_through_lake_builder_and_gate_and_a_lora_step_hot_loa
                         batch_size=len(rows), min_batch=len(rows), micro_batch=4, max_steps=1, publish_every_steps=1,
                         parity_samples=4, idle_exit_s=30, max_seq_len=1024)
     cfg.check()
-    assert learner_run(cfg) == 0
     name = f"policy-v{start + 1}"
     request.addfinalizer(lambda: _unload(smollm_server, name))  # the full-weight test next serves the base alone
+    assert learner_run(cfg) == 0
     served = [m["id"] for m in json.loads(urllib.request.urlopen(f"{smollm_server}/v1/models").read())["data"]]
     assert name in served, f"{name} not served after the LoRA publish: {served}"
     meta = json.loads((Path(cfg.policies_dir) / name / "policy.json").read_text())

