@@ -279,3 +279,13 @@ def test_per_tool_rows_give_the_share_of_first_calls_in_productions_name_and_suc
     assert set(tools["by_version"]) == {"0", "2"} and tools["by_version"]["0"]["weather"]["sessions"] == 8
     md = "\n".join(report.tool_section({"per_tool": tools}))
     assert "| weather | 8 | 50.0% | 37.5% | 6 | 100.0% | 83.3% |" in md, md
+
+
+def test_a_smoke_run_says_first_that_it_makes_no_learning_claim(tmp_path: Path) -> None:
+    facts = facts_of(final_window_lake(tmp_path / "lake"), champion=2, promoted_at=PROMOTED)
+    summary = report.summarize(facts) | report.measurement(facts, None) | {"gate_alpha": None, "gate_interval_s": 10.0}
+    smoke = report.markdown(summary, [], {"learning_claim": False, "base_model": "var/models/smollm2-135m-instruct"})
+    first = smoke.split("## ")[0]
+    assert "this report makes no learning claim" in first and "smollm2-135m-instruct" in first, first
+    assert "no learning claim" not in report.markdown(summary, [], {"learning_claim": True})
+    assert "no learning claim" not in report.markdown(summary, [], {})
