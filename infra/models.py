@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from flywheel.base import defaults
-from flywheel.base.atomic import Durability, publish
+from flywheel.base.atomic import Durability, file_sha256, publish
 from flywheel.base.config import ConfigError, check_choices, load_config, setting, setup_logging
 
 log = logging.getLogger(__name__)
@@ -95,14 +95,6 @@ class ModelFetchConfig:
     def target(self) -> Path:
         name = self.name or (self.from_gguf.stem.lower() if self.from_gguf else "")
         return Path(self.out) if self.out else Path(defaults.MODELS_DIR) / name
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def directory_sha256(path: Path) -> str:
@@ -243,13 +235,15 @@ def fetch(cfg: ModelFetchConfig) -> Path:
         log.info("model fetch: converting %s (tensors %s) to %s", gguf_file.name, types, cfg.dtype)
         building = work / "model"
         convert(gguf_file, building, cfg.dtype)
-        record = {**wanted, "gguf_sha256": file_sha256(gguf_file), "dequantized_from": types,
+        # a --from-gguf file was hashed for its identity already
+        gguf_sha = wanted["source"].get("gguf_sha256") or file_sha256(gguf_file)
+        record = {**wanted, "gguf_sha256": gguf_sha, "dequantized_from": types,
                   "note": "the weights are the GGUF's quantized values, dequantized: not the original checkpoint's",
                   "files": {p.name: file_sha256(p) for p in sorted(building.iterdir()) if p.is_file()}}
         (building / SOURCE_RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         publish(building, out, Durability.ADVISORY)  # converted again from its source if lost
-    log.info("model fetch: %s ready (directory sha256 %s)", out, directory_sha256(out))
+    log.info("model fetch: %s ready", out)  # its directory hash is the command's output (fetch_main)
     return out
 
 

@@ -10,16 +10,29 @@ the durability the caller asks for:
   not on disk. For cursors, offsets and state that a restart resumes from.
 - DURABLE_DIR: DURABLE, and the directory is fsynced after the rename, so the rename itself
   survives a power loss. For checkpoints and published directories whose existence is the commit.
+
+Beside them, `file_sha256`: the one hash of a file's bytes that what writes model directories records (the warm
+start, `flywheel model fetch`).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import os
 import uuid
 from pathlib import Path
 from typing import Any, Callable
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks (model weights are hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class Durability(enum.Enum):

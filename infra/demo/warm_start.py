@@ -26,7 +26,6 @@ meaningful from a base that has the lookups and has not already learned producti
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import logging
@@ -40,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from flywheel.base.atomic import Durability, publish
+from flywheel.base.atomic import Durability, file_sha256, publish
 from flywheel.base.config import setting
 from flywheel.demo import tasks
 
@@ -135,15 +134,6 @@ def dialogue_examples(tok: Any, demos: list[tuple[list[tasks.Message], str]]) ->
 
 # demos(rng, n) -> n (dialogue so far, reply) pairs: a scenario's own training draws (infra/demo/swarm.py)
 Demos = Callable[[random.Random, int], list[tuple[list[tasks.Message], str]]]
-
-
-def _file_sha256(path: Path) -> str:
-    """Which weights a warm start began from and which it wrote (two builds on one machine must agree)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _package_versions() -> dict[str, str | None]:
@@ -429,7 +419,7 @@ def is_current(out_dir: Path, base_dir: Path, rule: str = RULE, settings: WarmSt
         if any(held.get(k, default[k]) != v for k, v in asdict(settings).items()):
             return False
     return (record.get("rule") == rule and (Path(out_dir) / "model.safetensors").is_file()
-            and record.get("base_sha256") == _file_sha256(Path(base_dir) / "model.safetensors"))
+            and record.get("base_sha256") == file_sha256(Path(base_dir) / "model.safetensors"))
 
 
 def pins_in_effect() -> bool:
@@ -516,7 +506,7 @@ def _build(base_dir: Path, out_dir: Path, s: WarmStartSettings, demos: str | Non
         model = model.merge_and_unload()  # policy-v0 is one plain model: vLLM serves it, the learner adapts it
     held = tasks.heldout_keys()
     record = {"rule": rule, "base_model": str(base_dir),
-              "base_sha256": _file_sha256(base_dir / "model.safetensors"),
+              "base_sha256": file_sha256(base_dir / "model.safetensors"),
               "packages": _package_versions(), "machine": _machine(), "pins": pins,
               "steps": s.max_steps, "heldout_loss": history[-1]["heldout_loss"], "seconds": round(seconds, 1),
               "generations": {"names": list(tasks.GENERATIONS), "production": tasks.GENERATIONS[tasks.CURRENT],
@@ -540,7 +530,7 @@ def _build(base_dir: Path, out_dir: Path, s: WarmStartSettings, demos: str | Non
         from flywheel.learner.model import write_tied_head
 
         write_tied_head(tmp)  # HF's save drops the tied head; vLLM's in-place reload of policy-v0 needs it
-    record["weights_sha256"] = _file_sha256(tmp / "model.safetensors")
+    record["weights_sha256"] = file_sha256(tmp / "model.safetensors")
     for tool, rec in tools.items():
         log.info("warm start: %-8s held-out success %5.1f%%, first call right %5.1f%% (any name %5.1f%%), "
                  "p(name) %s", tool, 100 * rec["success"], 100 * rec["first_call_correct"],
