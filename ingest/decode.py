@@ -9,6 +9,7 @@ by column in C (orjson, pybase64, Arrow) and hands every record it cannot prove 
 
 from __future__ import annotations
 
+import array
 import datetime as dt
 import functools
 import itertools
@@ -305,28 +306,59 @@ def _fast_record(specs: dict[str | None, _Spec], by_type: bool, value: Any) -> t
         return rec, False
     if any(name in rec and version < first for name, first in spec.since):
         return rec, False
-    if any(type(rec.get(name)) not in (str, _NONE) for name in spec.packed) or (
-            not wire.is_packed_version(version) and any(rec.get(name) is not None for name in spec.packed)):
-        return rec, False  # a JSON list (v1, v2, or in a v3 record): the reference checks its items
+    packed_text = wire.is_packed_version(version)
+    if any(type(rec.get(name)) not in ((str, list, _NONE) if packed_text else (list, _NONE)) for name in spec.packed):
+        return rec, False  # base64 text outside v3, or neither text nor a list: the reference says which
     # from here on the record is changed in place: a record refused below is parsed again by the reference
     return (rec, True) if _fast_packed(rec, spec) and _fast_json(rec, spec) else (_UNPARSED, False)
 
 
 def _fast_packed(rec: dict[str, Any], spec: _Spec) -> bool:
+    """Each packed field as raw little-endian items: v3's base64 decoded, or a JSON list (v1, v2, and allowed in
+    v3) packed in C by `array` once its items pass the reference's checks (ints: exactly int, within int32;
+    floats: int or float, not NaN, within float32). Anything else goes to the reference, which names it."""
     for name in spec.packed:
-        text = rec.get(name)
-        if text is None:
+        value = rec.get(name)
+        if value is None:
             continue
-        try:
-            raw = _b64decode(text)
-        except Exception:
-            return False
+        if type(value) is list:
+            raw = _list_items(value, schema.PACKED_FIELDS[name])
+            if raw is None:
+                return False
+        else:
+            try:
+                raw = _b64decode(value)
+            except Exception:
+                return False
         if len(raw) % 4 or len(raw) > 4 * schema.MAX_TOKENS:
             return False
         rec[name] = raw
     if spec.same_length and len(rec[spec.same_length[0]]) != len(rec[spec.same_length[1]]):
         return False
     return spec.one_of is None or rec[spec.one_of[0]] in spec.one_of[1]
+
+
+def _list_items(items: list[Any], kind: str) -> bytes | None:
+    """A JSON list of a packed field as its little-endian int32 / float32 bytes, or None when any item is one the
+    reference would refuse or name (a bool or float among ints, an id beyond int32, NaN or beyond float32)."""
+    if len(items) > schema.MAX_TOKENS:
+        return None
+    types = set(map(type, items))  # one C-level pass settles the item types, as schema's check does
+    try:
+        if kind == "ints":
+            if not types <= {int}:
+                return None
+            packed = array.array(schema.INT32_CODE, items)  # OverflowError beyond int32
+        else:
+            if not types <= {int, float} or (items and not -schema.MAX_FLOAT32 <= min(items) <= max(items)
+                                                   <= schema.MAX_FLOAT32):
+                return None  # NaN compares false, so it fails the bounds too
+            packed = array.array("f", items)
+    except (OverflowError, TypeError):
+        return None
+    if sys.byteorder != "little":  # pragma: no cover (the fast path runs on little-endian hosts only)
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _fast_json(rec: dict[str, Any], spec: _Spec) -> bool:
@@ -487,9 +519,11 @@ def _decode_fast(table: str, topic: str, partition: int, offsets: list[int], val
 
 def warm_up() -> None:
     """Pay pyarrow's lazy imports now rather than inside the first batch: its first timestamp cast imports
-    pandas (0.35-0.43 s here, measured in the bench's first decoded batch), which would otherwise delay the first
-    records a writer lands after every (re)start."""
+    pandas (0.35-0.43 s here, measured in the bench's first decoded batch), and the first publish imports
+    pyarrow.parquet (~0.2 s of CPU): either would otherwise delay the first records a writer lands after every
+    (re)start."""
     import pyarrow as pa
+    import pyarrow.parquet  # noqa: F401 (imported for its cost, now)
 
     pa.array([0], pa.int64()).cast(pa.timestamp("us", tz="UTC"))
 

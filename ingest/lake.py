@@ -131,13 +131,27 @@ def filesystem(root: str) -> tuple["pafs.FileSystem", str]:
 
     A plain path is the local filesystem; anything with a scheme (s3://, gs://, hdfs://,
     file://) goes through pyarrow, so the writer and readers have no local-only logic.
+
+    A remote filesystem is made once per root, process and credentials (the AWS_* / GOOGLE_* variables it
+    reads): building an S3FileSystem costs ~20 ms of CPU, and the writer asked for one up to five times per
+    published file (docs/lake.md, "Against Quix Streams"). pyarrow's filesystems are safe to share across threads.
     """
     import pyarrow.fs as pafs
 
     if "://" in root:
-        fs, path = pafs.FileSystem.from_uri(root)
-        return fs, path.rstrip("/")
+        key = (root, os.getpid(), *(os.environ.get(name) for name in _FS_ENV))
+        cached = _FILESYSTEMS.get(key)
+        if cached is None:
+            fs, path = pafs.FileSystem.from_uri(root)
+            cached = _FILESYSTEMS.setdefault(key, (fs, path.rstrip("/")))
+        return cached
     return pafs.LocalFileSystem(), str(Path(root).resolve())
+
+
+# what a remote filesystem is configured from, beyond its URI: a change makes a new one
+_FS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+           "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "GOOGLE_APPLICATION_CREDENTIALS")
+_FILESYSTEMS: dict[tuple[str | int | None, ...], tuple["pafs.FileSystem", str]] = {}
 
 
 def _walk_table(fs: "pafs.FileSystem", base: str, table: str) -> Iterable[LakeFile]:
@@ -381,7 +395,8 @@ def write_file(root: str, table: str, date: str, source: str, partition: int, fi
                              f"force on {first} (..{claim.last}, {claim.date}); publish exactly the claimed range")
     fs, base = filesystem(root)
     directory = f"{base}/{table}/date={date}"
-    fs.create_dir(directory, recursive=True)
+    if not root.startswith("s3://"):  # S3 has no directories: pyarrow's create_dir there is a HEAD and a PUT a level
+        fs.create_dir(directory, recursive=True)
     final = f"{directory}/{file_name(source, partition, first, last)}"
     if "://" in root:
         # object stores publish a single PUT atomically and have no cheap rename

@@ -87,6 +87,14 @@ POISON = [
     wire(good_event(schema_version=1, prompt_token_ids=packed("ints", [1, 2]))),
     wire(good_event(schema_version=3, prompt_token_ids=[2**31, 1])),
     wire(good_event(prompt_token_ids=[2**31, 1])), wire(good_event("context_edit", edit_kind="rewrite")),
+    # JSON lists, which the fast path now packs itself: every item the reference refuses or names goes to it
+    wire(good_event(prompt_token_ids=[1, True])), wire(good_event(prompt_token_ids=[1, 2.0])),
+    wire(good_event(prompt_token_ids=[-2**31 - 1])), wire(good_event(prompt_token_ids=["1"])),
+    wire(good_event(prompt_token_ids=[1, None])), wire(good_event(completion_logprobs=[-1.0, True])),
+    wire(good_event(completion_logprobs=[-1e39, -1.0])), wire(good_event(completion_logprobs=[3.5e38, -1.0])),
+    wire(good_event(completion_logprobs=[-1, 0])), wire(good_event(completion_logprobs=[-1.0])),
+    wire(good_event(completion_logprobs=["-1.0", -1.0])), wire(good_event(prompt_token_ids=list(range(262_145)))),
+    wire(good_event(schema_version=3, prompt_token_ids=[5, 6], completion_logprobs=[-0.1, -2.0])),
     wire(good_event("tool_call", arguments={"a": [[[[1]]]]})), wire(good_event(surprise=1)),
     wire(good_event(model=None)), wire(good_event("tool_result", ok=1)), wire(good_event(truncated=["output"])),
     wire({**OUTCOME, "call_id": "c1"}), wire({**OUTCOME, "value": 1}),
@@ -131,3 +139,7 @@ def test_the_fast_path_takes_the_common_records() -> None:
     fast, idx, _ = decode._decode_fast("events", TOPIC, 0, list(range(50)), values, NOW, {})
     assert fast is not None and idx == list(range(50)), f"only {len(idx)} of 50 v3 records took the fast path"
     assert json.loads(values[0])["schema_version"] == wire_format.PACKED_VERSION
+    # JSON lists (the v1/v2 wire, or lists in a v3 record) too: their items are checked and packed in C
+    values = [encoded("v1", realistic_event(rng, i)) for i in range(50)]
+    fast, idx, _ = decode._decode_fast("events", TOPIC, 0, list(range(50)), values, NOW, {})
+    assert fast is not None and idx == list(range(50)), f"only {len(idx)} of 50 v1 records took the fast path"
