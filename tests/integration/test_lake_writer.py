@@ -246,8 +246,12 @@ def test_poison_and_replays_cost_only_themselves(kafka_bootstrap: str, new_topic
     assert (status["duplicates"], status["dlq"], status["rows"]) == (1, 5, 5), status
 
 
+@pytest.mark.parametrize("client", ["kafka-python", "confluent"])
 def test_a_recreated_topic_is_paused_and_the_lake_kept(kafka_bootstrap: str, new_topic: Callable[..., str],
-                                                       tmp_path: Path) -> None:
+                                                       tmp_path: Path, client: str) -> None:
+    """On either Kafka client (the librdkafka one reads topic ids from the admin API, not the consumer's metadata)."""
+    if client == "confluent":
+        pytest.importorskip("confluent_kafka", reason="the rdkafka extra (make setup installs it with [all])")
     from kafka.admin import KafkaAdminClient, NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
@@ -257,7 +261,7 @@ def test_a_recreated_topic_is_paused_and_the_lake_kept(kafka_bootstrap: str, new
     cfg = LakeWriterConfig(kafka_bootstrap=kafka_bootstrap, events_topic=topic, outcomes_topic="", dlq_topic=dlq,
                            group_id=f"test-lw-{uuid.uuid4().hex[:8]}", lake_root=str(root),
                            var_dir=str(tmp_path / "var"), roll_max_age_s=0.5, session_timeout_s=6,
-                           status_interval_s=0.5)
+                           status_interval_s=0.5, kafka_client=client)
     run_until(cfg, lambda: lake.next_offsets(str(root), "events", topic) == {0: 20})
     before = {str(p): p.read_bytes() for p in sorted(root.glob("events/**/*.parquet"))}
 

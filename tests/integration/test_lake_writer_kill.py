@@ -58,12 +58,12 @@ def produce(bootstrap: str, topic: str, n: int, partitions: int, rate: float | N
 
 
 def start_writer(bootstrap: str, topic: str, dlq: str, group: str, instance: str, root: Path,
-                 var: Path, roll_max_age_s: float = 0.5) -> subprocess.Popen:
+                 var: Path, roll_max_age_s: float = 0.5, extra: list[str] | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "flywheel.ingest.lake_writer", "--kafka-bootstrap", bootstrap, "--events-topic", topic,
             "--outcomes-topic", "", "--dlq-topic", dlq, "--group-id", group, "--instance-id", instance,
             "--lake-root", str(root), "--var-dir", str(var), "--roll-max-age-s", str(roll_max_age_s),
             "--roll-max-records", "2000",
-            "--session-timeout-s", "6", "--log-level", "WARNING"]
+            "--session-timeout-s", "6", "--log-level", "WARNING", *(extra or [])]
     log = open(var / f"{instance}.log", "ab")
     return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
@@ -99,6 +99,31 @@ def check_exact(root: Path, topic: str, produced: list[str], partitions: int) ->
     assert got == want, "event_id checksum of the lake differs from the produced events"
 
 
+def kill_loop(bootstrap: str, topic: str, dlq: str, group: str, root: Path, var: Path, producer: threading.Thread,
+              n: int, kills: int, rng: random.Random, extra: list[str] | None = None) -> list[int]:
+    """SIGKILL the writer `kills` times, each at a random instant once its incarnation publishes (mid-file,
+    mid-publish, mid-DLQ), restarting it at once; then wait for all n events. Returns the lake's offsets after
+    each kill."""
+    proc = start_writer(bootstrap, topic, dlq, group, "w1", root, var, extra=extra)
+    progress = []
+    try:
+        for _ in range(kills):
+            before = landed(root, topic)
+            wait_for(lambda: landed(root, topic) > before or (not producer.is_alive() and before >= n), 30,
+                     "the restarted writer to publish")
+            time.sleep(rng.uniform(0.0, 1.0))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            progress.append(landed(root, topic))
+            proc = start_writer(bootstrap, topic, dlq, group, "w1", root, var, extra=extra)
+        producer.join()
+        wait_for(lambda: landed(root, topic) >= n, 180, f"{n} events in the lake (progress per kill {progress})")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    return progress
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_100k_events_survive_20_sigkills(kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
@@ -111,25 +136,7 @@ def test_100k_events_survive_20_sigkills(kafka_bootstrap: str, new_topic: Callab
     # produce while the writer is being killed, as in production, spread over the kill loop
     producer = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, n, partitions, 1500, BAD_EVERY)))
     producer.start()
-    rng = random.Random(4)
-    proc = start_writer(kafka_bootstrap, topic, dlq, group, "w1", root, var)
-    progress = []
-    try:
-        for _ in range(kills):
-            # kill at a random instant once this incarnation is publishing: mid-file, mid-publish, mid-DLQ
-            before = landed(root, topic)
-            wait_for(lambda: landed(root, topic) > before or (not producer.is_alive() and before >= n), 30,
-                     "the restarted writer to publish")
-            time.sleep(rng.uniform(0.0, 1.0))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            progress.append(landed(root, topic))
-            proc = start_writer(kafka_bootstrap, topic, dlq, group, "w1", root, var)
-        producer.join()
-        wait_for(lambda: landed(root, topic) >= n, 180, f"{n} events in the lake (progress per kill {progress})")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    progress = kill_loop(kafka_bootstrap, topic, dlq, group, root, var, producer, n, kills, random.Random(4))
     # the kills must land while work is in flight, or the test proves nothing about crashes
     mid_stream = sum(1 for a, b in zip(progress, progress[1:]) if b > a and b < n)
     print(f"lake offsets after each kill: {progress}")
