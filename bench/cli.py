@@ -10,7 +10,8 @@ import sys
 
 BENCHMARKS = {
     "sidecar": "hot-path cost of the SDK vs an OpenTelemetry span, and during a broker outage",
-    "ingest": "lake writer rate vs raw kafka-python consume rate, produce-to-visible latency",
+    "ingest": "lake writer rate vs raw kafka-python consume rate, produce-to-visible latency; with --vs quixstreams "
+              "against a Quix Streams Parquet sink",
     "episodes": "episode builder: full build and incremental passes at lake sizes 1x and 10x",
     "learner": "learner step tokens/s vs a bare torch loop, step-to-served publish time",
     "weights": "LoRA and full-weight push into a running vLLM vs a plain file copy",

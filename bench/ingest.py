@@ -3,6 +3,7 @@ how long an event takes from produce to visible in the lake.
 
     flywheel bench ingest [--events 20000] [--partitions 4] [--live-rate 500] [--live-seconds 10] [--lake local|s3]
                           [--binary] [--profile]
+    flywheel bench ingest --vs quixstreams ...   (the lake writer against a Quix Streams app: bench/ingest_peer.py)
 
 1. Produce N realistic session events (llm_calls of several KB with prompt/completion token
    ids and logprobs, plus tool calls) into fresh topics, the same events once per wire format
@@ -130,27 +131,32 @@ def raw_consume(bootstrap: str, topic: str, n: int) -> float:
     return elapsed
 
 
-def writer_rate(bootstrap: str, topic: str, n: int, lake_root: str, var_dir: str) -> tuple[float, int]:
-    """Seconds the lake writer takes from its first record to n records published; and its file count."""
+def writer_rate(bootstrap: str, topic: str, n: int, lake_root: str, var_dir: str,
+                cpu: dict[str, float] | None = None, client: str = "kafka-python") -> tuple[float, int]:
+    """Seconds the lake writer (on Kafka client `client`) takes from its first record to n records published; and
+    its file count. With `cpu`, its "cpu_s" is this process's CPU time (all threads) over the same span."""
     from flywheel.ingest.lake_writer import LakeWriter, LakeWriterConfig, run
 
     cfg = LakeWriterConfig(kafka_bootstrap=bootstrap, events_topic=topic, outcomes_topic="",
                            dlq_topic=f"{topic}.dlq", group_id=f"bench-{uuid.uuid4().hex[:8]}", lake_root=lake_root,
-                           var_dir=var_dir, log_level="WARNING")
+                           var_dir=var_dir, log_level="WARNING", kafka_client=client)
     marks: dict[str, float] = {"prev": time.perf_counter()}
 
     def stop(writer: LakeWriter) -> bool:
         # stop() runs after each poll: the previous call's time is the start of this poll
         if "first" not in marks and writer.stats.records:
-            marks["first"] = marks["prev"]
-        marks["prev"] = time.perf_counter()
+            marks["first"], marks["first_cpu"] = marks["prev"], marks["prev_cpu"]
+        marks["prev"], marks["prev_cpu"] = time.perf_counter(), time.process_time()
         if sum(last + 1 for last in writer.published.values()) >= n:
-            marks["done"] = time.perf_counter()
+            marks["done"], marks["done_cpu"] = time.perf_counter(), time.process_time()
             return True
         return False
 
+    marks["prev_cpu"] = time.process_time()
     code = run(cfg, stop=stop)
     assert code == 0 and "done" in marks, f"the lake writer stopped early (exit {code})"
+    if cpu is not None:
+        cpu["cpu_s"] = marks["done_cpu"] - marks["first_cpu"]
     return marks["done"] - marks["first"], len(lake.list_files(lake_root, "events"))
 
 
@@ -401,6 +407,11 @@ def print_table(args: argparse.Namespace, result: dict[str, Any], on_s3: bool) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--vs" or a.startswith("--vs=") for a in argv):  # the peer comparison: bench/ingest_peer.py
+        from bench import ingest_peer
+
+        return ingest_peer.main(argv)
     args = parse_args(argv)
 
     from kafka.admin import KafkaAdminClient, NewTopic

@@ -48,6 +48,12 @@ SMALL: dict[str, list[str]] = {
 }
 SLOW = {"chaos"}  # over ~4 min even when small
 
+# `flywheel bench ingest --vs quixstreams` is a mode of `ingest` with a peer of its own: each side once on 500
+# events, one kill. On a fresh clone it first builds the Quix environment (var/venvs/quixstreams-*: ~1 min of pip
+# from the package index), then ~2 min of runs.
+INGEST_VS_QUIX = ["--vs", "quixstreams", "--events", "500", "--rounds", "1", "--lakes", "local", "--live-seconds",
+                  "3", "--kill-seconds", "10", "--kills", "1", "--kafka-bootstrap", "{kafka}"]
+
 
 def small_flags(name: str, tmp: Path, kafka: str) -> list[str]:
     return [flag.format(tmp=tmp, kafka=kafka) for flag in SMALL[name]]
@@ -178,3 +184,30 @@ def test_bench_runs_small_and_prints_its_json(name: str, stack: StackConfig, tmp
         CHECKS[name](result)
     except AssertionError as exc:
         pytest.fail(f"flywheel bench {name}: {exc}\nJSON: {json.dumps(result)[:3000]}\n{tail}")
+
+
+def check_ingest_vs_quixstreams(r: dict[str, Any]) -> None:
+    for side in ("writer", "writer_rdkafka", "quix"):
+        _positive(r, f"{side}_local_events_per_s", f"{side}_local_cpu_s_per_10k", f"{side}_local_json_cpu_s_per_10k",
+                  f"{side}_local_bytes_per_event")
+        assert r.get(f"{side}_local_kills") == 1, f"{side}: kills = {r.get(f'{side}_local_kills')!r}"
+        visible = r.get(f"{side}_local_p95_visible_s")
+        assert isinstance(visible, (int, float)) and math.isfinite(visible), f"{side}: p95 visible {visible!r}"
+    for side in ("writer", "writer_rdkafka"):  # the lake writer's guarantee, on either client; the peer's is measured
+        lost, dup = r.get(f"{side}_local_lost_after_kills"), r.get(f"{side}_local_duplicated_after_kills")
+        assert (lost, dup) == (0, 0), f"{side} after a SIGKILL: {lost} lost, {dup} duplicated"
+    assert isinstance(r.get("quix_local_lost_after_kills"), int), r.get("quix_local_lost_after_kills")
+    _positive(r, "writer_vs_quix_local", "writer_rdkafka_vs_quix_local", "writer_vs_quix_local_json")
+    assert r.get("events") == 500 and r.get("quixstreams_version"), r
+
+
+def test_ingest_vs_quixstreams_runs_small_and_prints_its_json(stack: StackConfig, tmp_path: Path) -> None:
+    flags = [flag.format(tmp=tmp_path, kafka=stack.kafka_bootstrap) for flag in INGEST_VS_QUIX]
+    rc, out, err = run_bench("ingest", flags, 600.0)
+    tail = f"--- stdout (tail)\n{out[-3000:]}\n--- stderr (tail)\n{err[-3000:]}"
+    assert rc == 0, f"flywheel bench ingest {' '.join(flags)} exited {rc}\n{tail}"
+    result = last_json(out)
+    try:
+        check_ingest_vs_quixstreams(result)
+    except AssertionError as exc:
+        pytest.fail(f"flywheel bench ingest --vs quixstreams: {exc}\nJSON: {json.dumps(result)[:3000]}\n{tail}")

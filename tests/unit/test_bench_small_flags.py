@@ -71,3 +71,12 @@ def test_small_flags_parse(name: str, tmp_path: Path, monkeypatch: pytest.Monkey
         args = stopped.value.parsed
         faults = module.schedule(args.seed, args.minutes * 60.0, args.kills, args.outage_s)
         assert sum(f.kind == "kill" for f in faults) == args.kills and any(f.kind == "outage" for f in faults), faults
+
+
+def test_the_peer_comparison_flags_parse(tmp_path: Path) -> None:
+    """`ingest --vs quixstreams` in its small mode (tests/integration/test_bench_small.py) parses as the peer's."""
+    from bench import ingest_peer
+
+    flags = [flag.format(tmp=tmp_path, kafka="127.0.0.1:9092") for flag in runs.INGEST_VS_QUIX]
+    args = ingest_peer.parse_args(flags)
+    assert args.events == 500 and args.lakes == ["local"] and args.kills == 1
