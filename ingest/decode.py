@@ -353,6 +353,8 @@ def _list_items(items: list[Any], kind: str) -> bytes | None:
             if not types <= {int, float} or (items and not -schema.MAX_FLOAT32 <= min(items) <= max(items)
                                                    <= schema.MAX_FLOAT32):
                 return None  # NaN compares false, so it fails the bounds too
+            if int in types and any(type(x) is int and not -_EXACT_FLOAT32 <= x <= _EXACT_FLOAT32 for x in items):
+                return None  # Arrow refuses an int a float32 cannot hold exactly: the reference dead-letters it
             packed = array.array("f", items)
     except (OverflowError, TypeError):
         return None
@@ -392,6 +394,7 @@ _ALLOWED: dict[str, set[type]] = {"str": {str, _NONE}, "json": {str, _NONE}, "ts
 # the timestamps whose parse Arrow and the reference (datetime.fromisoformat) agree on; others go the reference way
 _TS_PATTERN = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$"
 _EXACT_FLOAT = 2**53  # an int beyond this as a float column's value: Arrow refuses it, the reference says how
+_EXACT_FLOAT32 = 2**24  # the same for an int item of a float32 list (logprobs)
 
 
 def _bad_where(col: list[Any], test: Callable[[Any], bool]) -> _Bad:

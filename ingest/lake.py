@@ -139,7 +139,7 @@ def filesystem(root: str) -> tuple["pafs.FileSystem", str]:
     import pyarrow.fs as pafs
 
     if "://" in root:
-        key = (root, os.getpid(), *(os.environ.get(name) for name in _FS_ENV))
+        key = (root, os.getpid(), *sorted((k, v) for k, v in os.environ.items() if k.startswith(_FS_ENV)))
         cached = _FILESYSTEMS.get(key)
         if cached is None:
             fs, path = pafs.FileSystem.from_uri(root)
@@ -148,10 +148,10 @@ def filesystem(root: str) -> tuple["pafs.FileSystem", str]:
     return pafs.LocalFileSystem(), str(Path(root).resolve())
 
 
-# what a remote filesystem is configured from, beyond its URI: a change makes a new one
-_FS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-           "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "GOOGLE_APPLICATION_CREDENTIALS")
-_FILESYSTEMS: dict[tuple[str | int | None, ...], tuple["pafs.FileSystem", str]] = {}
+# what a remote filesystem is configured from, beyond its URI (endpoint, keys, checksums, CA bundle, profile
+# files ...): a change of any such variable makes a new one
+_FS_ENV = ("AWS_", "GOOGLE_", "STORAGE_EMULATOR")
+_FILESYSTEMS: dict[tuple[Any, ...], tuple["pafs.FileSystem", str]] = {}
 
 
 def _walk_table(fs: "pafs.FileSystem", base: str, table: str) -> Iterable[LakeFile]:

@@ -33,6 +33,9 @@ from flywheel.base.kafka import KafkaClientConfig
 
 log = logging.getLogger(__name__)
 
+# errors a retry does not mend: the writer stops on them, as kafka-python's poll raises them
+_PERMANENT = {"TOPIC_AUTHORIZATION_FAILED", "GROUP_AUTHORIZATION_FAILED", "CLUSTER_AUTHORIZATION_FAILED"}
+
 
 @dataclass(frozen=True, slots=True)
 class Record:
@@ -90,6 +93,9 @@ class RdKafkaConsumer:
             "enable.auto.commit": False,  # progress lives in the lake; commits are a hint written after publish
             "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
+            # kafka-python's default: librdkafka's read_committed would skip aborted transactional records that
+            # the default client lands, and stop at a hanging transaction while the lag (log end) grows
+            "isolation.level": "read_uncommitted",
             "session.timeout.ms": session_timeout_ms,
             "heartbeat.interval.ms": heartbeat_interval_ms,
             "partition.assignment.strategy": "range",  # eager, as kafka-python's default: revoke all, then assign
@@ -113,7 +119,7 @@ class RdKafkaConsumer:
         self._state = "<unjoined>"
         self._metadata: Any = None
         self._fatal: Exception | None = None
-        self._lock = threading.Lock()
+        self._errors = 0
         self._admin: Any = None
 
     # ---- group ---------------------------------------------------------------------------------------
@@ -133,8 +139,12 @@ class RdKafkaConsumer:
         finally:
             pending, self._pending = self._pending, None
             # an offset the listener did not set stays librdkafka's (committed, else auto.offset.reset)
-            consumer.assign([RdTopicPartition(p.topic, p.partition, pending.get((p.topic, p.partition), p.offset))
-                             for p in partitions])
+            assigned = [RdTopicPartition(p.topic, p.partition, pending.get((p.topic, p.partition), p.offset))
+                        for p in partitions]
+            consumer.assign(assigned)
+            # librdkafka keeps an application's pause across an unassign and assign; kafka-python starts a new
+            # assignment unpaused, and the writer pauses what it must again (a rewound log)
+            consumer.resume(assigned)
             self._state = "<stable>"
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
@@ -179,9 +189,10 @@ class RdKafkaConsumer:
         for m in self._consumer.consume(num_messages=max_records, timeout=timeout_ms / 1000):
             err = m.error()
             if err is not None:
-                if err.fatal():
-                    raise RuntimeError(f"kafka: fatal consumer error: {err}")
-                log.debug("consume: %s (librdkafka retries it)", err)
+                if err.fatal() or err.name() in _PERMANENT:
+                    # as kafka-python raises a non-retriable error out of poll: the writer exits, and says why
+                    raise RuntimeError(f"kafka: consumer error: {err}")
+                self._warn(f"consume: {err} (librdkafka retries it)")
                 continue
             part = (m.topic(), m.partition())
             tp = keys.get(part)
@@ -273,9 +284,19 @@ class RdKafkaConsumer:
     def _on_error(self, err: Any) -> None:
         if err.fatal():
             self._fatal = RuntimeError(f"kafka: fatal client error: {err}")
-        log.debug("kafka client: %s", err)
+        self._warn(f"kafka client: {err}")
+
+    def _warn(self, text: str) -> None:
+        """A client error librdkafka retries itself: the first, then every 20th (an outage repeats them)."""
+        self._errors += 1
+        (log.warning if self._errors % 20 == 1 else log.debug)("%s (%d client errors so far)", text, self._errors)
 
     def close(self, autocommit: bool = False, timeout_ms: int | None = None) -> None:
-        """Leave the group without calling the listener (as kafka-python's close)."""
+        """Leave the group without calling the listener (as kafka-python's close); give up waiting after
+        timeout_ms (librdkafka's close has no timeout of its own: with the coordinator away it can wait ~60 s)."""
         self._listener = None
-        self._consumer.close()
+        closer = threading.Thread(target=self._consumer.close, name="rdkafka-close", daemon=True)
+        closer.start()
+        closer.join(None if timeout_ms is None else timeout_ms / 1000)
+        if closer.is_alive():
+            log.warning("kafka: the consumer did not close within %d ms; leaving it behind", timeout_ms)

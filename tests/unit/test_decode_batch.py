@@ -101,6 +101,19 @@ POISON = [
 ]
 
 
+def test_json_lists_alone_are_checked_as_the_reference_checks_them() -> None:
+    """Runs of JSON records only (no v3 record beside them, whose packed columns the reference converts another
+    way): an int among logprobs beyond what float32 holds exactly is dead-lettered by Arrow in the reference."""
+    for over in ({"completion_logprobs": [2**24 + 1]}, {"completion_logprobs": [-(2**24) - 1]},
+                 {"completion_logprobs": [2**24]}, {"completion_logprobs": [-1, 0.5]},
+                 {"prompt_token_ids": [2**31 - 1, -2**31]}):
+        n = len(over.get("completion_logprobs", [0.0]))
+        record = good_event(**over, **({"completion_token_ids": list(range(n))} if "completion_logprobs" in over
+                                       else {}))
+        assert_same("events", [wire(record)])
+        assert_same("events", [wire(record), wire(good_event())])
+
+
 def test_poison_between_good_records_is_rejected_as_the_reference_rejects_it() -> None:
     good = [encoded("v3", good_event(schema_version=3, event_id=f"g{i}")) for i in range(3)]
     assert_same("events", good + POISON + good)
