@@ -194,13 +194,15 @@ class RdKafkaConsumer:
                     raise RuntimeError(f"kafka: consumer error: {err}")
                 self._warn(f"consume: {err} (librdkafka retries it)")
                 continue
-            part = (m.topic(), m.partition())
-            tp = keys.get(part)
+            topic, partition, offset = m.topic(), m.partition(), m.offset()
+            if topic is None or partition is None or offset is None:  # only error events lack them
+                continue
+            tp = keys.get((topic, partition))
             if tp is None:
-                tp = keys[part] = TopicPartition(*part)
+                tp = keys[(topic, partition)] = TopicPartition(topic, partition)
                 out[tp] = []
             kind, ts = m.timestamp()
-            out[tp].append(Record(m.offset(), m.value(), m.key(), ts if kind else None))
+            out[tp].append(Record(offset, m.value(), m.key(), ts if kind else None))
         return out
 
     def seek(self, tp: Any, offset: int) -> None:
