@@ -39,7 +39,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -174,45 +173,14 @@ def live_latency(bootstrap: str, topic: str, rate: float, seconds: float, lake_r
         while read_statuses(var_dir).get(f"lake-writer-{name}", {}).get("partitions", 0) == 0:
             assert proc.poll() is None and time.monotonic() < deadline, "the lake writer did not take its partitions"
             time.sleep(0.2)
-        sent: dict[str, float] = {}  # event_id -> produce time
-        visible: dict[str, float] = {}
-        done = threading.Event()
+        from bench.ingest_peer import Watcher, produce_live  # the peer comparison's watcher and paced producer
 
-        def watch() -> None:
-            import pyarrow.parquet as pq
-
-            fs, _ = lake.filesystem(lake_root)
-            seen_files: set[str] = set()
-            while not done.is_set():
-                now = time.time()
-                for f in lake.list_files(lake_root, "events"):
-                    if f.path not in seen_files:
-                        seen_files.add(f.path)
-                        ids = pq.read_table(f.path, columns=["event_id"], filesystem=fs).column("event_id")
-                        for eid in ids.to_pylist():
-                            visible.setdefault(eid, now)
-                time.sleep(0.05)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        rng = random.Random(7)
-        producer = _producer(bootstrap)
-        n = int(rate * seconds)
-        t0 = time.time()
-        for i in range(n):
-            time.sleep(max(0.0, t0 + i / rate - time.time()))
-            event = realistic_event(rng, i)
-            sent[event["event_id"]] = time.time()
-            producer.send(topic, key=event["session_id"].encode(), value=encoded("v3", event))
-            producer.flush() if i % 10 == 0 else None  # the SDK's linger is ms; keep sends prompt
-        producer.flush()
-        producer.close()
-        deadline = time.monotonic() + 30
-        while len(visible) < n and time.monotonic() < deadline:
-            time.sleep(0.1)
-        done.set()
-        watcher.join()
-        return [visible[e] - t for e, t in sent.items() if e in visible] + [float("inf")] * (n - len(visible))
+        with Watcher("writer", lake_root) as watcher:
+            sent = produce_live(bootstrap, topic, rate, seconds, seed=7)
+            deadline = time.monotonic() + 30
+            while not set(sent) <= set(watcher.visible) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return [watcher.visible[e] - t if e in watcher.visible else float("inf") for e, t in sent.items()]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

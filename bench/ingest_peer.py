@@ -145,14 +145,17 @@ def wire_shim(tmp: Path) -> Path:
 
 # ---- outputs: what a reader of each side's destination sees -----------------------------------------------
 
-def output_files(side: str, out: str) -> list[tuple[str, int]]:
+def output_files(side: str, out: str, sizes: bool = True) -> list[tuple[str, int]]:
     """(path, bytes) of each data file a reader would read: the lake's published files for the writer, every
-    .parquet file under the sink's folder for Quix."""
+    .parquet file under the sink's folder for Quix. `sizes=False` gives the writer's files size 0 without asking the
+    store (a HEAD each on S3): they are immutable, so a watcher needs only their names."""
     from flywheel.ingest import lake
 
     fs, base = lake.filesystem(out)
     if side in CLIENTS:
         files = [f.path for f in lake.list_files(out, "events")]
+        if not sizes:
+            return [(path, 0) for path in files]
         return [(info.path, info.size or 0) for info in fs.get_file_info(files)]
     import pyarrow.fs as pafs
 
@@ -252,8 +255,7 @@ class Watcher:
     def __init__(self, side: str, out: str) -> None:
         self.side, self.out = side, out
         self.visible: dict[str, float] = {}
-        self.files: dict[str, list[str]] = {}  # path -> ids, of the files read (re-read when their size changes)
-        self._sizes: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}  # path -> size when read: a Quix file rewritten in place is read again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"watch-{side}")
 
@@ -267,13 +269,13 @@ class Watcher:
 
     def scan(self) -> None:
         now = time.time()
-        for path, size in output_files(self.side, self.out):
+        for path, size in output_files(self.side, self.out, sizes=False):
             if self._sizes.get(path) == size:
                 continue
             ids = read_ids(self.out, path)
             if ids is None:
                 continue  # not readable yet: next scan
-            self._sizes[path], self.files[path] = size, ids
+            self._sizes[path] = size
             for eid in ids:
                 self.visible.setdefault(eid, now)
 
@@ -286,7 +288,7 @@ class Watcher:
         """Rows per event id in the output as it stands, and how many of its files cannot be read."""
         rows: dict[str, int] = {}
         unreadable = 0
-        for path, _ in output_files(self.side, self.out):
+        for path, _ in output_files(self.side, self.out, sizes=False):
             ids = read_ids(self.out, path)
             if ids is None:
                 unreadable += 1

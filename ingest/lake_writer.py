@@ -765,13 +765,15 @@ class DeadLetters:
 # The process
 # ---------------------------------------------------------------------------------------------
 def _consumer(cfg: LakeWriterConfig) -> "KafkaConsumer":
+    session_ms = int(cfg.session_timeout_s * 1000)
+    heartbeat_ms = max(1000, session_ms // 4)
+    fetch_max_bytes = 64 * 1024 * 1024
     if cfg.kafka_client == "confluent":
         # the same calls on librdkafka (ingest/rdkafka_consumer.py); typed as kafka-python's, whose subset it is
         return RdKafkaConsumer(
             cfg.kafka_bootstrap, load_kafka_config(), f"lake-writer-{cfg.name}", cfg.group_id, cfg.instance_id,
-            session_timeout_ms=int(cfg.session_timeout_s * 1000),
-            heartbeat_interval_ms=max(1000, int(cfg.session_timeout_s * 1000 / 4)),
-            fetch_partition_bytes=cfg.fetch_partition_bytes, fetch_max_bytes=64 * 1024 * 1024)
+            session_timeout_ms=session_ms, heartbeat_interval_ms=heartbeat_ms,
+            fetch_partition_bytes=cfg.fetch_partition_bytes, fetch_max_bytes=fetch_max_bytes)
     from kafka import KafkaConsumer
 
     return KafkaConsumer(
@@ -781,14 +783,14 @@ def _consumer(cfg: LakeWriterConfig) -> "KafkaConsumer":
         group_instance_id=cfg.instance_id,
         enable_auto_commit=False,  # progress lives in the lake; commits are a hint written after publish
         auto_offset_reset="earliest",
-        session_timeout_ms=int(cfg.session_timeout_s * 1000),
-        heartbeat_interval_ms=max(1000, int(cfg.session_timeout_s * 1000 / 4)),
+        session_timeout_ms=session_ms,
+        heartbeat_interval_ms=heartbeat_ms,
         max_poll_records=cfg.max_poll_records,
         # A fetch drains within a few polls, so kafka-python sends the next fetch while the writer decodes the
         # last one (a partition with buffered records is not fetched); fewer, larger fetches cost less CPU per
         # record. A record larger than this still arrives whole (KIP-74), so oversized records reach the DLQ.
         max_partition_fetch_bytes=cfg.fetch_partition_bytes,
-        fetch_max_bytes=64 * 1024 * 1024,
+        fetch_max_bytes=fetch_max_bytes,
         # a topic or partition created after start is noticed within seconds, not the default 5 minutes
         metadata_max_age_ms=5000,
     )

@@ -78,6 +78,13 @@ def uuid_text(tid: Any) -> str | None:
     return None if bits == 0 else str(uuid.UUID(int=bits))
 
 
+def _kafka_parts(partitions: list[Any]) -> set[Any]:
+    """librdkafka's partitions as the kafka-python TopicPartitions the writer's listener takes."""
+    from kafka import TopicPartition
+
+    return {TopicPartition(p.topic, p.partition) for p in partitions}
+
+
 class RdKafkaConsumer:
     """KafkaConsumer's methods the lake writer calls, on a confluent_kafka.Consumer."""
 
@@ -86,9 +93,10 @@ class RdKafkaConsumer:
                  fetch_partition_bytes: int, fetch_max_bytes: int) -> None:
         from confluent_kafka import Consumer
 
-        self._conf: dict[str, Any] = {
-            "bootstrap.servers": bootstrap,
-            **rdkafka_config(client, client_id),
+        # what any client of this cluster needs (the admin client below takes only these)
+        self._client_conf = {"bootstrap.servers": bootstrap, **rdkafka_config(client, client_id)}
+        conf: dict[str, Any] = {
+            **self._client_conf,
             "group.id": group_id,
             "enable.auto.commit": False,  # progress lives in the lake; commits are a hint written after publish
             "enable.auto.offset.store": False,
@@ -107,8 +115,8 @@ class RdKafkaConsumer:
             "error_cb": self._on_error,
         }
         if instance_id:
-            self._conf["group.instance.id"] = instance_id
-        self._consumer = Consumer(self._conf)
+            conf["group.instance.id"] = instance_id
+        self._consumer = Consumer(conf)
         try:  # librdkafka connects lazily: ask once, so an unreachable broker fails here and start-up retries it
             self._consumer.list_topics(timeout=5)
         except Exception:
@@ -130,12 +138,11 @@ class RdKafkaConsumer:
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         from confluent_kafka import TopicPartition as RdTopicPartition
-        from kafka import TopicPartition
 
         self._pending = {}
         try:
             if self._listener is not None:
-                self._listener.on_partitions_assigned({TopicPartition(p.topic, p.partition) for p in partitions})
+                self._listener.on_partitions_assigned(_kafka_parts(partitions))
         finally:
             pending, self._pending = self._pending, None
             # an offset the listener did not set stays librdkafka's (committed, else auto.offset.reset)
@@ -148,22 +155,17 @@ class RdKafkaConsumer:
             self._state = "<stable>"
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
-        from kafka import TopicPartition
-
-        self._state = "<rebalancing>"
-        try:
-            if self._listener is not None:
-                self._listener.on_partitions_revoked({TopicPartition(p.topic, p.partition) for p in partitions})
-        finally:
-            consumer.unassign()
+        self._give_up(consumer, partitions, "on_partitions_revoked")
 
     def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
-        from kafka import TopicPartition
+        self._give_up(consumer, partitions, "on_partitions_lost")
 
+    def _give_up(self, consumer: Any, partitions: list[Any], callback: str) -> None:
+        """A revocation or a lost assignment: the listener's `callback` first, then the partitions go."""
         self._state = "<rebalancing>"
         try:
             if self._listener is not None:
-                self._listener.on_partitions_lost({TopicPartition(p.topic, p.partition) for p in partitions})
+                getattr(self._listener, callback)(_kafka_parts(partitions))
         finally:
             consumer.unassign()
 
@@ -171,11 +173,6 @@ class RdKafkaConsumer:
         """kafka-python's MemberState names: <unjoined> before the first assignment, <rebalancing> between a
         revocation and the next assignment, <stable> after one."""
         return _GroupMetadata(self._state)
-
-    def assignment(self) -> set[Any]:
-        from kafka import TopicPartition
-
-        return {TopicPartition(p.topic, p.partition) for p in self._consumer.assignment()}
 
     # ---- records -------------------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0, max_records: int = 500) -> dict[Any, list[Record]]:
@@ -265,9 +262,7 @@ class RdKafkaConsumer:
         from confluent_kafka.admin import AdminClient
 
         if self._admin is None:
-            self._admin = AdminClient({k: v for k, v in self._conf.items()
-                                       if k in ("bootstrap.servers", "client.id") or k.startswith(("security.",
-                                                                                                   "sasl.", "ssl."))})
+            self._admin = AdminClient(self._client_conf)
         return self._admin
 
     def topic_id(self, topic: str) -> str | None:

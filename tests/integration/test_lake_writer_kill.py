@@ -99,15 +99,35 @@ def check_exact(root: Path, topic: str, produced: list[str], partitions: int) ->
     assert got == want, "event_id checksum of the lake differs from the produced events"
 
 
-def kill_loop(bootstrap: str, topic: str, dlq: str, group: str, root: Path, var: Path, producer: threading.Thread,
-              n: int, kills: int, rng: random.Random, extra: list[str] | None = None) -> list[int]:
-    """SIGKILL the writer `kills` times, each at a random instant once its incarnation publishes (mid-file,
-    mid-publish, mid-DLQ), restarting it at once; then wait for all n events. Returns the lake's offsets after
-    each kill."""
-    proc = start_writer(bootstrap, topic, dlq, group, "w1", root, var, extra=extra)
+# The default client over 100,000 events and 20 kills; the librdkafka client (--kafka-client confluent, the rdkafka
+# extra) over 30,000 and 8: (client, events, kills, kills that must come mid-stream, seed)
+KILL_RUNS = [pytest.param("kafka-python", 100_000, 20, 10, 4, id="100k-20-kills-kafka-python"),
+             pytest.param("confluent", 30_000, 8, 4, 5, id="30k-8-kills-confluent")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("client", "n", "kills", "min_mid_stream", "seed"), KILL_RUNS)
+def test_events_survive_sigkills(kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path, client: str,
+                                 n: int, kills: int, min_mid_stream: int, seed: int) -> None:
+    if client == "confluent":
+        pytest.importorskip("confluent_kafka", reason="the rdkafka extra (make setup installs it with [all])")
+    partitions = 4
+    topic, dlq = new_topic("lw-kill", partitions=partitions), new_topic("lw-kill-dlq")
+    root, var = tmp_path / "lake", tmp_path / "var"
+    var.mkdir()
+    group = f"test-lw-kill-{uuid.uuid4().hex[:8]}"
+    extra = ["--kafka-client", client]
+    produced: list[str] = []
+    # produce while the writer is being killed, as in production, spread over the kill loop
+    producer = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, n, partitions, 1500, BAD_EVERY)))
+    producer.start()
+    rng = random.Random(seed)
+    proc = start_writer(kafka_bootstrap, topic, dlq, group, "w1", root, var, extra=extra)
     progress = []
     try:
         for _ in range(kills):
+            # kill at a random instant once this incarnation is publishing: mid-file, mid-publish, mid-DLQ
             before = landed(root, topic)
             wait_for(lambda: landed(root, topic) > before or (not producer.is_alive() and before >= n), 30,
                      "the restarted writer to publish")
@@ -115,32 +135,16 @@ def kill_loop(bootstrap: str, topic: str, dlq: str, group: str, root: Path, var:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             progress.append(landed(root, topic))
-            proc = start_writer(bootstrap, topic, dlq, group, "w1", root, var, extra=extra)
+            proc = start_writer(kafka_bootstrap, topic, dlq, group, "w1", root, var, extra=extra)
         producer.join()
         wait_for(lambda: landed(root, topic) >= n, 180, f"{n} events in the lake (progress per kill {progress})")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-    return progress
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_100k_events_survive_20_sigkills(kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
-    n, partitions, kills = 100_000, 4, 20
-    topic, dlq = new_topic("lw-kill", partitions=partitions), new_topic("lw-kill-dlq")
-    root, var = tmp_path / "lake", tmp_path / "var"
-    var.mkdir()
-    group = f"test-lw-kill-{uuid.uuid4().hex[:8]}"
-    produced: list[str] = []
-    # produce while the writer is being killed, as in production, spread over the kill loop
-    producer = threading.Thread(target=lambda: produced.extend(produce(kafka_bootstrap, topic, n, partitions, 1500, BAD_EVERY)))
-    producer.start()
-    progress = kill_loop(kafka_bootstrap, topic, dlq, group, root, var, producer, n, kills, random.Random(4))
     # the kills must land while work is in flight, or the test proves nothing about crashes
     mid_stream = sum(1 for a, b in zip(progress, progress[1:]) if b > a and b < n)
     print(f"lake offsets after each kill: {progress}")
-    assert mid_stream >= 10, f"only {mid_stream} kills came between progress and completion: {progress}"
+    assert mid_stream >= min_mid_stream, f"only {mid_stream} kills came between progress and completion: {progress}"
     check_exact(root, topic, produced, partitions)
     # every dead letter reached the DLQ before its range was published (repeats allowed: at-least-once)
     bad = {(i % partitions, i // partitions) for i in range(BAD_EVERY - 1, n, BAD_EVERY)}
@@ -164,8 +168,14 @@ def read_letters(bootstrap: str, topic: str, at_least: int, timeout_s: float = 3
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("b_client", ["kafka-python", "confluent"])
 def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_topic: Callable[..., str],
-                                                     tmp_path: Path) -> None:
+                                                     tmp_path: Path, b_client: str) -> None:
+    """Writer a (kafka-python) is killed mid-stream and b takes its partitions over from the lake. With b on
+    librdkafka the group mixes both clients: had they spelled the topic's id differently, b would pause every
+    partition as a recreated topic and the second half would never land."""
+    if b_client == "confluent":
+        pytest.importorskip("confluent_kafka", reason="the rdkafka extra (make setup installs it with [all])")
     from flywheel.base.heartbeat import read_statuses
 
     n, partitions = 20_000, 4
@@ -174,7 +184,7 @@ def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_t
     var.mkdir()
     group = f"test-lw-pair-{uuid.uuid4().hex[:8]}"
     a = start_writer(kafka_bootstrap, topic, dlq, group, "a", root, var)
-    b = start_writer(kafka_bootstrap, topic, dlq, group, "b", root, var)
+    b = start_writer(kafka_bootstrap, topic, dlq, group, "b", root, var, extra=["--kafka-client", b_client])
 
     def both_own_partitions() -> bool:
         st = read_statuses(var)
@@ -192,6 +202,7 @@ def test_two_writers_one_killed_the_other_takes_over(kafka_bootstrap: str, new_t
                  "b's heartbeat to show all partitions")
         # lag in `flywheel status` is end offset minus the lake's next offset: caught up means 0
         wait_for(lambda: read_statuses(var)["lake-writer-b"].get("lag_records") == 0, 10, "b's heartbeat to show lag 0")
+        assert read_statuses(var)["lake-writer-b"].get("rewound_partitions") == [], "b paused a partition it owns"
     finally:
         for p in (a, b):
             if p.poll() is None:
