@@ -43,9 +43,11 @@ class PreflightConfig:
                       "lookups 80%, add/mul 10% each) or uniform")
     lr: float = setting(4e-4, "the demo recipe's learner lr")
     probe_parts: int = setting(24, "parts per tool the naming probability is measured on")
-    probe_split: Literal["heldout", "train"] = setting(
-        "heldout", "the prompts it is measured on: heldout (none the warm start or this loop trained on) or train "
-                   "(production's own, about 80% of its traffic)")
+    probe_split: Literal["heldout", "train", "both"] = setting(
+        "heldout", "the prompts it is measured on: heldout (none the warm start or this loop trained on), train "
+                   "(production's own, about 80% of its traffic) or both (one run: the probe reads the model and "
+                   "draws no random numbers, so the trained steps are those of a run per split; `production_name` "
+                   "and `reached_at` are the held-out ones, `by_split` has each)")
     max_new_tokens: int = setting(40, "a first call's token budget (the agent's)")
     seed: int = setting(0, "seed of the requests, the sampling and torch")
     out: Path | None = setting(None, "also write the history here as JSON")
@@ -101,10 +103,18 @@ def run(cfg: PreflightConfig) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(str(cfg.model))
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    probe = warm_start.heldout_parts(cfg.probe_parts, seed=30_000, split=cfg.probe_split)
+    splits = ["heldout", "train"] if cfg.probe_split == "both" else [cfg.probe_split]
+    probes = {split: warm_start.heldout_parts(cfg.probe_parts, seed=30_000, split=split) for split in splits}
+
+    def measure() -> dict[str, Any]:
+        by_split = {split: _production(warm_start.naming_probabilities(model, tok, probe))
+                    for split, probe in probes.items()}
+        return {"production_name": by_split[splits[0]], **({"by_split": by_split} if len(splits) > 1 else {})}
+
     rng = random.Random(cfg.seed)
-    history = [{"step": 0, "production_name": _production(warm_start.naming_probabilities(model, tok, probe))}]
+    history = [{"step": 0, **measure()}]
     reached: dict[str, int] = {}
+    reached_by_split: dict[str, dict[str, int]] = {split: {} for split in splits}
     t0 = time.time()
     for step in range(1, cfg.steps + 1):
         mix = tasks.PRODUCTION_MIX if cfg.mix == "production" else None
@@ -124,17 +134,21 @@ def run(cfg: PreflightConfig) -> dict[str, Any]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        prod = _production(warm_start.naming_probabilities(model, tok, probe))
-        history.append({"step": step, "reward": sum(rewards) / len(rewards), "malformed": malformed,
-                        "production_name": prod, "elapsed_s": round(time.time() - t0, 1)})
-        for tool, p in prod.items():
-            if p >= cfg.target and tool not in reached:
-                reached[tool] = step
+        probed = measure()
+        prod = probed["production_name"]
+        history.append({"step": step, "reward": sum(rewards) / len(rewards), "malformed": malformed, **probed,
+                        "elapsed_s": round(time.time() - t0, 1)})
+        for split, names in probed.get("by_split", {splits[0]: prod}).items():
+            for tool, p in names.items():
+                if p >= cfg.target and tool not in reached_by_split[split]:
+                    reached_by_split[split][tool] = step
+        reached = reached_by_split[splits[0]]
         log.info("preflight: step %d, first calls right %.0f%%, malformed %.1f%%, p(production name) %s", step,
                  100 * sum(rewards) / len(rewards), 100 * malformed, " ".join(f"{t} {p:.2f}" for t, p in prod.items()))
     result = {"model": str(cfg.model), "config": json.loads(json.dumps(asdict(cfg), default=str)),
               "reached_at": reached, "passed": set(reached) == set(tasks.TOOLS), "history": history,
-              "seconds": round(time.time() - t0, 1)}
+              "seconds": round(time.time() - t0, 1),
+              **({"reached_at_by_split": reached_by_split} if len(splits) > 1 else {})}
     if cfg.out is not None:
         Path(cfg.out).write_text(json.dumps(result, indent=1))
     return result

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import IO, Callable, Iterator
 
 import pytest
 
@@ -49,6 +51,108 @@ def stack() -> Iterator[stack_mod.StackConfig]:
     yield cfg
     if os.environ.get("FLYWHEEL_KEEP_STACK") != "1":
         stack_mod.down(cfg, parts=started)
+
+
+class BackgroundBuild:
+    """A model a test late in the session needs, built from the session's start in a child process at nice 10.
+
+    The builds are CPU work of several minutes (the demo's 600-step warm start alone ~5.5 on a quiet machine); run
+    inside their tests they added that much to the suite. Started when collection ends, they take the cores the
+    tests before their users leave idle (waiting on Kafka, on timeouts, on servers), and at nice 10 they get about a
+    tenth of a core that a test wants. Their outputs do not depend on when they ran: the warm starts are pinned builds
+    (the same weights on any schedule), the fetch a conversion. The fixture that hands the model over waits for the
+    build and fails with its log if it failed; a test still checks what it is given (is_current, the records).
+    """
+
+    def __init__(self, name: str, cmd: list[str], out: Path) -> None:
+        self.name, self.cmd, self.out = name, cmd, out
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(tempfile.gettempdir()) / f"flywheel-test-build-{name}-{os.getpid()}.log"
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(["nice", "-n", "10", *self.cmd], cwd=REPO, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait(self) -> Path:
+        """The output, once built (the caller's own timeout bounds the wait); raises with the log when it failed."""
+        if self.proc is None:  # not started (its user was not selected at collection): build it now, in the foreground
+            self.start()
+        assert self.proc is not None
+        rc = self.proc.wait()
+        if rc != 0:
+            raise RuntimeError(f"background build {self.name!r} ({' '.join(self.cmd)}) exited {rc}:\n"
+                               + self.log_path.read_text(errors="replace")[-4000:])
+        return self.out
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # its outputs are published atomically: a killed build leaves no half model
+            self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+def _background_builds() -> dict[str, BackgroundBuild]:
+    """Per test file, the build it needs. The demo's warm start goes where `make demo` reads it (reused when current);
+    the swarm test's quick warm start into a scratch folder; the real model where `flywheel model fetch` puts it."""
+    flywheel = str(Path(sys.executable).with_name("flywheel"))
+    base = Path(stack_mod.load_stack_config([]).base_model)
+    swarm_out = Path(tempfile.gettempdir()) / f"flywheel-test-swarm-warm-{os.getpid()}"
+    swarm_code = ("import sys; from pathlib import Path; from flywheel.base.config import setup_logging; "
+                  "from flywheel.demo import swarm; from flywheel.demo.warm_start import WarmStartSettings; "
+                  "setup_logging(); swarm.warm_start_model(Path(sys.argv[1]), Path(sys.argv[2]), "
+                  f"WarmStartSettings(**{SWARM_TEST_WARM!r}), tool_share={SWARM_TEST_TOOL_SHARE!r})")
+    var = Path(os.environ.get("FLYWHEEL_VAR_DIR", REPO / "var"))
+    quix_code = ("import sys; from pathlib import Path; from rich.console import Console; "
+                 "from bench.ingest_peer import quix_python; quix_python(Path(sys.argv[1]), Console())")
+    return {
+        "test_preflight.py": BackgroundBuild("demo-warm", [flywheel, "model", "init", "--warm-start", "--out", str(base)],
+                                             REPO / "var" / "models" / "tiny-warm"),
+        "test_swarm_loop.py": BackgroundBuild("swarm-warm", [sys.executable, "-c", swarm_code, str(base), str(swarm_out)],
+                                              swarm_out),
+        "test_real_model.py": BackgroundBuild("smollm", [flywheel, "model", "fetch", "smollm2-135m-instruct"],
+                                              REPO / "var" / "models" / "smollm2-135m-instruct"),
+        # `flywheel bench ingest --vs quixstreams` builds the peer's own environment on first use (~1 min of pip)
+        "test_bench_small.py": BackgroundBuild("quix-venv", [sys.executable, "-c", quix_code, str(var)], var / "venvs"),
+    }
+
+
+# The swarm test's quick warm start (tests/integration/test_swarm_loop.py says why 300 steps and half the draws)
+SWARM_TEST_WARM = {"max_steps": 300, "eval_every": 300, "loss_parts": 8, "batch_size": 16}
+SWARM_TEST_TOOL_SHARE = 0.5
+BUILDS_KEY = pytest.StashKey[dict[str, BackgroundBuild]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the builds of the selected tests that need one, once the tiny base exists (`make test` builds it
+    first; a bare pytest run on a fresh checkout builds everything in the foreground, as before)."""
+    selected = {Path(str(item.fspath)).name for item in session.items}
+    builds = {f: b for f, b in _background_builds().items() if f in selected}
+    session.config.stash[BUILDS_KEY] = builds
+    if session.config.option.collectonly or not Path(stack_mod.load_stack_config([]).base_model).is_dir():
+        return
+    for build in builds.values():
+        build.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for build in session.config.stash.get(BUILDS_KEY, {}).values():
+        build.stop()
+        if build.name == "swarm-warm":
+            shutil.rmtree(build.out, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def background_build(request: pytest.FixtureRequest) -> Callable[[str], Path]:
+    """background_build("test_preflight.py") -> the built model's folder, once its build has finished."""
+    def wait(test_file: str) -> Path:
+        builds = request.config.stash.get(BUILDS_KEY, {})
+        return (builds.get(test_file) or _background_builds()[test_file]).wait()
+
+    return wait
 
 
 @pytest.fixture(scope="session")

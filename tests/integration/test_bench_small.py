@@ -49,8 +49,8 @@ SMALL: dict[str, list[str]] = {
 SLOW = {"chaos"}  # over ~4 min even when small
 
 # `flywheel bench ingest --vs quixstreams` is a mode of `ingest` with a peer of its own: each side once on 500
-# events, one kill. On a fresh clone it first builds the Quix environment (var/venvs/quixstreams-*: ~1 min of pip
-# from the package index), then ~2 min of runs.
+# events, one kill. On a fresh clone the Quix environment (var/venvs/quixstreams-*: ~1 min of pip from the package
+# index) is built in the background from the session's start (conftest.BackgroundBuild), then ~2 min of runs.
 INGEST_VS_QUIX = ["--vs", "quixstreams", "--events", "500", "--rounds", "1", "--lakes", "local", "--live-seconds",
                   "3", "--kill-seconds", "10", "--kills", "1", "--kafka-bootstrap", "{kafka}"]
 
@@ -201,7 +201,9 @@ def check_ingest_vs_quixstreams(r: dict[str, Any]) -> None:
     assert r.get("events") == 500 and r.get("quixstreams_version"), r
 
 
-def test_ingest_vs_quixstreams_runs_small_and_prints_its_json(stack: StackConfig, tmp_path: Path) -> None:
+def test_ingest_vs_quixstreams_runs_small_and_prints_its_json(stack: StackConfig, tmp_path: Path,
+                                                              background_build: Callable[[str], Path]) -> None:
+    background_build("test_bench_small.py")  # the peer's environment, built from the session's start
     flags = [flag.format(tmp=tmp_path, kafka=stack.kafka_bootstrap) for flag in INGEST_VS_QUIX]
     rc, out, err = run_bench("ingest", flags, 600.0)
     tail = f"--- stdout (tail)\n{out[-3000:]}\n--- stderr (tail)\n{err[-3000:]}"

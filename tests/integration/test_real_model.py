@@ -15,7 +15,7 @@ import json
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -50,8 +50,9 @@ QUESTIONS = [("What is 2+3? Answer with the number only.", "5"), ("What is 17*23
 
 
 @pytest.fixture(scope="module")
-def smollm() -> Path:
-    return fetch(ModelFetchConfig(name="smollm2-135m-instruct"))
+def smollm(background_build: Callable[[str], Path]) -> Path:
+    background_build("test_real_model.py")  # `flywheel model fetch smollm2-135m-instruct`, from the session's start
+    return fetch(ModelFetchConfig(name="smollm2-135m-instruct"))  # current now: checked, not converted again
 
 
 @pytest.fixture(scope="module")
