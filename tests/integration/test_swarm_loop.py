@@ -25,6 +25,7 @@ import pytest
 from flywheel import stack as stack_mod
 from flywheel.base.config import from_recipe
 from flywheel.demo import closed_loop as demo
+from flywheel.demo import swarm, warm_start
 from flywheel.ingest import lake
 
 # Its budget, measured: 378 s on a quiet 2-core machine (a 300-step warm start of ~2 minutes, then the 3-minute run),
@@ -40,6 +41,7 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
     # built from the session's start in the background (conftest.BackgroundBuild: SWARM_TEST_WARM, half the draws)
     warm = background_build("test_swarm_loop.py")
     assert json.loads((warm / "warm_start.json").read_text())["settings"]["max_steps"] == 300
+    assert warm_start.is_current(warm, base_model_dir, rule=swarm.warm_rule()), "built from another base or rule"
     tuned = from_recipe(demo.DemoConfig, "swarm")  # with small batches, an early anneal, a gate that looks after 5
     learner = dataclasses.replace(tuned.learner, batch_size=16, min_batch=16, micro_batch=16, publish_every_steps=2,
                                   publish_every_s=30.0, shaping_anneal_end_step=4)
