@@ -8,9 +8,11 @@ up`), reused when already running, and only what this session started is stopped
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -72,8 +74,10 @@ class BackgroundBuild:
 
     def start(self) -> None:
         self._log = open(self.log_path, "wb")
+        # a process group of its own: a warm start trains in a grandchild (warm_start.run's pinned process)
         self.proc = subprocess.Popen(["nice", "-n", "10", *self.cmd], cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     start_new_session=True)
 
     def wait(self) -> Path:
         """The output, once built (the caller's own timeout bounds the wait); raises with the log when it failed."""
@@ -88,7 +92,9 @@ class BackgroundBuild:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # its outputs are published atomically: a killed build leaves no half model
+            # the whole group; its outputs are published atomically: a killed build leaves no half model
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         if self._log is not None:
             self._log.close()
