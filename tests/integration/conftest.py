@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -61,8 +62,8 @@ class BackgroundBuild:
     The builds are CPU work of several minutes (the demo's 600-step warm start alone ~5.5 on a quiet machine); run
     inside their tests they added that much to the suite. Started when collection ends, they take the cores the
     tests before their users leave idle (waiting on Kafka, on timeouts, on servers), and only those (SCHED_IDLE).
-    A build its test waits for runs alone, as fast as it would have inside the test. Their outputs do not depend on when they ran: the warm starts are pinned builds
-    (the same weights on any schedule), the fetch a conversion. The fixture that hands the model over waits for the
+    A build its test waits for runs alone, as fast as it would have inside the test. Their outputs do not depend on
+    when they ran: the warm starts are pinned builds (the same weights on any schedule), the fetch a conversion. The fixture that hands the model over waits for the
     build and fails with its log if it failed; a test still checks what it is given (is_current, the records).
     """
 
@@ -71,22 +72,32 @@ class BackgroundBuild:
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(tempfile.gettempdir()) / f"flywheel-test-build-{name}-{os.getpid()}.log"
         self._log: IO[bytes] | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
 
     def start(self) -> None:
+        """Start it unless it was started (by the queue, or by a test that could not wait for its turn)."""
+        with self._lock:
+            if self.proc is None and not self._stopped:
+                self._start()
+
+    def _start(self) -> None:
         self._log = open(self.log_path, "wb")
         # a process group of its own (a warm start trains in a grandchild, warm_start.run's pinned process), but the
         # session of pytest: a new session is a new scheduler autogroup, which the kernel shares CPU with as an equal
         # of the test run's whatever its tasks' priority (4 builds so took 4/5 of the cores and slowed the unit
         # tests 3.5x)
+        # OMP_WAIT_POLICY=PASSIVE: an OpenMP thread at idle priority is preempted often, and its partner spinning at
+        # the barrier for it burned most of the idle CPU the warm starts got (4.5 CPU-minutes each for under a sixth
+        # of a 600-step build); the policy changes no result
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0,
-                                     preexec_fn=_idle_priority)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"},
+                                     process_group=0, preexec_fn=_idle_priority)
 
     def wait(self) -> Path:
         """The output, once built (the caller's own timeout bounds the wait); raises with the log when it failed."""
-        if self.proc is None:  # not started (its user was not selected at collection): build it now, in the foreground
-            self.start()
-        assert self.proc is not None
+        self.start()  # not started yet (its turn has not come, or no queue ran): now
+        assert self.proc is not None, f"background build {self.name!r} was stopped"
         rc = self.proc.wait()
         if rc != 0:
             raise RuntimeError(f"background build {self.name!r} ({' '.join(self.cmd)}) exited {rc}:\n"
@@ -94,6 +105,8 @@ class BackgroundBuild:
         return self.out
 
     def stop(self) -> None:
+        with self._lock:
+            self._stopped = True  # the queue does not start it after this
         if self.proc is not None and self.proc.poll() is None:
             # the whole group; its outputs are published atomically: a killed build leaves no half model
             with contextlib.suppress(ProcessLookupError):
@@ -156,14 +169,25 @@ BUILDS_KEY = pytest.StashKey[dict[str, BackgroundBuild]]()
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the builds of the selected tests that need one, once the tiny base exists (`make test` builds it
-    first; a bare pytest run on a fresh checkout builds everything in the foreground, as before)."""
-    selected = {Path(str(item.fspath)).name for item in session.items}
-    builds = {f: b for f, b in _background_builds().items() if f in selected}
+    first; a bare pytest run on a fresh checkout builds everything in the foreground, as before).
+
+    One at a time, in the order their tests run: two warm starts side by side shared the idle cores and each took
+    longer than alone; in order, the one the next test needs is usually done, or alone when it waits for it."""
+    order = list(dict.fromkeys(Path(str(item.fspath)).name for item in session.items))
+    known = _background_builds()
+    builds = {f: known[f] for f in order if f in known}
     session.config.stash[BUILDS_KEY] = builds
     if session.config.option.collectonly or not Path(stack_mod.load_stack_config([]).base_model).is_dir():
         return
-    for build in builds.values():
-        build.start()
+
+    def one_after_another() -> None:
+        for build in builds.values():
+            build.start()
+            if build.proc is None:  # stopped: the session is over
+                return
+            build.proc.wait()
+
+    threading.Thread(target=one_after_another, name="background-builds", daemon=True).start()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
