@@ -113,7 +113,6 @@ def run(cfg: PreflightConfig) -> dict[str, Any]:
 
     rng = random.Random(cfg.seed)
     history = [{"step": 0, **measure()}]
-    reached: dict[str, int] = {}
     reached_by_split: dict[str, dict[str, int]] = {split: {} for split in splits}
     t0 = time.time()
     for step in range(1, cfg.steps + 1):
@@ -142,9 +141,9 @@ def run(cfg: PreflightConfig) -> dict[str, Any]:
             for tool, p in names.items():
                 if p >= cfg.target and tool not in reached_by_split[split]:
                     reached_by_split[split][tool] = step
-        reached = reached_by_split[splits[0]]
         log.info("preflight: step %d, first calls right %.0f%%, malformed %.1f%%, p(production name) %s", step,
                  100 * sum(rewards) / len(rewards), 100 * malformed, " ".join(f"{t} {p:.2f}" for t, p in prod.items()))
+    reached = reached_by_split[splits[0]]
     result = {"model": str(cfg.model), "config": json.loads(json.dumps(asdict(cfg), default=str)),
               "reached_at": reached, "passed": set(reached) == set(tasks.TOOLS), "history": history,
               "seconds": round(time.time() - t0, 1),
