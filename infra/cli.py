@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "outcome-sim": ("flywheel.demo.outcome_sim:main", "simulated outcome sources (verifier, user)"),
     "preflight": ("flywheel.demo.preflight:main", "offline on-policy check of the demo's headroom from its warm "
                                                   "start (no stack)"),
+    "swarm-preflight": ("flywheel.demo.swarm_preflight:main", "offline check that splitting pays for the swarm's "
+                                                              "warm start: forced spawn against serial (no stack)"),
     "demo": ("flywheel.demo.closed_loop:main", "the whole closed loop with a live view and a report"),
     "report": ("flywheel.demo.report:main", "rewrite a demo run's report.md and summary.json from its "
                                             "folder (--run-dir)"),

@@ -16,7 +16,6 @@ from typing import ClassVar, Literal
 
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, check_choices, from_recipe, setting, to_flags
-from flywheel.demo import swarm
 from flywheel.demo.warm_start import WarmStartSettings
 from flywheel.learner.config import LearnerConfig
 from flywheel.serving.decision import GateRule
@@ -130,12 +129,9 @@ class DemoConfig:
             raise ConfigError(f"gate_eval_tasks: {self.gate_eval_tasks!r} is not module:function")
         self.gate.check_rule()
         self.learner.check()
-        if self.scenario == "swarm" and (self.gate.outcome_kind != swarm.PARTS_CORRECT
-                                         or self.learner.shaping_anneal_end_step < 1):
-            # the swarm's settings are its recipe's: scenario=swarm over the tool-use values gates on task_success
-            # (~0 for every swarm session) and never anneals the shaping
-            raise ConfigError(f"scenario swarm needs gate.outcome_kind {swarm.PARTS_CORRECT} (got "
-                              f"{self.gate.outcome_kind}) and learner.shaping_anneal_end_step >= 1 (got "
+        if self.scenario == "swarm" and self.learner.shaping_anneal_end_step < 1:
+            # the swarm's settings are its recipe's: scenario=swarm over the tool-use values never anneals the shaping
+            raise ConfigError(f"scenario swarm needs learner.shaping_anneal_end_step >= 1 (got "
                               f"{self.learner.shaping_anneal_end_step}): run it from its recipe, --recipe swarm")
 
 

@@ -69,18 +69,27 @@ class SwarmTask:
         return f"tool_use.swarm_{self.kind}"
 
 
-MULTI_PARTS = (2, 3)  # run c had 3-4: this model solves a part 3-25% of the time, so almost no session passed
+MULTI_PARTS = (2, 3)
+# Every swarm part is a closed-set lookup (weather, country, time zone of a city): alone, the warm-started model
+# answers one reliably, so a sub-agent can do its part and a session's success carries signal (issue 39). Runs c-i
+# drew add/mul too, parts this model solves a few times in a hundred, and almost no multi-part session passed.
+LOOKUP_MIX: dict[str, float] = {tool: 1.0 / len(tasks.LOOKUPS) for tool in tasks.LOOKUPS}
+
+
+def make_lookup_part(rng: random.Random, split: str | None = None) -> tasks.Part:
+    """One swarm part: a lookup tool, a city and a phrasing (tasks.make_part over LOOKUP_MIX)."""
+    return tasks.make_part(rng, split, mix=LOOKUP_MIX)
 
 
 def make_swarm_task(rng: random.Random, long_share: float = 0.4, long_parts: int = 4) -> SwarmTask:
-    """A multi-part request (2-3 parts: with 2, a spawn saves no critical step but the parts go right about three
-    times as often, measured in docs/swarm.md; with 3 it saves one) or, with probability long_share, a long session
-    (long_parts-1 or long_parts requests)."""
+    """A multi-part request of 2-3 lookups (with 2, a spawn saves no critical step but each sub-agent sees the one
+    part it can do; with 3 it saves one) or, with probability long_share, a long session (long_parts-1 or long_parts
+    requests), its own share so it does not dilute the spawn result."""
     if rng.random() < long_share:
         kind, n = "long", rng.choice((long_parts - 1, long_parts))
     else:
         kind, n = "multi", rng.choice(MULTI_PARTS)
-    parts = tuple(tasks.make_part(rng) for _ in range(n))
+    parts = tuple(make_lookup_part(rng) for _ in range(n))
     return SwarmTask(kind, tasks.TaskSpec(f"w{rng.getrandbits(48):012x}", parts))
 
 
@@ -159,7 +168,7 @@ def chars(messages: list[tasks.Message]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# demonstrations for the warm start: the actions' FORMAT, at random places (not when to use them)
+# demonstrations for the warm start: an earlier orchestrator that split half of its multi-part requests
 # ---------------------------------------------------------------------------------------------
 Demo = tuple[list[tasks.Message], str]  # (the dialogue so far, the assistant reply to train)
 
@@ -194,7 +203,7 @@ def _long_turns(parts: tuple[tasks.Part, ...]) -> list[Demo]:
 def _finished_history(rng: random.Random, n: int) -> list[tasks.Message]:
     messages: list[tasks.Message] = []
     for i in range(n):
-        p = tasks.make_part(rng, "train")
+        p = make_lookup_part(rng, "train")
         messages += [tasks.user_message(p), {"role": "assistant", "content": tasks.format_tool_call(p.tool, p.args)},
                      tasks.tool_message(tasks.truth(p), f"call{i}"),
                      {"role": "assistant", "content": tasks.format_answer(tasks.truth(p))}]
@@ -208,27 +217,41 @@ def summary_text(messages: list[tasks.Message]) -> str:
     return join_answers(answers) if answers else "nothing yet"
 
 
-def demonstrations(rng: random.Random, tool_share: float = 0.2) -> list[Demo]:
-    """One warm-start draw: usually plain swarm dialogues (serial multi-part, long without edits); with
-    probability tool_share a demonstration of one action's format at a random place (spawn on a random
-    request, even a one-part one; summarize or prune at a random point of a history), so the warm start
-    teaches how to write each action but never when it pays."""
-    if rng.random() >= tool_share:
-        parts = tuple(tasks.make_part(rng, "train") for _ in range(rng.choice((1, 2, 3))))
-        return _serial_turns(parts) if rng.random() < 0.5 else _long_turns(parts)
-    action = rng.choice(ACTIONS)
-    if action == SPAWN:
-        parts = tuple(tasks.make_part(rng, "train") for _ in range(rng.choice((1, 2, 3))))
+DEMO_KINDS = ("single", "multi", "long")  # equal shares of the plain draws
+SPLIT_SHARE = 0.5  # of the demonstrated multi-part requests, the share the earlier orchestrator split
+
+
+def demonstrations(rng: random.Random, tool_share: float = 0.2, split_share: float = SPLIT_SHARE) -> list[Demo]:
+    """One warm-start draw, from the logs of an earlier orchestrator (issue 39, stated in docs/swarm.md):
+
+    * single (a third of the plain draws): a one-lookup request solved with a call and an answer, the work a
+      sub-agent does with its piece;
+    * multi (a third): a request of 2-3 lookups. The earlier orchestrator split `split_share` of them, its opening a
+      spawn of every piece (`{"parts": [1, 2]}`), and solved the rest itself (a call per part, then the joined
+      answer). Nothing in the request tells the two apart, so the warm-started policy opens a multi-part session
+      with a spawn about split_share of the time, and which way pays is for production's outcomes to teach;
+    * long (a third): requests one after another, a call and an answer each, no edits;
+
+    and, with probability tool_share instead, a summary or a prune at a random point of a history: how to write
+    each edit, never when it pays. Every part is a train-split lookup."""
+    if rng.random() < tool_share:
+        history = _finished_history(rng, rng.randint(0, 2))
+        current = make_lookup_part(rng, "train")
+        messages = history + [tasks.user_message(current)]
+        if rng.random() < 0.5:
+            return [(messages, format_summarize()),
+                    (messages + [{"role": "user", "content": SUMMARY_REQUEST}], summary_text(history))]
+        return [(messages, format_prune(list(range(len(history))) or [0]))]
+    kind = rng.choice(DEMO_KINDS)
+    if kind == "single":
+        return _serial_turns((make_lookup_part(rng, "train"),))
+    if kind == "long":
+        return _long_turns(tuple(make_lookup_part(rng, "train") for _ in range(rng.choice((1, 2, 3)))))
+    parts = tuple(make_lookup_part(rng, "train") for _ in range(rng.choice(MULTI_PARTS)))
+    if rng.random() < split_share:
         return [([{"role": "user", "content": "; ".join(p.text for p in parts)}],
                  format_spawn_parts(list(range(1, len(parts) + 1))))]
-    history = _finished_history(rng, rng.randint(0, 2))
-    current = tasks.make_part(rng, "train")
-    messages = history + [tasks.user_message(current)]
-    if action == SUMMARIZE:
-        return [(messages, format_summarize()),
-                (messages + [{"role": "user", "content": SUMMARY_REQUEST}], summary_text(history))]
-    drop = list(range(len(history))) or [0]
-    return [(messages, format_prune(drop))] if history else [(messages, format_prune([0]))]
+    return _serial_turns(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,15 +594,25 @@ def run_agent_session(sim: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # the warm start of the swarm scenario's policy-v0
 # ---------------------------------------------------------------------------------------------
-WARM_RULE = "swarm-actions-20pct"  # appended to warm_start.RULE in the model's warm_start.json
+# appended to warm_start.RULE in the model's warm_start.json (issue 39)
+WARM_RULE = "swarm-lookups-first-then-split-half"
 WARM_TOOL_SHARE = 0.2
 
 
-def warm_demos(rng: random.Random, n: int, tool_share: float = WARM_TOOL_SHARE) -> list[Demo]:
-    """n (dialogue so far, reply) pairs for one warm-start batch (demonstrations(): actions on a minority)."""
+# The build's first quarter shows one-lookup dialogues only. Trained on the mixture from the first step, the tiny model
+# never learned to copy the request's city into its call (600 steps: 29% of single lookups right, the city wrong in
+# most calls), while the tool-use warm start, all one-part dialogues, copies it by step 50; with a request of several
+# cities from the start, no copying formed. The copy first, then the orchestration (issue 39's measurement).
+SINGLE_PHASE = 0.25
+
+
+def warm_demos(rng: random.Random, n: int, progress: float = 1.0, tool_share: float = WARM_TOOL_SHARE) -> list[Demo]:
+    """n (dialogue so far, reply) pairs for one warm-start batch: one-lookup dialogues while progress (the share of
+    the build done) is under SINGLE_PHASE, then demonstrations() (edits on a minority)."""
     out: list[Demo] = []
     while len(out) < n:
-        out += demonstrations(rng, tool_share)
+        out += (_serial_turns((make_lookup_part(rng, "train"),)) if progress < SINGLE_PHASE
+                else demonstrations(rng, tool_share))
     return out[:n]
 
 

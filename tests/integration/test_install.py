@@ -37,7 +37,7 @@ DEMO = ("lake", "train", "serve", "dev")
 EXTRAS: dict[str, tuple[str, ...]] = {
     "infra": (), "status": (), "proxy": (), "topics": (), "otlp-receiver": ("otlp",),
     "lake-writer": ("lake",), "compact": ("lake",), "episodes": ("lake",), "judge": ("lake",),
-    "learner": ("train", "lake"), "model": ("train", "models"), "preflight": ("train",),
+    "learner": ("train", "lake"), "model": ("train", "models"), "preflight": ("train",), "swarm-preflight": ("train",),
     "publish": ("serve",), "promote": ("serve", "lake"), "rollback": ("serve", "lake"),
     "report": ("lake", "serve", "dev"),
     "agent-sim": DEMO, "outcome-sim": DEMO, "demo": DEMO, "experiments": DEMO,

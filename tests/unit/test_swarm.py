@@ -221,7 +221,7 @@ def test_the_outcome_simulator_sends_the_prune_verdict_of_a_swarm_session(tmp_pa
 
 
 def test_the_verifier_grades_the_share_of_parts_right_for_the_session_and_each_sub_agent(tmp_path) -> None:
-    """parts_correct: the session's share of parts answered right (what the swarm trains on and gates on) and, with
+    """parts_correct: the session's share of parts answered right (reported beside task success; runs c-i trained and gated on it) and, with
     its agent_id, each sub-agent's own part; a line of the default scenario gets none."""
     from flywheel.demo import outcome_sim
 
@@ -250,8 +250,9 @@ def test_the_verifier_grades_the_share_of_parts_right_for_the_session_and_each_s
 
 
 def test_the_swarm_judges_every_row_by_its_agents_outcome_not_by_per_turn_credit() -> None:
-    """Spawn and a serial first call decide the same turn: both are judged by the session's share of parts right
-    (a sub-agent's rows by its own part), so a right serial call in a session that got nothing right earns 0."""
+    """Spawn and a serial first call decide the same turn: both are judged by the session's task success (a
+    sub-agent's rows by its own part's check), so a right serial call in a session that failed earns 0. The share of
+    parts right is reported with weight 0 (issue 39: with lookup parts task success carries the signal)."""
     from flywheel.demo import plan
     from flywheel.rewards import outcome_rewards
     from flywheel.rewards.turns import ToolTurn, call_outcomes, credit
@@ -259,15 +260,16 @@ def test_the_swarm_judges_every_row_by_its_agents_outcome_not_by_per_turn_credit
     rules = config.load(plan.SWARM_REWARDS)
     task = rules.task("tool_use.swarm_multi")
     outcomes = [synthetic.outcome("s1", "call_correct", 1.0, T0, call_id="c1") | {"ts": T0},
-                synthetic.outcome("s1", "parts_correct", 0.0, T0) | {"ts": T0},
+                synthetic.outcome("s1", "parts_correct", 0.5, T0) | {"ts": T0},
                 synthetic.outcome("s1", "parts_correct", 1.0, T0, agent_id="sub0") | {"ts": T0},
-                synthetic.outcome("s1", "task_success", 0.0, T0) | {"ts": T0}]
+                synthetic.outcome("s1", "task_success", 0.0, T0) | {"ts": T0},
+                synthetic.outcome("s1", "task_success", 1.0, T0, agent_id="sub0") | {"ts": T0}]
     assert credit(rules, task, ToolTurn(("c1",)), call_outcomes(outcomes, task.turn_kinds)).r_turn is None
     main = outcome_rewards.score_for_agent(rules, task, outcomes, "main", window_closed=True)
     sub = outcome_rewards.score_for_agent(rules, task, outcomes, "sub0", window_closed=True)
     assert (main.r_outcome, sub.r_outcome) == (0.0, 1.0), (main, sub)
-    half = outcomes[:1] + [synthetic.outcome("s1", "parts_correct", 0.5, T0) | {"ts": T0}]
-    assert outcome_rewards.score_for_agent(rules, task, half, "main", window_closed=True).r_outcome == 0.5
+    passed = outcomes[:2] + [synthetic.outcome("s1", "task_success", 1.0, T0) | {"ts": T0}]
+    assert outcome_rewards.score_for_agent(rules, task, passed, "main", window_closed=True).r_outcome == 1.0
 
 
 def test_a_broken_spawn_is_logged_with_the_token_where_it_stopped_reading_as_a_call() -> None:
@@ -294,20 +296,50 @@ def test_a_broken_spawn_is_logged_with_the_token_where_it_stopped_reading_as_a_c
     assert ("malformed_token", None) in unknown.log, "without a tokenizer the whole reply is charged"
 
 
-def test_multi_part_requests_have_two_or_three_parts() -> None:
+def test_multi_part_requests_have_two_or_three_lookup_parts() -> None:
     rng = random.Random(1)
     made = [swarm.make_swarm_task(rng) for _ in range(400)]
     assert {len(t.spec.parts) for t in made if t.kind == "multi"} == set(swarm.MULTI_PARTS) == {2, 3}
+    tools = [p.tool for t in made for p in t.spec.parts]
+    assert set(tools) == set(tasks.LOOKUPS), f"swarm parts are the closed-set lookups only: {sorted(set(tools))}"
+    assert {t.kind for t in made} == set(swarm.KINDS)
 
 
-def test_warm_start_teaches_the_actions_format_on_a_minority() -> None:
+def _opening(demo: list[swarm.Demo]) -> tuple[list[tasks.Message], str]:
+    return demo[0]
+
+
+def test_the_demonstrated_orchestrator_splits_half_of_its_multi_part_requests_and_no_single_one() -> None:
+    """The declared choice (issue 39): multi-part openings are a spawn of every piece about half the time and a
+    serial call otherwise; a one-part request is never split; edits appear on a minority of draws."""
     rng = random.Random(0)
-    replies = [reply for _ in range(2000) for _, reply in swarm.demonstrations(rng, tool_share=0.2)]
-    actions = sum(any(f'"name": "{a}"' in r for a in swarm.ACTIONS) for r in replies)
-    assert 0.03 < actions / len(replies) < 0.2, f"{actions} of {len(replies)} replies are actions"
-    for r in replies:
-        parsed = tasks.parse_reply(r)
-        assert parsed.kind in ("tool_call", "answer"), r
+    draws = [swarm.demonstrations(rng, tool_share=0.2) for _ in range(3000)]
+    multi, single, edits = [], [], 0
+    for demo in draws:
+        messages, reply = _opening(demo)
+        parsed = tasks.parse_reply(reply)
+        assert parsed.kind == "tool_call", reply
+        if parsed.tool in (swarm.SUMMARIZE, swarm.PRUNE):
+            edits += 1
+            continue
+        if len(messages) != 1:
+            continue  # a long dialogue's later request
+        pieces = swarm.request_pieces(messages[0]["content"])
+        (multi if len(pieces) > 1 else single).append((pieces, parsed))
+    spawns = [(pieces, p) for pieces, p in multi if p.tool == swarm.SPAWN]
+    assert 0.45 < len(spawns) / len(multi) < 0.55, f"{len(spawns)} of {len(multi)} multi-part openings split"
+    assert all(p.arguments == {"parts": list(range(1, len(pieces) + 1))} for pieces, p in spawns), \
+        "a demonstrated split names every piece once"
+    assert not any(p.tool == swarm.SPAWN for _, p in single), "a one-part request was split"
+    assert 0.15 < edits / len(draws) < 0.25, f"{edits} of {len(draws)} draws demonstrate an edit"
+    for demo in draws:
+        for _, reply in demo:
+            assert tasks.parse_reply(reply).kind in ("tool_call", "answer"), reply
+    lookups = {tasks.prompt_text(t, a, i) for t, a, i in tasks.task_space() if t in tasks.LOOKUPS}
+    for demo in draws:
+        for messages, _ in demo:
+            requests = [m["content"] for m in messages if m["role"] == "user" and m["content"] != swarm.SUMMARY_REQUEST]
+            assert all(set(swarm.request_pieces(r)) <= lookups for r in requests), f"a request not of lookups: {requests}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,8 +433,9 @@ def test_a_harmful_prune_costs_the_row_that_decided_it() -> None:
 def test_report_compares_the_final_window_and_finds_when_shaping_reached_zero() -> None:
     from flywheel.demo import swarm_report as sr
 
-    def s(arm: str, version: int, spawned: int, steps: int, ok: bool, kind: str = "multi") -> sr.SwarmSessionStats:
-        return sr.SwarmSessionStats(kind, version, arm, 100.0, ok, spawned, 0, steps, 0)
+    def s(arm: str, version: int, spawned: int, steps: int, ok: bool, kind: str = "multi", parts: int = 2,
+          started: float = 100.0) -> sr.SwarmSessionStats:
+        return sr.SwarmSessionStats(kind, version, arm, started, ok, spawned, 0, steps, 0, n_parts=parts)
 
     window = ([s("control", 0, 0, 4, True)] * 30 + [s("control", 0, 2, 3, True)] * 10
               + [s("champion", 3, 3, 3, True)] * 36 + [s("champion", 3, 0, 5, False)] * 4 + [s("champion", 3, 0, 9, True, "long")])
@@ -411,6 +444,20 @@ def test_report_compares_the_final_window_and_finds_when_shaping_reached_zero() 
     assert out["p_value_parallel"] < 0.01 and out["n_multi_champion"] == 40, out
     assert out["critical_steps_champion"] == pytest.approx(3.2) and out["critical_steps_control"] == pytest.approx(3.75)
     assert out["success_champion"] == pytest.approx(37 / 41, abs=1e-4) and len(out["success_ci_champion"]) == 2
+    assert (out["success_multi_control"], out["success_multi_champion"]) == (1.0, 0.9), "the long session is not counted"
+    assert out["p_value_success_multi"] > 0.5, "the champion solved fewer multi-part sessions"
+    assert out["critical_steps_3_control"] is None and out["n_three_part_champion"] == 0, "no three-part session"
+    three = sr.compare([s("control", 0, 0, 4, True, parts=3), s("control", 0, 0, 5, True, parts=3),
+                        s("champion", 3, 3, 3, True, parts=3), s("champion", 3, 0, 4, True)], since=90.0, champion=3)
+    assert (three["critical_steps_3_control"], three["critical_steps_3_champion"]) == (4.5, 3.0), three
+    # once the shaping is 0 (t >= 200): the champion arm, whichever version holds it, against the control
+    late = ([s("control", 0, 0, 4, True, started=250.0)] * 20 + [s("control", 0, 2, 3, True, started=250.0)] * 5
+            + [s("champion", 4, 2, 3, True, started=250.0)] * 18 + [s("champion", 5, 0, 4, True, started=260.0)] * 2
+            + [s("champion", 3, 2, 3, True, started=150.0)] * 50)
+    after = sr.after_shaping(late, 200.0)
+    assert (after["parallel_share_after_shaping_control"], after["parallel_share_after_shaping_champion"]) == (0.2, 0.9)
+    assert after["n_multi_after_shaping_champion"] == 20 and after["p_value_parallel_after_shaping"] < 0.01, after
+    assert sr.after_shaping(late, None)["p_value_parallel_after_shaping"] is None, "the shaping never reached 0"
     curve = [{"t": 60.0 * m, "step": m, "lambda1": 0.3 * max(0.0, 1 - m / 5), "lambda2": 0.0} for m in range(10)]
     assert sr.zero_from(curve, 0.0) == 5.0
     rec = {"task": {"parts": [{}, {}]}, "spawn_tasks": ["add 3 and 4", "Add 3 and 4", "", "weather in oslo"]}
@@ -459,8 +506,8 @@ def test_the_swarm_recipe_and_flags_reach_each_sub_command() -> None:
         return load_config(LearnerConfig, plan.learner_command(demo, plan.plan_run(demo, 0.0), ends)[1:], prog="learner")
 
     gate = gate_of(cfg)
-    assert gate.outcome_kind == swarm.PARTS_CORRECT == cfg.gate.outcome_kind, "the report reads the same rule"
-    assert gate.margin == cfg.gate.margin > 0, "the swarm gates on non-inferiority"
+    assert gate.outcome_kind == "task_success" == cfg.gate.outcome_kind, "the report reads the same rule"
+    assert gate.margin == cfg.gate.margin == 0.0, "the swarm gates on superiority in task success (issue 39)"
     learner = learner_of(cfg)
     assert (learner.shaping_anneal_start_step, learner.shaping_anneal_end_step) == (0, 7)
     assert (learner.kl_coef, learner.kl_target, learner.opening_share, learner.kl_rows) == (0.1, 0.1, 0.5, "trained")
@@ -471,5 +518,5 @@ def test_the_swarm_recipe_and_flags_reach_each_sub_command() -> None:
     default = gate_of(plan.DemoConfig())
     assert (default.outcome_kind, default.margin) == ("task_success", 0.0), "the default demo's gate is unchanged"
     rules = config.load(plan.SWARM_REWARDS)
-    assert rules.outcomes["parts_correct"].weight == 1.0 and rules.outcomes["task_success"].weight == 0.0
+    assert rules.outcomes["task_success"].weight == 1.0 and rules.outcomes["parts_correct"].weight == 0.0
     assert plan.scenario_flags(plan.DemoConfig(), "agent-sim") == [], "the default demo is unchanged"
