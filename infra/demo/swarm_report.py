@@ -39,7 +39,8 @@ class SwarmSessionStats:
     spurious: int
     critical_steps: int
     edits: int
-    parts: float = 0.0  # the share of its parts answered right (swarm.parts_correct: what the gate compares)
+    parts: float = 0.0  # the share of its parts answered right (swarm.parts_correct; runs c-i gated on it)
+    n_parts: int = 0
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Group:
         edited = [s for s in lg if s.edits]
         both = m + lg
         return {"multi_sessions": len(m), "parallel_share": _share(self.parallel, len(m)),
+                "success_multi": _share(sum(s.success for s in m), len(m)),
                 "critical_steps_mean": _mean([s.critical_steps for s in m]),
                 "spurious_spawns": sum(s.spurious for s in m),
                 "long_sessions": len(lg), "edits_per_session": _mean([s.edits for s in lg]),
@@ -119,7 +121,8 @@ def sessions_of(handoff: Path, lake_root: str) -> list[SwarmSessionStats]:
         r = served.get(rec["session_id"])
         out.append(SwarmSessionStats(rec.get("kind", "multi"), r.version if r else None, r.arm if r else None,
                                 r.started if r else float(rec.get("ended") or 0.0), ok, int(rec.get("spawned") or 0),
-                                spurious(rec), int(rec.get("critical_steps") or 0), len(rec.get("edits") or []), parts))
+                                spurious(rec), int(rec.get("critical_steps") or 0), len(rec.get("edits") or []), parts,
+                                len(spec.parts)))
     return out
 
 
@@ -156,7 +159,10 @@ def compare(sessions: list[SwarmSessionStats], since: float | None, champion: in
             "critical_steps_champion", "critical_steps_ci_control", "critical_steps_ci_champion", "success_control",
             "success_champion", "success_ci_control", "success_ci_champion", "n_multi_control", "n_multi_champion",
             "n_swarm_control", "n_swarm_champion", "parts_correct_control", "parts_correct_champion",
-            "parts_correct_ci_control", "parts_correct_ci_champion")
+            "parts_correct_ci_control", "parts_correct_ci_champion", "success_multi_control", "success_multi_champion",
+            "success_multi_ci_control", "success_multi_ci_champion", "p_value_success_multi",
+            "critical_steps_3_control", "critical_steps_3_champion", "critical_steps_3_ci_control",
+            "critical_steps_3_ci_champion", "n_three_part_control", "n_three_part_champion")
     out: dict[str, Any] = dict.fromkeys(keys)
     if since is None or champion is None:
         return out
@@ -174,10 +180,39 @@ def compare(sessions: list[SwarmSessionStats], since: float | None, champion: in
         out[f"n_multi_{name}"], out[f"n_swarm_{name}"] = len(multi), len(side)
         out[f"parts_correct_{name}"] = _mean([s.parts for s in side])
         out[f"parts_correct_ci_{name}"] = mean_ci([s.parts for s in side])
+        out[f"success_multi_{name}"] = _share(sum(s.success for s in multi), len(multi))
+        out[f"success_multi_ci_{name}"] = ([round(x, 4) for x in wilson(sum(s.success for s in multi), len(multi))]
+                                           if multi else None)
+        three = [float(s.critical_steps) for s in multi if s.n_parts == 3]
+        out[f"critical_steps_3_{name}"], out[f"critical_steps_3_ci_{name}"] = _mean(three), mean_ci(three)
+        out[f"n_three_part_{name}"] = len(three)
     c_multi = [s for s in ctrl if s.kind == "multi"]
     h_multi = [s for s in champ if s.kind == "multi"]
     out["p_value_parallel"] = p_better(sum(s.spawned > 0 for s in c_multi), len(c_multi),
                                        sum(s.spawned > 0 for s in h_multi), len(h_multi))
+    out["p_value_success_multi"] = p_better(sum(s.success for s in c_multi), len(c_multi),
+                                            sum(s.success for s in h_multi), len(h_multi))
+    return out
+
+
+def after_shaping(sessions: list[SwarmSessionStats], zero_at: float | None, control_version: int = 0) -> dict[str, Any]:
+    """Spawn share of the multi-part sessions that started once the shaping was exactly 0 (zero_at, epoch seconds),
+    the champion arm (whichever version held it) against the concurrent control: what the outcome alone kept."""
+    from flywheel.serving.stats import p_better
+
+    keys = ("parallel_share_after_shaping_control", "parallel_share_after_shaping_champion",
+            "n_multi_after_shaping_control", "n_multi_after_shaping_champion", "p_value_parallel_after_shaping")
+    out: dict[str, Any] = dict.fromkeys(keys)
+    if zero_at is None:
+        return out
+    late = [s for s in sessions if s.kind == "multi" and s.started >= zero_at]
+    ctrl = [s for s in late if s.arm == "control" and s.version == control_version]
+    champ = [s for s in late if s.arm == "champion"]
+    for name, side in (("control", ctrl), ("champion", champ)):
+        out[f"parallel_share_after_shaping_{name}"] = _share(sum(s.spawned > 0 for s in side), len(side))
+        out[f"n_multi_after_shaping_{name}"] = len(side)
+    out["p_value_parallel_after_shaping"] = p_better(sum(s.spawned > 0 for s in ctrl), len(ctrl),
+                                                     sum(s.spawned > 0 for s in champ), len(champ))
     return out
 
 
@@ -192,22 +227,23 @@ def plot(per_version: dict[int, dict[str, Any]], curve: list[dict[str, float]], 
     except ImportError:
         log.warning("swarm report: matplotlib missing; no plot")
         return None
-    fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
+    fig, axes = plt.subplots(5, 1, figsize=(8, 12), sharex=True)
     pts = sorted((v, r) for v, r in per_version.items() if r["first_started"] is not None)
     x = [(r["first_started"] - start) / 60.0 for _, r in pts]
     for ax, key, label in ((axes[0], "parallel_share", "multi-part sessions parallelised"),
-                           (axes[1], "critical_steps_mean", "critical steps (multi-part)"),
-                           (axes[2], "edits_per_session", "context edits per long session")):
+                           (axes[1], "success_multi", "multi-part sessions solved"),
+                           (axes[2], "critical_steps_mean", "critical steps (multi-part)"),
+                           (axes[3], "edits_per_session", "context edits per long session")):
         ax.plot(x, [r[key] if r[key] is not None else float("nan") for _, r in pts], "o-")
         for xi, (v, _) in zip(x, pts):
             ax.annotate(f"v{v}", (xi, 0), textcoords="offset points", xytext=(0, 2), fontsize=7)
         ax.set_ylabel(label, fontsize=8)
-    axes[3].plot([(c["t"] - start) / 60.0 for c in curve], [c["lambda1"] for c in curve], label="lambda1 (r_parallel)")
-    axes[3].plot([(c["t"] - start) / 60.0 for c in curve], [c["lambda2"] for c in curve], "--",
+    axes[4].plot([(c["t"] - start) / 60.0 for c in curve], [c["lambda1"] for c in curve], label="lambda1 (r_parallel)")
+    axes[4].plot([(c["t"] - start) / 60.0 for c in curve], [c["lambda2"] for c in curve], "--",
                  label="lambda2 (r_finish)")
-    axes[3].set_ylabel("shaping lambdas", fontsize=8)
-    axes[3].set_xlabel("minutes of traffic (a version's point: its first session)")
-    axes[3].legend(fontsize=7)
+    axes[4].set_ylabel("shaping lambdas", fontsize=8)
+    axes[4].set_xlabel("minutes of traffic (a version's point: its first session)")
+    axes[4].legend(fontsize=7)
     fig.tight_layout()
     name = "swarm_by_version.png"
     fig.savefig(out / name, dpi=90)
@@ -217,10 +253,11 @@ def plot(per_version: dict[int, dict[str, Any]], curve: list[dict[str, float]], 
 
 def markdown(s: dict[str, Any], per_version: dict[int, dict[str, Any]], image: str | None) -> str:
     lines = ["", "## Swarm: spawn, summarize, prune as the policy's actions", "",
-             "| version | multi-part | parallelised | critical steps | spurious spawns | long | edits/session | "
-             "success after an edit | success | parts right |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| version | multi-part | parallelised | multi-part solved | critical steps | spurious spawns | long | "
+             "edits/session | success after an edit | success | parts right |", "|---" * 11 + "|"]
     for v, r in sorted(per_version.items()):
-        lines.append(f"| v{v} | {r['multi_sessions']} | {r['parallel_share']} | {r['critical_steps_mean']} | "
+        lines.append(f"| v{v} | {r['multi_sessions']} | {r['parallel_share']} | {r.get('success_multi')} | "
+                     f"{r['critical_steps_mean']} | "
                      f"{r['spurious_spawns']} | {r['long_sessions']} | {r['edits_per_session']} | "
                      f"{r['success_after_edit']} (n={r['n_after_edit']}) | {r['success']} | {r.get('parts_correct')} |")
     lines += ["", "Final window, champion against the concurrent control:", "",
@@ -230,9 +267,19 @@ def markdown(s: dict[str, Any], per_version: dict[int, dict[str, Any]], image: s
               f"- critical steps per multi-part session: control {s['critical_steps_control']} "
               f"{s['critical_steps_ci_control']}, champion {s['critical_steps_champion']} "
               f"{s['critical_steps_ci_champion']} (95% intervals)",
-              f"- success: control {s['success_control']} {s['success_ci_control']}, champion {s['success_champion']} "
-              f"{s['success_ci_champion']} (Wilson 95%)",
-              f"- share of parts right (what the gate compares): control {s.get('parts_correct_control')} "
+              f"- critical steps per three-part session: control {s.get('critical_steps_3_control')} "
+              f"(n={s.get('n_three_part_control')}), champion {s.get('critical_steps_3_champion')} "
+              f"(n={s.get('n_three_part_champion')})",
+              f"- multi-part sessions solved: control {s.get('success_multi_control')} "
+              f"{s.get('success_multi_ci_control')}, champion {s.get('success_multi_champion')} "
+              f"{s.get('success_multi_ci_champion')} (Wilson 95%), one-sided p = {s.get('p_value_success_multi')}",
+              f"- success, every swarm session (what the gate compares): control {s['success_control']} "
+              f"{s['success_ci_control']}, champion {s['success_champion']} {s['success_ci_champion']} (Wilson 95%)",
+              f"- parallelised multi-part sessions once the shaping was 0: control "
+              f"{s.get('parallel_share_after_shaping_control')} (n={s.get('n_multi_after_shaping_control')}), champion "
+              f"arm {s.get('parallel_share_after_shaping_champion')} (n={s.get('n_multi_after_shaping_champion')}), "
+              f"one-sided p = {s.get('p_value_parallel_after_shaping')}",
+              f"- share of parts right: control {s.get('parts_correct_control')} "
               f"{s.get('parts_correct_ci_control')}, champion {s.get('parts_correct_champion')} "
               f"{s.get('parts_correct_ci_champion')} (95% intervals)",
               f"- shaping lambdas exactly 0 from minute {s['shaping_zero_from_min']} of traffic"]
@@ -267,7 +314,10 @@ def write(out_dir: Path, handoff: Path, lake_root: str, learner_dir: Path, lambd
     curve = shaping_curve(learner_dir, *lambdas)
     extra = compare(sessions, summary.get("final_window_start"), summary.get("champion_version"),
                     summary.get("control_version", 0))
-    extra.update({"shaping_zero_from_min": zero_from(curve, traffic_start), "swarm_sessions": len(sessions),
+    zero_min = zero_from(curve, traffic_start)
+    extra.update(after_shaping(sessions, None if zero_min is None else traffic_start + 60.0 * zero_min,
+                               summary.get("control_version", 0)))
+    extra.update({"shaping_zero_from_min": zero_min, "swarm_sessions": len(sessions),
                   "swarm_by_version": {str(v): r for v, r in sorted(per_version.items())}})
     image = plot(per_version, curve, traffic_start, out_dir)
     summary = summary | extra
