@@ -595,24 +595,15 @@ def run_agent_session(sim: Any) -> None:
 # the warm start of the swarm scenario's policy-v0
 # ---------------------------------------------------------------------------------------------
 # appended to warm_start.RULE in the model's warm_start.json (issue 39)
-WARM_RULE = "swarm-lookups-first-then-split-half"
+WARM_RULE = "swarm-split-half-lookups"
 WARM_TOOL_SHARE = 0.2
 
 
-# The build's first quarter shows one-lookup dialogues only. Trained on the mixture from the first step, the tiny model
-# never learned to copy the request's city into its call (600 steps: 29% of single lookups right, the city wrong in
-# most calls), while the tool-use warm start, all one-part dialogues, copies it by step 50; with a request of several
-# cities from the start, no copying formed. The copy first, then the orchestration (issue 39's measurement).
-SINGLE_PHASE = 0.25
-
-
-def warm_demos(rng: random.Random, n: int, progress: float = 1.0, tool_share: float = WARM_TOOL_SHARE) -> list[Demo]:
-    """n (dialogue so far, reply) pairs for one warm-start batch: one-lookup dialogues while progress (the share of
-    the build done) is under SINGLE_PHASE, then demonstrations() (edits on a minority)."""
+def warm_demos(rng: random.Random, n: int, tool_share: float = WARM_TOOL_SHARE) -> list[Demo]:
+    """n (dialogue so far, reply) pairs for one warm-start batch (demonstrations(): edits on a minority)."""
     out: list[Demo] = []
     while len(out) < n:
-        out += (_serial_turns((make_lookup_part(rng, "train"),)) if progress < SINGLE_PHASE
-                else demonstrations(rng, tool_share))
+        out += demonstrations(rng, tool_share)
     return out[:n]
 
 

@@ -132,9 +132,8 @@ def dialogue_examples(tok: Any, demos: list[tuple[list[tasks.Message], str]]) ->
     return out
 
 
-# demos(rng, n, progress) -> n (dialogue so far, reply) pairs: a scenario's own training draws (infra/demo/swarm.py),
-# progress the share of the build's steps done before this batch (0 at the first step), for a curriculum
-Demos = Callable[[random.Random, int, float], list[tuple[list[tasks.Message], str]]]
+# demos(rng, n) -> n (dialogue so far, reply) pairs: a scenario's own training draws (infra/demo/swarm.py)
+Demos = Callable[[random.Random, int], list[tuple[list[tasks.Message], str]]]
 
 
 def _package_versions() -> dict[str, str | None]:
@@ -384,7 +383,7 @@ def _train_step(model: Any, tok: Any, opt: Any, s: WarmStartSettings, step: int,
     for group in opt.param_groups:  # linear decay to 10%: a constant 2e-3 diverged after 350 steps here
         group["lr"] = s.lr * max(0.1, 1.0 - step / s.max_steps)
     if demos is not None:
-        examples = dialogue_examples(tok, demos(rng, s.batch_size, step / s.max_steps))
+        examples = dialogue_examples(tok, demos(rng, s.batch_size))
     else:
         parts = [tasks.make_part(rng, "train") for _ in range(s.batch_size // 2)]
         examples = _examples(tok, parts, [rng.randrange(len(tasks.GENERATIONS)) for _ in parts])
