@@ -3,9 +3,10 @@
 What it does, in order (each step logged):
 1. set-up: the tiny base model (`flywheel model init`) and its warm-started copy
    (`infra.warm_start`), unless they exist;
-2. the stack (`infra.stack`): Kafka, MLflow, and one vLLM server per live version (control,
-   champion, challenger), each serving the WARM-STARTED model as policy-v0 (a vLLM this stack
-   started on another model is restarted);
+2. the stack (`infra.stack`), started beside a warm start still to build: Kafka, MLflow, and one
+   vLLM server per live version (control, champion, challenger), each serving the WARM-STARTED
+   model as policy-v0 (servers started during the build come up on the base and are reloaded
+   with policy-v0's weights; a vLLM this stack started on another model is restarted);
 3. this run's own topics, consumer group, lake, registered model and policy folder (named by
    the run id), so a demo never reads another run's data;
 4. the loop as separate processes, each the ordinary `flywheel` sub-command: capture proxy
@@ -129,17 +130,32 @@ class Processes:
 # set-up
 # ---------------------------------------------------------------------------------------------
 def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
-    from flywheel.demo import warm_start
+    """The base model, then its warm start (built unless current); returns the warm start's record."""
+    ensure_base(cfg)
+    build = warm_start_build(cfg)
+    if build is not None:
+        return build()
+    return json.loads((Path(cfg.warm_model) / "warm_start.json").read_text()) if cfg.warm_start else {}
+
+
+def ensure_base(cfg: DemoConfig) -> None:
+    """The base model: a real one fetched and converted once (reused while current), else the tiny one built."""
     from flywheel.demo.model_init import ensure_base_model
 
-    if cfg.fetch_model:  # a real model: fetched and converted once, reused while current
+    if cfg.fetch_model:
         from flywheel.models import ModelFetchConfig, fetch
 
         fetch(ModelFetchConfig(name=cfg.fetch_model, out=Path(cfg.base_model)))
     else:
         ensure_base_model(cfg.base_model)
+
+
+def warm_start_build(cfg: DemoConfig) -> Callable[[], dict[str, Any]] | None:
+    """The build of the warm start that `run` still has to do (None: off, or the one on disk is current)."""
+    from flywheel.demo import warm_start
+
     if not cfg.warm_start:
-        return {}
+        return None
     build: Callable[[Path, Path], dict[str, Any]]
     if cfg.scenario == "swarm":  # its own policy-v0: the tools' format taught on a minority of demonstrations
         from flywheel.demo import swarm
@@ -148,32 +164,44 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
     else:
         rule, settings = warm_start.RULE, cfg.warm
         build = functools.partial(warm_start.run, settings=cfg.warm)
-    if not warm_start.is_current(Path(cfg.warm_model), Path(cfg.base_model), rule, settings):
+    if warm_start.is_current(Path(cfg.warm_model), Path(cfg.base_model), rule, settings):
+        return None
+
+    def go() -> dict[str, Any]:
         log.info("demo: warm-starting %s into %s (rule %s)", cfg.base_model, cfg.warm_model, rule)
         return build(cfg.base_model, cfg.warm_model)
-    return json.loads((Path(cfg.warm_model) / "warm_start.json").read_text())
+
+    return go
 
 
-def ensure_stack(cfg: DemoConfig, topics: list[str]) -> tuple[Any, list[str]]:
+def ensure_stack(cfg: DemoConfig, topics: list[str], on_base: bool = False) -> tuple[Any, list[str]]:
+    """The stack up with this run's topics, every vLLM server on policy-v0's weights, or (on_base) on the base
+    model's until `load_policy_v0` (the warm start is still being built)."""
     from flywheel import stack
-    from flywheel.serving.publisher import reload_full
 
     # with load_policy_v0_weights the servers run on base_model and get policy-v0's weights by the reload below
     # (same architecture and tokenizer): a stack shared with other runs is not restarted for another model dir
-    served_dir = cfg.base_model if cfg.load_policy_v0_weights else policy_v0(cfg)
+    served_dir = cfg.base_model if cfg.load_policy_v0_weights or on_base else policy_v0(cfg)
     # a full-weight learner publishes no adapter: its servers run without vLLM's LoRA layers
     scfg = stack.replace_config(stack.load_stack_config([]), base_model=served_dir, vllm_servers=cfg.vllm_servers,
                                 vllm_lora=cfg.learner.mode == "lora")
     started = stack.ensure_up(scfg)
     if not stack.vllm_serves_base(scfg):
         raise stack.StackError(f"vLLM at {scfg.vllm_urls} does not serve {served_dir} as {scfg.served_model_name}")
-    # An earlier run may have left its trained weights in place (full reloads keep the served name):
-    # start every server from exactly policy-v0's weights, as the publisher does when it restores a
-    # version. (no pause: the demo's own traffic has not started yet)
+    stack.ensure_topics(stack.replace_config(scfg, kafka_topics=topics))
+    if not on_base:
+        load_policy_v0(cfg, scfg)
+    return scfg, started
+
+
+def load_policy_v0(cfg: DemoConfig, scfg: Any) -> None:
+    """Every server onto exactly policy-v0's weights, as the publisher does when it restores a version: an earlier
+    run may have left its trained weights in place (full reloads keep the served name), and a server started while
+    the warm start was built serves the base's. (no pause: the demo's own traffic has not started yet)"""
+    from flywheel.serving.publisher import reload_full
+
     for url in scfg.vllm_urls:
         reload_full(url, policy_v0(cfg).resolve(), 0)
-    stack.ensure_topics(stack.replace_config(scfg, kafka_topics=topics))
-    return scfg, started
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,23 +408,60 @@ def set_up(cfg: DemoConfig, now: float) -> RunPlan:
     return plan
 
 
-def ready_models(cfg: DemoConfig) -> dict[str, Any]:
-    """The base model and its warm-started copy; returns the warm start's record."""
-    warm = ensure_models(cfg)
+def log_warm(warm: dict[str, Any]) -> dict[str, Any]:
     log.info("demo: warm-started base ready (%s steps, held-out success %.0f%%)", warm.get("steps", "?"),
              100 * float(warm.get("final_success", 0.0)))
     return warm
 
 
-def start_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[Any, list[str], Endpoints]:
+def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[Any, list[str], Endpoints]:
     """The stack with this run's topics; returns its config, the parts started here and where it all listens."""
-    scfg, started = ensure_stack(cfg, list(plan.topics.values()))
-    log.info("demo: stack up (started here: %s); vLLM serves %s as policy-v0", ", ".join(started) or "nothing",
-             policy_v0(cfg))
+    scfg, started = ensure_stack(cfg, list(plan.topics.values()), on_base)
+    log.info("demo: stack up (started here: %s); vLLM serves %s%s", ", ".join(started) or "nothing",
+             cfg.base_model if on_base else policy_v0(cfg), " until the warm start is built" if on_base else
+             " as policy-v0")
     ends = Endpoints(kafka_bootstrap=scfg.kafka_bootstrap, vllm_url=scfg.vllm_url,
                      tracking_uri=scfg.mlflow_tracking_uri,
                      proxy_port=_free_port(), vllm_urls=scfg.vllm_urls)
     return scfg, started, ends
+
+
+def models_and_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[dict[str, Any], Any, list[str], Endpoints]:
+    """The models and the stack; a warm start still to build runs beside the stack's start.
+
+    The build (~5.5 minutes, pinned numerics: the same weights whatever else runs) and the stack's (~3.5: a JVM,
+    MLflow, three vLLM servers) came one after the other; side by side they take the cores the other leaves
+    waiting. The servers start on the base model (same architecture and tokenizer) and are reloaded with
+    policy-v0's weights once it is built, the path a restored version takes."""
+    ensure_base(cfg)
+    build = warm_start_build(cfg)
+    if build is None:
+        warm = log_warm(json.loads((Path(cfg.warm_model) / "warm_start.json").read_text()) if cfg.warm_start else {})
+        return (warm, *start_stack(cfg, plan))
+    result: dict[str, Any] = {}
+
+    def build_it() -> None:
+        try:
+            result["warm"] = build()
+        except BaseException as exc:  # re-raised in the caller's thread, below
+            result["error"] = exc
+
+    builder = threading.Thread(target=build_it, name="warm-start", daemon=True)
+    builder.start()
+    scfg, started, ends = start_stack(cfg, plan, on_base=True)
+    try:
+        builder.join()
+        if "error" in result:
+            raise result["error"]
+        warm = log_warm(result["warm"])
+        load_policy_v0(cfg, scfg)
+    except BaseException:
+        if not cfg.keep_stack and started:
+            from flywheel import stack
+
+            stack.down(scfg, started)
+        raise
+    return warm, scfg, started, ends
 
 
 def clear_heartbeats(var_dir: Path) -> None:
@@ -514,8 +579,7 @@ def run(cfg: DemoConfig) -> int:
     console = Console()
     t_setup = time.time()
     plan = set_up(cfg, t_setup)
-    warm = ready_models(cfg)
-    scfg, stack_started, ends = start_stack(cfg, plan)
+    warm, scfg, stack_started, ends = models_and_stack(cfg, plan)
     procs = Processes(plan.log_dir)
     clear_heartbeats(plan.var_dir)
     started_at = time.time()

@@ -40,7 +40,7 @@ class DemoConfig:
 
     RECIPE_SECTION: ClassVar[str] = ""  # --recipe: the whole recipe (its top-level keys, [learner], [gate])
 
-    minutes: float = setting(20.0, "minutes of agent traffic (set-up and the report come on top)")
+    minutes: float = setting(15.0, "minutes of agent traffic (set-up and the report come on top)")
     var_dir: Path = setting(Path(defaults.VAR_DIR), "state directory; the run lives under <var_dir>/demo/<run id>")
     report_dir: Path = setting(Path(defaults.VAR_DIR) / "report", "where report.md, the PNGs and summary.json go")
     base_model: Path = setting(Path(defaults.BASE_MODEL_DIR), "the base model: the tiny one (built when missing), or "
@@ -77,7 +77,7 @@ class DemoConfig:
     base_sessions: int = setting(0, "sessions policy-v0 serves before the learner starts (0: the learner and the "
                                     "gate start first and the traffic once the learner is ready; the control arm "
                                     "measures the base for the whole run)")
-    measure_s: float = setting(300.0, "the final window, the seconds of traffic at the end: the learner and the gate "
+    measure_s: float = setting(150.0, "the final window, the seconds of traffic at the end: the learner and the gate "
                                       "are stopped, the challenger alias is cleared, and the champion and the control "
                                       "serve the same sessions to be compared on")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")

@@ -276,3 +276,78 @@ def test_the_smollm2_recipe_is_a_real_model_in_lora_mode_that_claims_no_learning
         dataclasses.replace(cfg, fetch_model="gpt-9").check()
     with pytest.raises(ConfigError, match="over the tiny model"):
         dataclasses.replace(cfg, base_model=DemoConfig().base_model).check()
+
+
+def _stack_fakes(monkeypatch: pytest.MonkeyPatch, build: Any) -> list[str]:
+    """closed_loop's set-up with its model builds and its stack replaced by recorders: the order of events."""
+    from flywheel.demo import closed_loop
+
+    events: list[str] = []
+
+    def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[Any, list[str], Endpoints]:
+        events.append(f"stack up on_base={on_base}")
+        return object(), ["kafka", "vllm"], ENDS
+
+    monkeypatch.setattr(closed_loop, "ensure_base", lambda cfg: events.append("base"))
+    monkeypatch.setattr(closed_loop, "warm_start_build", lambda cfg: build)
+    monkeypatch.setattr(closed_loop, "start_stack", start_stack)
+    monkeypatch.setattr(closed_loop, "load_policy_v0", lambda cfg, scfg: events.append("policy-v0 loaded"))
+    import flywheel.stack
+
+    monkeypatch.setattr(flywheel.stack, "down", lambda scfg, parts: events.append(f"down {parts}"))
+    return events
+
+
+def test_a_warm_start_to_build_runs_beside_the_stacks_start_and_policy_v0_is_loaded_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack comes up on the base while the warm start trains (not after it), and the servers get policy-v0's
+    weights only once the build has finished."""
+    import threading
+
+    from flywheel.demo import closed_loop
+
+    stack_is_up = threading.Event()
+    events: list[str] = []
+
+    def build() -> dict[str, Any]:
+        assert stack_is_up.wait(10), "the stack did not start while the warm start was being built"
+        events.append("warm built")
+        return {"steps": 600, "final_success": 0.1}
+
+    recorded = _stack_fakes(monkeypatch, build)
+    original = closed_loop.start_stack
+
+    def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[Any, list[str], Endpoints]:
+        out = original(cfg, plan, on_base)
+        stack_is_up.set()
+        return out
+
+    monkeypatch.setattr(closed_loop, "start_stack", start_stack)
+    cfg, run = _plan(tmp_path)
+    warm, _, started, ends = closed_loop.models_and_stack(cfg, run)
+    assert warm["steps"] == 600 and started == ["kafka", "vllm"] and ends == ENDS
+    order = [e for e in recorded if e != "base"]
+    assert order == ["stack up on_base=True", "policy-v0 loaded"], order
+    assert events == ["warm built"]
+
+
+def test_a_warm_start_already_built_serves_policy_v0_directly_and_a_failed_build_stops_the_stack(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.demo import closed_loop
+
+    cfg, run = _plan(tmp_path)
+    warm_dir = tmp_path / "warm"
+    warm_dir.mkdir()
+    (warm_dir / "warm_start.json").write_text('{"steps": 600}')
+    cfg = dataclasses.replace(cfg, warm_model=warm_dir, warm_start=True)
+    events = _stack_fakes(monkeypatch, None)
+    assert closed_loop.models_and_stack(cfg, run)[0] == {"steps": 600}
+    assert events == ["base", "stack up on_base=False"], "a current warm start: the servers start on policy-v0"
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("warm start out of its band")
+
+    events = _stack_fakes(monkeypatch, broken)
+    with pytest.raises(RuntimeError, match="out of its band"):
+        closed_loop.models_and_stack(cfg, run)
+    assert events == ["base", "stack up on_base=True", "down ['kafka', 'vllm']"], events
