@@ -2,7 +2,7 @@
 VENV := .venv
 FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST := $(VENV)/bin/python -m pytest --durations=15  # the slowest tests, named at the end of every run
-DEMO_MINUTES ?= 20
+DEMO_MINUTES ?=  # empty: the recipe's (infra/recipes/tool_use.toml: 15); `make demo DEMO_MINUTES=20` for longer
 
 .PHONY: setup demo test lint test-unit test-integration up down status model clean
 
@@ -13,7 +13,7 @@ model: setup
 	@$(FLYWHEEL) model init
 
 demo: setup
-	@$(FLYWHEEL) demo --minutes $(DEMO_MINUTES)
+	@$(FLYWHEEL) demo $(if $(strip $(DEMO_MINUTES)),--minutes $(DEMO_MINUTES))
 
 # The test command CI runs: lint and types first (zero findings), then the tests. Integration tests start
 # the real Kafka, MLflow and vLLM themselves (once per session, through infra/) and stop what they started.
