@@ -116,6 +116,28 @@ class Processes:
                 proc.wait()
         return proc.returncode
 
+    def terminate(self, name: str) -> None:
+        """SIGTERM without waiting for the exit (stop() waits): to stop several processes at once."""
+        proc = self.procs.get(name)
+        if proc is None:
+            return
+        self.stopped.add(name)
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def wait_until(self, name: str, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Until the process has exited or done() holds (False: neither within timeout_s)."""
+        proc = self.procs.get(name)
+        deadline = time.time() + timeout_s
+        while proc is not None and proc.poll() is None and not done():
+            if time.time() >= deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
     def stop_all(self) -> dict[str, int | None]:
         return {name: self.stop(name) for name in reversed(list(self.procs))}
 
@@ -322,9 +344,15 @@ class Traffic:
         from flywheel.serving.registry import CHALLENGER, CHAMPION, Registry
 
         log.info("demo: stopping the learner and the gate for the final window (%.0f s of traffic)", self.cfg.measure_s)
-        self.procs.stop("learner")
-        # after the learner: its last round may still decide the last challenger. A round with the offline evaluation
-        # took over 30 s in run 8, and the kill at 30 s landed between moving the alias and recording the decision
+        # both at once: the learner finishes its step (and a publish due in it) and checkpoints; the gate finishes its
+        # round, which may still decide the last challenger (a round with the offline evaluation took over 30 s in
+        # run 8, and a kill at 30 s landed between moving the alias and recording the decision)
+        self.procs.terminate("learner")
+        self.procs.terminate("promote")
+        # the learner's heartbeat says "stopped" once it trains and publishes no more; its interpreter took another
+        # 30 s to exit in run 9, which the final window need not wait for (stop_all reaps it)
+        if not self.procs.wait_until("learner", self.learner_stopped, timeout_s=60.0):
+            self.procs.stop("learner")  # SIGKILL after its grace
         self.procs.stop("promote", timeout_s=120.0)
         registry = Registry(self.ends.tracking_uri, self.plan.registered_model)
         registry.clear_alias(CHALLENGER)
@@ -337,6 +365,9 @@ class Traffic:
                     "router_confirmed": confirmed}, Durability.ADVISORY)
         log.info("demo: final window from %.0f (%.1f s after the clear): %s against the control %s", self.final_since,
                  self.final_since - cleared_at, version_name(champion), version_name(CONTROL_VERSION))
+
+    def learner_stopped(self) -> bool:
+        return read_statuses(self.plan.var_dir).get("learner", {}).get("phase") == "stopped"
 
     def traffic_ends_at(self) -> float:
         """The final window gets its full measure_s however long stopping the learner and the gate took, so the

@@ -351,3 +351,37 @@ def test_a_warm_start_already_built_serves_policy_v0_directly_and_a_failed_build
     with pytest.raises(RuntimeError, match="out of its band"):
         closed_loop.models_and_stack(cfg, run)
     assert events == ["base", "stack up on_base=True", "down ['kafka', 'vllm']"], events
+
+
+def test_the_final_window_stops_the_learner_and_the_gate_together_and_waits_for_the_learners_stopped_heartbeat(
+        tmp_path: Path) -> None:
+    """terminate signals without waiting; wait_until returns when the heartbeat-like condition holds (a process still
+    exiting is not waited for) or when the process exits, and False after its timeout."""
+    import subprocess
+    import sys
+
+    from flywheel.demo import closed_loop
+
+    procs = closed_loop.Processes(tmp_path / "logs")
+    stopped = tmp_path / "stopped"
+    # exits 3 s after SIGTERM, having said "stopped" at once: the learner's slow interpreter exit of run 9
+    code = ("import signal, time, pathlib, sys\n"
+            "def on(*_): pathlib.Path(sys.argv[1]).write_text('x'); time.sleep(3); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, on)\n"
+            "time.sleep(60)\n")
+    for name in ("learner", "promote"):
+        procs.procs[name] = subprocess.Popen([sys.executable, "-c", code, str(stopped) + name], start_new_session=True)
+    time.sleep(1.0)  # the handlers are installed
+    t0 = time.time()
+    procs.terminate("learner")
+    procs.terminate("promote")
+    assert time.time() - t0 < 0.5, "terminate does not wait"
+    assert procs.wait_until("learner", lambda: (tmp_path / "stoppedlearner").exists(), timeout_s=10)
+    assert time.time() - t0 < 2.5 and procs.procs["learner"].poll() is None, "its exit was not waited for"
+    assert procs.stop("promote", timeout_s=10) == 0 and time.time() - t0 < 5, "both were stopping at once"
+    assert procs.wait_until("learner", lambda: False, timeout_s=10), "an exit ends the wait too"
+    assert not procs.dead(), "stopped on purpose, not dead"
+    procs.procs["sleeper"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                              start_new_session=True)
+    assert not procs.wait_until("sleeper", lambda: False, timeout_s=0.5)
+    procs.stop("sleeper", timeout_s=5)
