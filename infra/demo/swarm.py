@@ -624,3 +624,34 @@ def warm_start_model(base_dir: Any, out_dir: Any, settings: Any = None,
     log.info("swarm: warm start with the actions' format on %.0f%% of the draws", 100 * tool_share)
     return warm_start.run(base_dir, out_dir, settings, demos=f"{__name__}:warm_demos",
                           demos_kwargs={"tool_share": tool_share}, rule=warm_rule())
+
+
+# ---------------------------------------------------------------------------------------------
+# frozen sub-agents: a model of their own for the spawned pieces (Kimi K2.5's PARL: a trainable orchestrator,
+# "frozen subagents")
+# ---------------------------------------------------------------------------------------------
+SUBAGENT_RULE = "swarm-subagent-one-lookup"
+
+
+def subagent_demos(rng: random.Random, n: int) -> list[Demo]:
+    """n (dialogue so far, reply) pairs of one-lookup requests, a call and an answer each: a sub-agent's whole job.
+    Trained on these alone the tiny model copies the request's city into its call (the mixture of warm_demos
+    does not form that copy: docs/swarm.md)."""
+    out: list[Demo] = []
+    while len(out) < n:
+        out += _serial_turns((make_lookup_part(rng, "train"),))
+    return out[:n]
+
+
+def subagent_rule() -> str:
+    from flywheel.demo import warm_start
+
+    return f"{warm_start.RULE}+{SUBAGENT_RULE}"
+
+
+def subagent_model(base_dir: Any, out_dir: Any, settings: Any = None) -> dict[str, Any]:
+    """The frozen sub-agents' model: warm_start.run's fixed-step pinned build on subagent_demos batches."""
+    from flywheel.demo import warm_start
+
+    log.info("swarm: the sub-agents' model, on one-lookup requests only")
+    return warm_start.run(base_dir, out_dir, settings, demos=f"{__name__}:subagent_demos", rule=subagent_rule())

@@ -41,6 +41,7 @@ from flywheel.demo import swarm, tasks
 log = logging.getLogger(__name__)
 
 MODES = ("spawn", "serial", "unforced")
+Sampler = Callable[[list[list[tasks.Message]]], list[str]]
 
 
 @dataclass
@@ -48,6 +49,10 @@ class SwarmPreflightConfig:
     """The offline measurement of what splitting is worth to the swarm's warm-started policy."""
 
     model: Path = setting(Path("var/models/tiny-swarm-warm"), "the swarm's warm-started model directory")
+    subagent_model: Path | None = setting(None, "frozen sub-agents: the model that does the spawned pieces (built from "
+                                                "base_model by swarm.subagent_model unless current); none: the policy "
+                                                "does its own pieces")
+    base_model: Path = setting(Path("var/models/tiny-base"), "the base a missing sub-agent model is built from")
     requests: int = setting(80, "multi-part requests per part count (2 and 3 parts: swarm.MULTI_PARTS)")
     min_gap: float = setting(0.25, "forced spawn's session success must beat forced serial's by this, per part count")
     spawn_lo: float = setting(0.3, "lowest share of unforced multi-part openings that spawn")
@@ -95,16 +100,19 @@ class Lockstep:
     """One batched model call per round for many sessions, each in its own thread: `ask` blocks until every live
     session has asked (or finished); `drive` then samples the round's dialogues in session order."""
 
-    def __init__(self, sample: Callable[[list[list[tasks.Message]]], list[str]], sessions: int) -> None:
-        self.sample, self.live = sample, sessions
+    def __init__(self, sample: Callable[[list[list[tasks.Message]]], list[str]], sessions: int,
+                 subagent_sample: Sampler | None = None) -> None:
+        self.samplers = {"policy": sample, "subagent": subagent_sample or sample}
+        self.live = sessions
         self.cv = threading.Condition()
-        self.pending: dict[int, list[tasks.Message]] = {}
+        self.pending: dict[int, tuple[str, list[tasks.Message]]] = {}
         self.replies: dict[int, str] = {}
         self.rounds = 0
 
-    def ask(self, key: int, messages: list[tasks.Message]) -> str:
+    def ask(self, key: int, messages: list[tasks.Message], role: str = "policy") -> str:
+        """The reply of `role` (the policy, or a sub-agent: the policy unless frozen sub-agents were given)."""
         with self.cv:
-            self.pending[key] = messages
+            self.pending[key] = (role, messages)
             self.cv.notify_all()
             self.cv.wait_for(lambda: key in self.replies)
             return self.replies.pop(key)
@@ -122,10 +130,14 @@ class Lockstep:
                     return
                 batch = sorted(self.pending.items())
                 self.pending.clear()
-            texts = self.sample([messages for _, messages in batch])
+            replies: dict[int, str] = {}
+            for role, sample in self.samplers.items():  # one batch per model, each in session order
+                mine = [(key, messages) for key, (who, messages) in batch if who == role]
+                if mine:
+                    replies.update(zip([key for key, _ in mine], sample([messages for _, messages in mine])))
             self.rounds += 1
             with self.cv:
-                self.replies.update((key, text) for (key, _), text in zip(batch, texts))
+                self.replies.update(replies)
                 self.cv.notify_all()
 
 
@@ -136,11 +148,12 @@ def requests(cfg: SwarmPreflightConfig) -> list[swarm.SwarmTask]:
             for n in swarm.MULTI_PARTS for i in range(cfg.requests)]
 
 
-def run_mode(mode: str, requests_: list[swarm.SwarmTask], sample: Callable[[list[list[tasks.Message]]], list[str]],
-             cfg: SwarmPreflightConfig) -> list[dict[str, Any]]:
+def run_mode(mode: str, requests_: list[swarm.SwarmTask], sample: Sampler, cfg: SwarmPreflightConfig,
+             subagent_sample: Sampler | None = None) -> list[dict[str, Any]]:
     """Every request once through swarm.SwarmSession with the opening forced (spawn), spawning resampled away
-    (serial) or as sampled (unforced); per session: parts, success, parts right, critical steps, opening spawned."""
-    step = Lockstep(sample, len(requests_))
+    (serial) or as sampled (unforced); per session: parts, success, parts right, critical steps, opening spawned.
+    subagent_sample: the frozen sub-agents' model (None: the policy does its own pieces)."""
+    step = Lockstep(sample, len(requests_), subagent_sample)
     rows: list[dict[str, Any]] = [{} for _ in requests_]
 
     def one(i: int, task: swarm.SwarmTask) -> None:
@@ -149,7 +162,7 @@ def run_mode(mode: str, requests_: list[swarm.SwarmTask], sample: Callable[[list
 
         def generate(agent: Any, messages: list[tasks.Message]) -> swarm.Reply:
             if agent is not main:
-                return swarm.Reply(step.ask(i, messages))
+                return swarm.Reply(step.ask(i, messages, "subagent"))
             if mode == "spawn" and not openings:
                 openings.append(True)
                 return swarm.Reply(swarm.format_spawn_parts(list(range(1, len(task.spec.parts) + 1))))
@@ -196,15 +209,15 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "spawned": round(sum(r["spawned"] for r in rows) / n, 4)}
 
 
-def _load(cfg: SwarmPreflightConfig) -> Callable[[list[list[tasks.Message]]], list[str]]:
-    """The sampler: the model in cfg.model, sampled as vLLM serves it (temperature 1, no top-k/top-p), seeded."""
+def _load(model_dir: Path, cfg: SwarmPreflightConfig) -> Sampler:
+    """The sampler: the model in model_dir, sampled as vLLM serves it (temperature 1, no top-k/top-p), seeded."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from flywheel.demo import warm_start
 
-    tok = AutoTokenizer.from_pretrained(str(cfg.model))
-    model = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     torch.manual_seed(cfg.seed)
 
@@ -214,13 +227,27 @@ def _load(cfg: SwarmPreflightConfig) -> Callable[[list[list[tasks.Message]]], li
     return sample
 
 
+def ensure_subagent_model(cfg: SwarmPreflightConfig) -> Path | None:
+    """The frozen sub-agents' model, built (600 pinned steps, ~5 minutes) unless the one on disk is current."""
+    if cfg.subagent_model is None:
+        return None
+    from flywheel.demo import warm_start
+
+    if not warm_start.is_current(Path(cfg.subagent_model), Path(cfg.base_model), swarm.subagent_rule()):
+        swarm.subagent_model(cfg.base_model, cfg.subagent_model)
+    return Path(cfg.subagent_model)
+
+
 def run(cfg: SwarmPreflightConfig) -> dict[str, Any]:
     """The three modes on the same requests; per part count and mode the summary, and whether it passed."""
-    sample = _load(cfg)
+    subagents = ensure_subagent_model(cfg)
+    sample = _load(Path(cfg.model), cfg)
+    subagent_sample = _load(subagents, cfg) if subagents is not None else None
     reqs = requests(cfg)
     t0 = time.time()
-    by_mode = {mode: run_mode(mode, reqs, sample, cfg) for mode in MODES}
-    result: dict[str, Any] = {"model": str(cfg.model), "config": json.loads(json.dumps(asdict(cfg), default=str)),
+    by_mode = {mode: run_mode(mode, reqs, sample, cfg, subagent_sample) for mode in MODES}
+    result: dict[str, Any] = {"model": str(cfg.model), "subagent_model": str(subagents) if subagents else None,
+                              "config": json.loads(json.dumps(asdict(cfg), default=str)),
                               "by_parts": {}, "failed": []}
     for n in swarm.MULTI_PARTS:
         figures = {mode: summarise([r for r in rows if r["parts"] == n]) for mode, rows in by_mode.items()}

@@ -64,16 +64,49 @@ def test_forced_spawn_solves_each_piece_with_a_sub_agent_and_forced_serial_never
 
 
 def test_it_passes_on_a_gap_and_a_spawn_share_in_the_band_and_names_what_failed(monkeypatch: Any) -> None:
-    def fake_mode(mode: str, reqs: list[swarm.SwarmTask], sample: Any, cfg: Any) -> list[dict[str, Any]]:
+    def fake_mode(mode: str, reqs: list[swarm.SwarmTask], sample: Any, cfg: Any, sub: Any = None) -> list[dict[str, Any]]:
         win = {"spawn": True, "serial": False, "unforced": None}[mode]
         return [{"parts": len(r.spec.parts), "success": bool(win) if win is not None else i % 2 == 0,
                  "parts_right": 0, "critical_steps": 3, "spawned": mode != "serial", "opening_spawn": i % 2 == 0}
                 for i, r in enumerate(reqs)]
 
     monkeypatch.setattr(swarm_preflight, "run_mode", fake_mode)
-    monkeypatch.setattr(swarm_preflight, "_load", lambda cfg: (lambda dialogues: []))
+    monkeypatch.setattr(swarm_preflight, "_load", lambda model_dir, cfg: (lambda dialogues: []))
     result = swarm_preflight.run(_cfg())
     assert result["passed"] and result["by_parts"]["2"]["gap"] == 1.0 and result["unforced_opening_spawn"] == 0.5
     narrow = swarm_preflight.run(_cfg(spawn_lo=0.6, min_gap=1.01))
     assert not narrow["passed"] and len(narrow["failed"]) == 3, narrow["failed"]
     assert "2 parts" in narrow["failed"][0] and "opens 50%" in narrow["failed"][2]
+
+
+class Clueless(Scripted):
+    """Opens every request with a call for its first piece and answers every piece wrong: a policy that cannot do a
+    lookup. Records every dialogue it was asked to continue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def reply(self, messages: list[tasks.Message]) -> str:
+        self.seen.append(messages[0]["content"])
+        pieces = swarm.request_pieces(messages[0]["content"])
+        if messages[-1]["role"] == "user":
+            first = PROMPTS[pieces[0]]
+            return tasks.format_tool_call(first.tool, first.args)
+        return tasks.format_answer("no idea")
+
+
+def test_frozen_sub_agents_do_the_spawned_pieces_with_their_own_model_and_the_policy_never_sees_them() -> None:
+    """With a sub-agent model given, every spawned piece is sampled from it (batched apart from the policy's calls)
+    and the policy answers only as the orchestrator."""
+    cfg = _cfg()
+    reqs = swarm_preflight.requests(cfg)
+    policy, subagents = Clueless(), Scripted()
+    spawn = swarm_preflight.run_mode("spawn", reqs, policy, cfg, subagents)
+    assert all(r["success"] for r in spawn), "the sub-agents' model solves every piece"
+    assert policy.seen == [], "a forced spawn never asks the policy, and its pieces go to the sub-agents' model"
+    assert subagents.batches[0] == len(reqs)
+    policy, subagents = Clueless(), Scripted()
+    serial = swarm_preflight.run_mode("serial", reqs, policy, cfg, subagents)
+    assert not any(r["success"] for r in serial) and subagents.batches == [], "serial: the policy alone, and it fails"
+    assert all(len(swarm.request_pieces(text)) > 1 for text in policy.seen), "the policy saw only whole requests"
