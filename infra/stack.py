@@ -918,6 +918,44 @@ def ensure_vllm(cfg: StackConfig) -> list[str]:
     return ["vllm"]
 
 
+def frozen_vllm_name(served_name: str) -> str:
+    """The pid and log name of a frozen model's server: vllm-<name>, so `down` of vllm stops it with the tier's."""
+    return f"vllm-{served_name}"
+
+
+def ensure_frozen_vllm(cfg: StackConfig, served_name: str, model_dir: Path, port: int) -> tuple[str, bool]:
+    """A server beside the tier's for a frozen model outside the router (the swarm's sub-agents, which the proxy's
+    frozen_models sends to it): model_dir served as served_name on port, started unless it already serves it.
+    Returns (its URL, whether this call started it)."""
+    fcfg = replace_config(cfg, base_model=model_dir, served_model_name=served_name, vllm_port=port, vllm_servers=1,
+                          vllm_lora=False)
+    url, name = fcfg.vllm_url, frozen_vllm_name(served_name)
+    if _serves_base_at(fcfg, url):
+        log.info("%s: already serves %s at %s", name, model_dir, url)
+        return url, False
+    _stop_one(cfg, name)  # ours on another model, or hung
+    if _port_busy(cfg.vllm_host, port):
+        raise StackError(f"{name}: port {port} is already in use by another process")
+    env = _vllm_env(fcfg, 0)
+    # beside the tier's servers (unbound, one thread each on this 2-core machine): the same, not a core of its own
+    env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+    record = _spawn(fcfg, name, _vllm_command(fcfg, _vllm_base(fcfg), port), env, VLLM_MARKER, port=port)
+    try:
+        _wait(f"vllm server {url}", functools.partial(_serves_name, fcfg, url), cfg.vllm_timeout_s, record,
+              _log_path(cfg, name))
+    except BaseException:
+        _stop_record(record)
+        _pid_path(cfg, name).unlink(missing_ok=True)
+        raise
+    log.info("%s: serves %s as %s at %s", name, model_dir, served_name, url)
+    return url, True
+
+
+def stop_frozen_vllm(cfg: StackConfig, served_name: str) -> bool:
+    """Stop the frozen model's server this stack started (False: none was running)."""
+    return _stop_one(cfg, frozen_vllm_name(served_name))
+
+
 # ---------------------------------------------------------------------------------------------
 # the stack as a whole
 # ---------------------------------------------------------------------------------------------

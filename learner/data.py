@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from flywheel.base.versions import FROZEN_VERSION
 from flywheel.ingest import lake, schema
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class EpisodeStream:
         self._loaded: list[lake.LakeFile] = []  # files read into memory, in lake order
         self._listed = False  # whether a poll has listed the whole table (lake.files_since's full)
         self._remaining: Counter = Counter()  # file path -> rows of it still pending
-        self.counters: Counter = Counter()  # corrupt, stale, duplicate, relabel_after_train, relabel_replaced
+        self.counters: Counter = Counter()  # corrupt, stale, frozen, duplicate, relabel_after_train, relabel_replaced
         self._sampling_reasons: set[str] = set()  # unsupported_sampling reasons already logged
         # versions of a line the gate rejected (the learner went back to the champion): their rows
         # are stale whatever their number says, since the weights no longer descend from them
@@ -291,6 +292,9 @@ class EpisodeStream:
             log.warning("data: episode row in %s skipped: %s", f.path.rsplit("/", 1)[-1], parsed)
             return 0
         if self._refuse_sampling(parsed):
+            return 0
+        if parsed.policy_version == FROZEN_VERSION:  # a frozen model's call (the swarm's sub-agents): never trained
+            self.counters["frozen"] += 1
             return 0
         done = self.trained.get(parsed.episode_id)
         if done is not None:

@@ -59,7 +59,7 @@ from typing import Any, Callable, Literal
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, check_choices, load_config, setting, setup_logging
 from flywheel.base.metrics import CONTENT_TYPE, Metrics, Reading
-from flywheel.base.versions import version_name
+from flywheel.base.versions import FROZEN_VERSION, version_name
 from flywheel.ingest import schema
 from flywheel.ingest.sdk import (
     HEADER_AGENT_ID,
@@ -128,12 +128,34 @@ class ProxyConfig:
                             "<root>/../journal/<spool_name>@<topic>)")
     heartbeat_s: float = setting(5.0, "how often the status heartbeat (var/run/status/proxy*.json) is "
                                       "written; 0: never")
+    frozen_models: str = setting("", "models outside the router, as NAME=URL[,NAME=URL]: a request for model NAME goes "
+                                     "to the server at URL, is logged with the session's arm and policy_version -1 "
+                                     "(FROZEN_VERSION: on no learner's line, never trained). For frozen sub-agents "
+                                     "(Kimi K2.5's PARL trains the orchestrator only; docs/swarm.md)")
     log_level: str = setting("INFO", "logging level")
 
     def check(self) -> None:
         check_choices(self)  # router, wire_format (ingest/wire.py FORMATS)
         if self.idle_timeout_s <= 0:
             raise ConfigError(f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}")
+        parse_frozen_models(self.frozen_models)
+
+
+def parse_frozen_models(spec: str) -> dict[str, str]:
+    """"sub=http://h:8003,b=http://h:8004" -> {"sub": "http://h:8003", "b": "http://h:8004"} (ConfigError: bad)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, url = item.partition("=")
+        if not sep or not name.strip() or not url.strip().startswith(("http://", "https://")):
+            raise ConfigError(f"frozen_models: {item!r} is not NAME=http(s)://host:port")
+        out[name.strip()] = url.strip().rstrip("/")
+    return out
+
+
+def frozen_route(routed: Routed, model: str, url: str) -> Routed:
+    """A call for a frozen model: its own server and served name, FROZEN_VERSION, the session's arm (the session
+    stays in the arm the router gave it; only this call's weights are not the arm's)."""
+    return Routed(model, FROZEN_VERSION, url, None, routed.arm)
 
 
 def static_route(model: str, policy_version: int) -> RouteFn:
@@ -215,11 +237,12 @@ class CaptureProxy:
         self.route = route
         self.router_state = router_state
         self.upstream = cfg.upstream.rstrip("/")
+        self.frozen = parse_frozen_models(cfg.frozen_models)
         self.sessions: dict[str, _SessionState] = {}
         self.conversations = dialects.ResponseStore()  # what previous_response_id continues
         self.counters = {"requests": 0, "logged_calls": 0, "unlogged_no_session": 0, "upstream_errors": 0,
                          "bad_requests": 0, "log_errors": 0, "client_disconnects": 0, "idle_timeouts": 0,
-                         "version_straddled": 0, "version_unknown": 0}
+                         "version_straddled": 0, "version_unknown": 0, "frozen_calls": 0}
         self._http: Any = None
         self.prom = Metrics("proxy")
         self.prom.read(self._readings)
@@ -376,7 +399,7 @@ class CaptureProxy:
             self.counters["upstream_errors"] += 1
             log.warning("proxy: routing session %r failed (%s); answered 503", session_id, exc)
             return _error(503, f"no policy route for this session: {exc}", dialect)
-        call = self._begin(who, kind, body, started, routed)
+        call = self._begin(who, kind, body, started, self._unless_frozen(routed, body))
         if dialect != kind:
             call.reply_as, call.original, call.client_model = dialect, original, original.get("model")
             call.translated = body["messages"]
@@ -406,6 +429,14 @@ class CaptureProxy:
             return web.json_response(translated_reply(call, payload, self.conversations))
         strip(call, payload, streaming=False)
         return web.json_response(payload)
+
+    def _unless_frozen(self, routed: Routed, body: dict[str, Any]) -> Routed:
+        """The route of a request for one of frozen_models: that model's server, FROZEN_VERSION, the session's arm."""
+        url = self.frozen.get(str(body.get("model") or ""))
+        if url is None:
+            return routed
+        self.counters["frozen_calls"] += 1
+        return frozen_route(routed, str(body["model"]), url)
 
     async def _loaded_version(self, routed: Routed) -> int | None:
         assert routed.loaded_version is not None

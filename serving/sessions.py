@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from flywheel.base.versions import FROZEN_VERSION
 from flywheel.ingest import lake
 
 if TYPE_CHECKING:
@@ -84,6 +85,11 @@ def _session_outcomes_view(con: "duckdb.DuckDBPyConnection", lake_root: str, out
     con.execute(f"CREATE VIEW oc AS SELECT session_id, kind, value, ts FROM oc_all WHERE {narrow}")
 
 
+# A session's version is that of its policy's calls: a frozen model's (the swarm's sub-agents, FROZEN_VERSION) are
+# not the version under test, and would make every spawned session mixed.
+POLICY_CALLS = f"policy_version <> {FROZEN_VERSION}"
+
+
 def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_within_s: float | None = None,
                   judge: bool = False) -> list[SessionRecord]:
     """Every session in the lake's events, with its serving version and arm, end and latest outcome.
@@ -92,8 +98,7 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
     (the gate passes its maturity window), so a session counted at one look keeps its value at every
     later one: a late or revised outcome cannot change a sample the sequential test already saw.
     judge: also read each session's judge score from the episodes (its latest label's), for the gate's judge
-    guardrail; off, `judge` stays None and the episodes are not read.
-    """
+    guardrail; off, `judge` stays None and the episodes are not read."""
     import duckdb
 
     events = [f.path for f in lake.list_files(lake_root, "events")]
@@ -122,7 +127,8 @@ def read_sessions(lake_root: str, outcome_kind: str = "task_success", outcome_wi
             WITH firsts AS (SELECT session_id, min(ts) AS first_ts FROM ev GROUP BY 1),
                  starts AS (SELECT session_id, min(ts) AS start_ts, arg_min(task_type, ts) AS task_type
                             FROM ev WHERE type = 'session_start' AND parent_agent_id IS NULL GROUP BY 1),
-                 calls AS (SELECT session_id, min(policy_version) AS vmin, max(policy_version) AS vmax,
+                 calls AS (SELECT session_id, min(policy_version) FILTER (WHERE {POLICY_CALLS}) AS vmin,
+                                  max(policy_version) FILTER (WHERE {POLICY_CALLS}) AS vmax,
                                   {arm} AS arm, count(DISTINCT {"arm" if has_arm else "NULL"}) AS arms,
                                   sum({tokens}) AS tokens
                            FROM ev WHERE type IN {call_types} GROUP BY 1),

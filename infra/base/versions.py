@@ -20,6 +20,9 @@ WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "model.embed_tokens.weight"  # Qwen2/Llama-style names
 HEAD_KEY = "lm_head.weight"
 _NAME = re.compile(r"^policy-v(\d+)$")
+# The version logged for a call to a frozen model outside the learner's line (the swarm's sub-agents: the proxy's
+# frozen_models). On no line, so no learner trains its rows (learner.data counts them as "frozen").
+FROZEN_VERSION = -1
 
 
 def version_name(version: int) -> str:

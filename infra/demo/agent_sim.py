@@ -82,6 +82,8 @@ class AgentSimConfig:
                     "sub-agents, summarise or prune its context)")
     swarm_long_share: float = setting(0.4, "swarm: share of long multi-turn sessions (the rest are "
                                            "multi-part requests)")
+    subagent_model: str = setting("", "swarm: model name the sub-agents' calls ask for (the proxy's frozen_models "
+                                      "sends it to a frozen model's server); empty: they ask for `model`, the policy")
     swarm_context_budget_chars: int = setting(260, "swarm: history size (chars) past which a long session's model "
                                                    "call is refused")
     context_budget_chars: int = setting(150, "history length (chars) past which the agent summarises failed attempts "
@@ -349,8 +351,11 @@ class AgentSim:
             headers = {H_SESSION: agent.session_id, H_AGENT: agent.agent_id, H_TASK: task_type}
             if agent.parent_agent_id:
                 headers[H_PARENT] = str(agent.parent_agent_id)
+            # frozen sub-agents (Kimi K2.5's PARL): a child agent's calls go to their own model, the policy is the
+            # orchestrator only
+            model = self.cfg.subagent_model if agent.parent_agent_id and self.cfg.subagent_model else self.cfg.model
             resp = self.client.chat.completions.create(
-                model=self.cfg.model, messages=messages, max_tokens=self.cfg.max_tokens,
+                model=model, messages=messages, max_tokens=self.cfg.max_tokens,
                 temperature=self.cfg.temperature, extra_headers=headers, timeout=self.cfg.request_timeout_s,
                 extra_body={"return_token_ids": True})
             self.counts.add("llm_calls")

@@ -30,6 +30,7 @@ infra/demo/plan.py; this module runs it. The last line printed is summary.json a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -50,6 +51,7 @@ from flywheel.base.versions import version_name
 from flywheel.demo.plan import (
     CONTROL_VERSION,
     HEARTBEATS,
+    SUBAGENT_SERVED,
     DemoConfig,
     Endpoints,
     RunPlan,
@@ -152,12 +154,15 @@ class Processes:
 # set-up
 # ---------------------------------------------------------------------------------------------
 def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
-    """The base model, then its warm start (built unless current); returns the warm start's record."""
+    """The base model, then its warm start and the frozen sub-agents' model (each built unless current); returns
+    the warm start's record."""
     ensure_base(cfg)
-    build = warm_start_build(cfg)
-    if build is not None:
-        return build()
-    return json.loads((Path(cfg.warm_model) / "warm_start.json").read_text()) if cfg.warm_start else {}
+    build, sub_build = warm_start_build(cfg), subagent_build(cfg)
+    warm = build() if build is not None else (
+        json.loads((Path(cfg.warm_model) / "warm_start.json").read_text()) if cfg.warm_start else {})
+    if sub_build is not None:
+        sub_build()
+    return warm
 
 
 def ensure_base(cfg: DemoConfig) -> None:
@@ -457,35 +462,68 @@ def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[
     return scfg, started, ends
 
 
-def models_and_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[dict[str, Any], Any, list[str], Endpoints]:
-    """The models and the stack; a warm start still to build runs beside the stack's start.
+def subagent_build(cfg: DemoConfig) -> Callable[[], dict[str, Any]] | None:
+    """The build of the frozen sub-agents' model still to do (None: none configured, or the one on disk is current)."""
+    if cfg.subagent_model is None:
+        return None
+    from flywheel.demo import swarm, warm_start
 
-    The build (~5.5 minutes, pinned numerics: the same weights whatever else runs) and the stack's (~3.5: a JVM,
-    MLflow, three vLLM servers) came one after the other; side by side they take the cores the other leaves
+    if warm_start.is_current(Path(cfg.subagent_model), Path(cfg.base_model), swarm.subagent_rule()):
+        return None
+
+    def go() -> dict[str, Any]:
+        log.info("demo: building the frozen sub-agents' model into %s", cfg.subagent_model)
+        return swarm.subagent_model(cfg.base_model, cfg.subagent_model)
+
+    return go
+
+
+def start_subagents(cfg: DemoConfig, scfg: Any, ends: Endpoints) -> Endpoints:
+    """The frozen sub-agents' server (after the tier's ports), when the run has them; ends then names it."""
+    if cfg.subagent_model is None:
+        return ends
+    from flywheel import stack
+
+    url, _ = stack.ensure_frozen_vllm(scfg, SUBAGENT_SERVED, Path(cfg.subagent_model),
+                                      scfg.vllm_port + scfg.vllm_servers)
+    return dataclasses.replace(ends, subagent_url=url)
+
+
+def models_and_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[dict[str, Any], Any, list[str], Endpoints]:
+    """The models and the stack; the builds still to do run beside the stack's start.
+
+    The warm start (~5.5 minutes, pinned numerics: the same weights whatever else runs) and the stack's start (~3.5:
+    a JVM, MLflow, three vLLM servers) came one after the other; side by side they take the cores the other leaves
     waiting. The servers start on the base model (same architecture and tokenizer) and are reloaded with
-    policy-v0's weights once it is built, the path a restored version takes."""
+    policy-v0's weights once it is built, the path a restored version takes. The swarm's frozen sub-agents (when
+    configured) get their model built after policy-v0's and a server of their own once it is."""
     ensure_base(cfg)
-    build = warm_start_build(cfg)
-    if build is None:
-        warm = log_warm(json.loads((Path(cfg.warm_model) / "warm_start.json").read_text()) if cfg.warm_start else {})
-        return (warm, *start_stack(cfg, plan))
+    warm_build, sub_build = warm_start_build(cfg), subagent_build(cfg)
     result: dict[str, Any] = {}
 
-    def build_it() -> None:
+    def build_all() -> None:
         try:
-            result["warm"] = build()
+            if warm_build is not None:
+                result["warm"] = warm_build()
+            if sub_build is not None:
+                sub_build()
         except BaseException as exc:  # re-raised in the caller's thread, below
             result["error"] = exc
 
-    builder = threading.Thread(target=build_it, name="warm-start", daemon=True)
+    builder = threading.Thread(target=build_all, name="warm-start", daemon=True)
     builder.start()
-    scfg, started, ends = start_stack(cfg, plan, on_base=True)
+    scfg, started, ends = start_stack(cfg, plan, on_base=warm_build is not None)
     try:
         builder.join()
         if "error" in result:
             raise result["error"]
-        warm = log_warm(result["warm"])
-        load_policy_v0(cfg, scfg)
+        if warm_build is not None:
+            warm = log_warm(result["warm"])
+            load_policy_v0(cfg, scfg)
+        else:
+            warm = log_warm(json.loads((Path(cfg.warm_model) / "warm_start.json").read_text())
+                            if cfg.warm_start else {})
+        ends = start_subagents(cfg, scfg, ends)
     except BaseException:
         if not cfg.keep_stack and started:
             from flywheel import stack
@@ -552,6 +590,10 @@ def run_traffic(cfg: DemoConfig, console: Any, traffic: Traffic) -> None:
 def stop_everything(cfg: DemoConfig, procs: Processes, scfg: Any, stack_started: list[str]) -> None:
     codes = procs.stop_all()
     log.info("demo: processes stopped: %s", codes)
+    if not cfg.keep_stack and cfg.subagent_model is not None:
+        from flywheel import stack
+
+        stack.stop_frozen_vllm(scfg, SUBAGENT_SERVED)
     if not cfg.keep_stack and stack_started:
         from flywheel import stack
 

@@ -88,6 +88,10 @@ class DemoConfig:
     load_policy_v0_weights: bool = setting(False, "start vLLM on base_model and load policy-v0's weights into it (same "
                                                   "architecture) instead of serving the warm model's folder: a shared "
                                                   "stack is not restarted (the swarm integration test)")
+    subagent_model: Path | None = setting(None, "swarm: frozen sub-agents (Kimi K2.5's PARL trains the orchestrator "
+                                                "only): the model that does the spawned pieces, built by "
+                                                "swarm.subagent_model unless current and served by a server of its "
+                                                "own; none: the policy does its own pieces")
     scenario: Scenario = setting("tool_use", "tool_use (the default loop) or swarm (infra/demo/swarm.py: the policy "
                                              "decides to spawn sub-agents, summarise or prune; docs/swarm.md); set "
                                              "by the recipe")
@@ -133,6 +137,8 @@ class DemoConfig:
             # the swarm's settings are its recipe's: scenario=swarm over the tool-use values never anneals the shaping
             raise ConfigError(f"scenario swarm needs learner.shaping_anneal_end_step >= 1 (got "
                               f"{self.learner.shaping_anneal_end_step}): run it from its recipe, --recipe swarm")
+        if self.subagent_model is not None and self.scenario != "swarm":
+            raise ConfigError("subagent_model: frozen sub-agents are the swarm scenario's (--recipe swarm)")
 
 
 SWARM_REWARDS = Path(__file__).with_name("swarm_rewards.toml")
@@ -144,8 +150,13 @@ def scenario_flags(cfg: DemoConfig, process: str) -> list[str]:
     of a repeated flag wins); the learner's and the gate's come from the recipe."""
     if cfg.scenario != "swarm":
         return []
-    return {"agent-sim": ["--scenario", "swarm", "--max-tokens", str(SWARM_MAX_TOKENS)],
+    frozen = ["--subagent-model", SUBAGENT_SERVED] if cfg.subagent_model is not None else []
+    return {"agent-sim": ["--scenario", "swarm", "--max-tokens", str(SWARM_MAX_TOKENS), *frozen],
             "episodes": ["--rewards-toml", str(SWARM_REWARDS)]}.get(process, [])
+
+
+# the served name of the frozen sub-agents' model: what the agent asks for, and the proxy's frozen_models key
+SUBAGENT_SERVED = "subagent"
 
 
 def policy_v0(cfg: DemoConfig) -> Path:
@@ -211,6 +222,7 @@ class Endpoints:
     tracking_uri: str
     proxy_port: int
     vllm_urls: list[str] = field(default_factory=list)  # every server, the first first (empty: vllm_url alone)
+    subagent_url: str = ""  # the frozen sub-agents' server (cfg.subagent_model), "" without one
 
     def __post_init__(self) -> None:
         if not self.vllm_urls:
@@ -254,10 +266,11 @@ def episodes_command(run: RunPlan, ends: Endpoints | None = None) -> list[str]:
 
 def proxy_command(run: RunPlan, ends: Endpoints) -> list[str]:
     # the prompt text carries the user's request, which the shadow judge reads
+    frozen = ["--frozen-models", f"{SUBAGENT_SERVED}={ends.subagent_url}"] if ends.subagent_url else []
     return ["proxy", "--port", str(ends.proxy_port), "--upstream", ends.vllm_url,
             "--kafka-bootstrap", ends.kafka_bootstrap,
             "--events-topic", run.topics["events"], "--router", "serving", "--spool-name", f"{run.run_id}-proxy",
-            "--log-prompt-text"]
+            "--log-prompt-text", *frozen]
 
 
 def outcome_sim_command(run: RunPlan, ends: Endpoints) -> list[str]:

@@ -15,7 +15,8 @@ It passes when, at every part count, forced spawn's session success beats forced
 and the unforced openings spawn within `spawn_band`: then splitting pays and the base does it sometimes, so RL on
 production's outcomes has something to sharpen (tests/integration/test_swarm_preflight.py holds the project to it).
 
-    flywheel swarm-preflight [--model var/models/tiny-swarm-warm] [--requests 80]
+    flywheel swarm-preflight [--model var/models/tiny-swarm-warm] [--subagent-model var/models/tiny-swarm-subagent]
+                             [--no-frozen-subagents] [--requests 80]
 
 All sessions of a mode step in lockstep: each runs the unchanged harness in its own thread, and a model call
 waits until every live session has asked, so one batched sample serves them all, in session order (seeded,
@@ -49,9 +50,10 @@ class SwarmPreflightConfig:
     """The offline measurement of what splitting is worth to the swarm's warm-started policy."""
 
     model: Path = setting(Path("var/models/tiny-swarm-warm"), "the swarm's warm-started model directory")
-    subagent_model: Path | None = setting(None, "frozen sub-agents: the model that does the spawned pieces (built from "
-                                                "base_model by swarm.subagent_model unless current); none: the policy "
-                                                "does its own pieces")
+    subagent_model: Path = setting(Path("var/models/tiny-swarm-subagent"), "the frozen sub-agents' model, as the swarm "
+                                   "recipe runs them (built from base_model by swarm.subagent_model unless current)")
+    frozen_subagents: bool = setting(True, "sample the spawned pieces from subagent_model (the recipe's loop); off: "
+                                           "the policy does its own pieces (the loop before frozen sub-agents)")
     base_model: Path = setting(Path("var/models/tiny-base"), "the base a missing sub-agent model is built from")
     requests: int = setting(80, "multi-part requests per part count (2 and 3 parts: swarm.MULTI_PARTS)")
     min_gap: float = setting(0.25, "forced spawn's session success must beat forced serial's by this, per part count")
@@ -229,7 +231,7 @@ def _load(model_dir: Path, cfg: SwarmPreflightConfig) -> Sampler:
 
 def ensure_subagent_model(cfg: SwarmPreflightConfig) -> Path | None:
     """The frozen sub-agents' model, built (600 pinned steps, ~5 minutes) unless the one on disk is current."""
-    if cfg.subagent_model is None:
+    if not cfg.frozen_subagents:
         return None
     from flywheel.demo import warm_start
 

@@ -132,11 +132,13 @@ def _background_builds(base: Path) -> dict[str, BackgroundBuild]:
     reads it (reused when current); the swarm test's quick warm start into a scratch folder; the real model where
     `flywheel model fetch` puts it."""
     flywheel = str(Path(sys.executable).with_name("flywheel"))
-    swarm_out = Path(tempfile.gettempdir()) / f"flywheel-test-swarm-warm-{os.getpid()}"
+    # <swarm_out>/warm: the policy-v0; <swarm_out>/subagent: the frozen sub-agents' model (the same quick settings)
+    swarm_out = Path(tempfile.gettempdir()) / f"flywheel-test-swarm-{os.getpid()}"
     swarm_code = ("import sys; from pathlib import Path; from flywheel.base.config import setup_logging; "
                   "from flywheel.demo import swarm; from flywheel.demo.warm_start import WarmStartSettings; "
-                  "setup_logging(); swarm.warm_start_model(Path(sys.argv[1]), Path(sys.argv[2]), "
-                  f"WarmStartSettings(**{SWARM_TEST_WARM!r}), tool_share={SWARM_TEST_TOOL_SHARE!r})")
+                  f"setup_logging(); quick = WarmStartSettings(**{SWARM_TEST_WARM!r}); out = Path(sys.argv[2]); "
+                  "swarm.warm_start_model(Path(sys.argv[1]), out / 'warm', quick, "
+                  f"tool_share={SWARM_TEST_TOOL_SHARE!r}); swarm.subagent_model(Path(sys.argv[1]), out / 'subagent', quick)")
     var = Path(os.environ.get("FLYWHEEL_VAR_DIR", REPO / "var"))
     quix_code = ("import sys; from pathlib import Path; from rich.console import Console; "
                  "from bench.ingest_peer import quix_python; quix_python(Path(sys.argv[1]), Console())")

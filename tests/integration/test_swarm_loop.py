@@ -3,8 +3,10 @@ own spawn and summary decisions flow through the lake into episodes, with the ri
 
 The policy-v0 is a quick swarm warm start of the tiny base (300 steps, the actions' format on half the
 draws so a 3-minute run sees them; the demo's own uses a fifth), loaded into the test session's two
-servers as weights (load_policy_v0_weights), so the shared stack is not restarted. It says nothing about
-learning; the 20-minute demo's report does.
+servers as weights (load_policy_v0_weights), so the shared stack is not restarted. The sub-agents are frozen, as
+the recipe runs them: a quick build of their own model (the same 300 steps on one-lookup requests) on a server of
+its own, their calls logged with FROZEN_VERSION and never trained. It says nothing about learning; the 20-minute
+demo's report does.
 
 Why 300 steps (measured with transformers, 200 sampled replies each): after 100 steps the model spawned on
 3.5% of multi-part first turns (62% of its replies malformed), and one CI run's 224 multi-part sessions held
@@ -24,8 +26,10 @@ import pytest
 
 from flywheel import stack as stack_mod
 from flywheel.base.config import from_recipe
+from flywheel.base.versions import FROZEN_VERSION
 from flywheel.demo import closed_loop as demo
 from flywheel.demo import swarm, warm_start
+from flywheel.demo.plan import SUBAGENT_SERVED
 from flywheel.ingest import lake
 
 # Its budget, measured: 378 s on a quiet 2-core machine (a 300-step warm start of ~2 minutes, then the 3-minute run),
@@ -39,19 +43,25 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
         stack: stack_mod.StackConfig, base_model_dir: Path, tmp_path: Path, run_demo: Callable[[demo.DemoConfig], int],
         background_build: Callable[[str], Path]) -> None:
     # built from the session's start in the background (conftest.BackgroundBuild: SWARM_TEST_WARM, half the draws)
-    warm = background_build("test_swarm_loop.py")
+    built = background_build("test_swarm_loop.py")
+    warm, subagents = built / "warm", built / "subagent"
     assert json.loads((warm / "warm_start.json").read_text())["settings"]["max_steps"] == 300
     assert warm_start.is_current(warm, base_model_dir, rule=swarm.warm_rule()), "built from another base or rule"
+    assert warm_start.is_current(subagents, base_model_dir, rule=swarm.subagent_rule()), "sub-agents: another rule"
     tuned = from_recipe(demo.DemoConfig, "swarm")  # with small batches, an early anneal, a gate that looks after 5
     learner = dataclasses.replace(tuned.learner, batch_size=16, min_batch=16, micro_batch=16, publish_every_steps=2,
                                   publish_every_s=30.0, shaping_anneal_end_step=4)
     cfg = dataclasses.replace(tuned, minutes=3.0, var_dir=tmp_path / "var", report_dir=tmp_path / "report",
-                              base_model=base_model_dir, warm_model=warm, load_policy_v0_weights=True, concurrency=6,
+                              base_model=base_model_dir, warm_model=warm, subagent_model=subagents,
+                              load_policy_v0_weights=True, concurrency=6,
                               learner=learner, gate=dataclasses.replace(tuned.gate, min_sessions=5), vllm_servers=2,
                               gate_interval_s=10.0, base_sessions=30, measure_s=40.0, drain_s=20.0,
                               keep_stack=True, live=False, run_id=f"swarm-test-{uuid.uuid4().hex[:8]}")
     cfg.check()
-    assert run_demo(cfg) == 0
+    try:
+        assert run_demo(cfg) == 0
+    finally:  # keep_stack keeps the session's servers, not this run's frozen one
+        stack_mod.stop_frozen_vllm(stack, SUBAGENT_SERVED)
     run_dir = tmp_path / "var" / "demo" / cfg.run_id
     events = _table(str(run_dir / "lake"), "events")
     episodes = {r["episode_id"]: r for r in _table(str(run_dir / "lake"), "episodes") if r["label_version"] == 1}
@@ -77,6 +87,17 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
     child_rows = [r for r in episodes.values() if r["parent_agent_id"] is not None]
     assert child_rows and all(r["r_parallel"] == 0 and r["r_finish"] == 0 for r in child_rows), \
         "a sub-agent's row was paid for its parent's spawn"
+
+    # frozen sub-agents: every child agent's call went to their own model, logged off the learner's line, and none
+    # was trained; the orchestrator's calls are the policy's
+    calls = [e for e in events if e["type"] == "llm_call"]
+    child_calls = [e for e in calls if e["parent_agent_id"] is not None]
+    assert child_calls and all(e["policy_version"] == FROZEN_VERSION and e["model"] == SUBAGENT_SERVED
+                               for e in child_calls), {(e["policy_version"], e["model"]) for e in child_calls}
+    assert all(e["policy_version"] >= 0 for e in calls if e["parent_agent_id"] is None), "an orchestrator call frozen"
+    trained = {eid for line in (run_dir / "learner" / "trained.jsonl").read_text().splitlines()
+               for eid in json.loads(line)["episode_ids"]}
+    assert trained and not trained & {r["episode_id"] for r in child_rows}, "a frozen sub-agent's row was trained"
 
     # a summary the model wrote: context_edit(summarize) whose token ids are the completion of the agent's call just before
     summaries = []

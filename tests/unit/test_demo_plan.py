@@ -385,3 +385,27 @@ def test_the_final_window_stops_the_learner_and_the_gate_together_and_waits_for_
                                               start_new_session=True)
     assert not procs.wait_until("sleeper", lambda: False, timeout_s=0.5)
     procs.stop("sleeper", timeout_s=5)
+
+
+def test_frozen_sub_agents_reach_the_agent_and_the_proxy_as_flags_they_accept(tmp_path: Path) -> None:
+    """The swarm recipe's frozen sub-agents: the agent asks for SUBAGENT_SERVED for a child's calls, and the proxy
+    sends that name to the sub-agents' server; without one (the tool-use demo) neither flag is there."""
+    swarm_cfg = dataclasses.replace(from_recipe(DemoConfig, "swarm"), var_dir=tmp_path / "var", run_id="demo-s")
+    swarm_cfg.check()
+    assert swarm_cfg.subagent_model == Path("var/models/tiny-swarm-subagent")
+    run = demo_plan.plan_run(swarm_cfg, time.time())
+    ends = dataclasses.replace(ENDS, subagent_url="http://127.0.0.1:8003")
+    proxy = _parse(ProxyConfig, demo_plan.proxy_command(run, ends)[1:])
+    from flywheel.serving.proxy import parse_frozen_models
+
+    assert parse_frozen_models(proxy.frozen_models) == {demo_plan.SUBAGENT_SERVED: "http://127.0.0.1:8003"}
+    agent_argv = demo_plan.agent_sim_command(swarm_cfg, run, ends) + demo_plan.scenario_flags(swarm_cfg, "agent-sim")
+    assert _parse(AgentSimConfig, agent_argv[1:]).subagent_model == demo_plan.SUBAGENT_SERVED
+    cfg, plain = _plan(tmp_path)
+    assert "--frozen-models" not in demo_plan.proxy_command(plain, ENDS)
+    assert "--subagent-model" not in demo_plan.agent_sim_command(cfg, plain, ENDS) + demo_plan.scenario_flags(cfg, "agent-sim")
+    with pytest.raises(ConfigError, match="swarm"):
+        dataclasses.replace(cfg, subagent_model=tmp_path / "sub").check()
+    for bad in ("subagent", "subagent=127.0.0.1:8003", "=http://h:1"):
+        with pytest.raises(ConfigError, match="frozen_models"):
+            parse_frozen_models(bad)

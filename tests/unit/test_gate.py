@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.fixtures.sessions import LakeFeeder, SessionBuilder, outcome
+from flywheel.base.versions import FROZEN_VERSION
 from flywheel.serving.evaluate import EvalScore, arithmetic_tasks
 from flywheel.serving.promote import PromoteConfig, gate_round, rollback_round
 from flywheel.serving.sessions import SessionRecord, mature, read_sessions
@@ -159,6 +160,12 @@ def test_read_sessions_takes_version_arm_end_and_latest_outcome(tmp_path: Path) 
     mixed.llm_call(version=1, arm="champion")
     mixed.llm_call(version=2, arm="champion")
     events += mixed.events  # still running: no session_end
+    # the swarm's frozen sub-agents: their calls (FROZEN_VERSION, the session's arm) do not make it mixed
+    swarm = SessionBuilder("swarm", t0).begin()
+    swarm.llm_call(version=2, arm="challenger")
+    swarm.llm_call(version=FROZEN_VERSION, arm="challenger")
+    swarm.end("ok")
+    events += swarm.events
     feeder.write("events", events)
     feeder.write("outcomes", outcomes)
     got = {r.session_id: r for r in read_sessions(root)}
@@ -166,6 +173,7 @@ def test_read_sessions_takes_version_arm_end_and_latest_outcome(tmp_path: Path) 
     assert got["s1"].outcome == 1.0, "the newest outcome of the kind counts"
     assert got["s2"].status == "error" and got["s2"].arm == "control"
     assert got["mixed"].version is None and got["mixed"].ended is None
+    assert (got["swarm"].version, got["swarm"].arm) == (2, "challenger"), "a frozen model's calls are not its version"
     assert got["s0"].started == pytest.approx(t0.timestamp() + 1.0)
 
 

@@ -260,3 +260,18 @@ def test_the_learner_reads_episodes_through_schema_columns_only() -> None:
     for name in required:
         reason = parse_row(row | {name: None}, 512, 64)
         assert isinstance(reason, str) and name in reason, f"a row without {name} was not refused: {reason!r}"
+
+
+def test_a_frozen_models_rows_are_counted_and_never_pending_and_the_cursor_passes_them(tmp_path: Path) -> None:
+    """The swarm's frozen sub-agents log their calls with FROZEN_VERSION: logged, never trained, not even held in
+    pending (a stale row waits there until a take or a drop; these could never become trainable)."""
+    from flywheel.base.versions import FROZEN_VERSION
+
+    rows = random_rows(3, seed=1, policy_version=FROZEN_VERSION) + random_rows(2, seed=2, policy_version=0)
+    write_episodes(tmp_path, rows, seq=0)
+    s = _stream(tmp_path)
+    assert s.poll() == 2 and s.counters["frozen"] == 3 and s.counters["stale"] == 0, s.counters
+    batch, _ = s.take(10, {0: 0}, max_staleness_steps=2)
+    assert len(batch) == 2 and all(e.policy_version == 0 for e in batch)
+    s.mark_trained(batch)
+    assert s.cursor, "every row of the file is trained or frozen: the cursor moves past it"

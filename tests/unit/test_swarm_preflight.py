@@ -40,7 +40,8 @@ class Scripted:
 
 
 def _cfg(**kw: Any) -> swarm_preflight.SwarmPreflightConfig:
-    return swarm_preflight.SwarmPreflightConfig(**{"requests": 12, **kw})
+    # frozen_subagents off: run() would build the sub-agents' model (minutes); these tests script both samplers
+    return swarm_preflight.SwarmPreflightConfig(**{"requests": 12, "frozen_subagents": False, **kw})
 
 
 def test_forced_spawn_solves_each_piece_with_a_sub_agent_and_forced_serial_never_splits() -> None:
