@@ -927,8 +927,17 @@ def ensure_frozen_vllm(cfg: StackConfig, served_name: str, model_dir: Path, port
     """A server beside the tier's for a frozen model outside the router (the swarm's sub-agents, which the proxy's
     frozen_models sends to it): model_dir served as served_name on port, started unless it already serves it.
     Returns (its URL, whether this call started it)."""
+    own = [*cfg.vllm_ports, cfg.mlflow_port, *(p for _, client, ctrl in cfg.kafka_nodes for p in (client, ctrl))]
+    if port in own:
+        raise StackError(f"{frozen_vllm_name(served_name)}: port {port} is one of the stack's own")
     fcfg = replace_config(cfg, base_model=model_dir, served_model_name=served_name, vllm_port=port, vllm_servers=1,
                           vllm_lora=False)
+    with _stack_lock(cfg):  # beside another process's `up` or `down`
+        return _ensure_frozen_vllm(cfg, fcfg, served_name, model_dir, port)
+
+
+def _ensure_frozen_vllm(cfg: StackConfig, fcfg: StackConfig, served_name: str, model_dir: Path,
+                        port: int) -> tuple[str, bool]:
     url, name = fcfg.vllm_url, frozen_vllm_name(served_name)
     if _serves_base_at(fcfg, url):
         log.info("%s: already serves %s at %s", name, model_dir, url)
@@ -953,7 +962,8 @@ def ensure_frozen_vllm(cfg: StackConfig, served_name: str, model_dir: Path, port
 
 def stop_frozen_vllm(cfg: StackConfig, served_name: str) -> bool:
     """Stop the frozen model's server this stack started (False: none was running)."""
-    return _stop_one(cfg, frozen_vllm_name(served_name))
+    with _stack_lock(cfg):
+        return _stop_one(cfg, frozen_vllm_name(served_name))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from typing import Any, Callable, Literal
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, check_choices, load_config, setting, setup_logging
 from flywheel.base.metrics import CONTENT_TYPE, Metrics, Reading
-from flywheel.base.versions import FROZEN_VERSION, version_name
+from flywheel.base.versions import FROZEN_VERSION, parse_version, version_name
 from flywheel.ingest import schema
 from flywheel.ingest.sdk import (
     HEADER_AGENT_ID,
@@ -148,7 +148,12 @@ def parse_frozen_models(spec: str) -> dict[str, str]:
         name, sep, url = item.partition("=")
         if not sep or not name.strip() or not url.strip().startswith(("http://", "https://")):
             raise ConfigError(f"frozen_models: {item!r} is not NAME=http(s)://host:port")
-        out[name.strip()] = url.strip().rstrip("/")
+        name, url = name.strip(), url.strip().rstrip("/")
+        if parse_version(name) is not None:
+            raise ConfigError(f"frozen_models: {name!r} is a policy version's name: every call to it would be frozen")
+        if url.endswith("/v1"):
+            raise ConfigError(f"frozen_models: {url!r}: give the server's root, without /v1 (the proxy appends it)")
+        out[name] = url
     return out
 
 
@@ -394,12 +399,12 @@ class CaptureProxy:
         loop = asyncio.get_running_loop()
         session_id = who.headers.get(H_SESSION) or ""
         try:  # the router may read the registry or probe servers: never on the event loop
-            routed = await loop.run_in_executor(None, self.route, session_id)
+            routed = self._unless_frozen(await loop.run_in_executor(None, self.route, session_id), body)
         except Exception as exc:
             self.counters["upstream_errors"] += 1
             log.warning("proxy: routing session %r failed (%s); answered 503", session_id, exc)
             return _error(503, f"no policy route for this session: {exc}", dialect)
-        call = self._begin(who, kind, body, started, self._unless_frozen(routed, body))
+        call = self._begin(who, kind, body, started, routed)
         if dialect != kind:
             call.reply_as, call.original, call.client_model = dialect, original, original.get("model")
             call.translated = body["messages"]
@@ -431,7 +436,8 @@ class CaptureProxy:
         return web.json_response(payload)
 
     def _unless_frozen(self, routed: Routed, body: dict[str, Any]) -> Routed:
-        """The route of a request for one of frozen_models: that model's server, FROZEN_VERSION, the session's arm."""
+        """The route of a request for one of frozen_models: that model's server, FROZEN_VERSION, the arm the router
+        gave the session (so the router still routes every request, frozen or not)."""
         url = self.frozen.get(str(body.get("model") or ""))
         if url is None:
             return routed

@@ -462,6 +462,9 @@ def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[
     return scfg, started, ends
 
 
+FROZEN_PART = "vllm-frozen"  # in the started parts when this run started the frozen sub-agents' server
+
+
 def subagent_build(cfg: DemoConfig) -> Callable[[], dict[str, Any]] | None:
     """The build of the frozen sub-agents' model still to do (None: none configured, or the one on disk is current)."""
     if cfg.subagent_model is None:
@@ -478,14 +481,16 @@ def subagent_build(cfg: DemoConfig) -> Callable[[], dict[str, Any]] | None:
     return go
 
 
-def start_subagents(cfg: DemoConfig, scfg: Any, ends: Endpoints) -> Endpoints:
-    """The frozen sub-agents' server (after the tier's ports), when the run has them; ends then names it."""
+def start_subagents(cfg: DemoConfig, scfg: Any, ends: Endpoints, started: list[str]) -> Endpoints:
+    """The frozen sub-agents' server, when the run has them; ends then names it, and `started` gets
+    FROZEN_PART when this call started it (stop_everything stops only that)."""
     if cfg.subagent_model is None:
         return ends
     from flywheel import stack
 
-    url, _ = stack.ensure_frozen_vllm(scfg, SUBAGENT_SERVED, Path(cfg.subagent_model),
-                                      scfg.vllm_port + scfg.vllm_servers)
+    url, new = stack.ensure_frozen_vllm(scfg, SUBAGENT_SERVED, Path(cfg.subagent_model), cfg.subagent_port)
+    if new:
+        started.append(FROZEN_PART)
     return dataclasses.replace(ends, subagent_url=url)
 
 
@@ -523,7 +528,7 @@ def models_and_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[dict[str, Any], An
         else:
             warm = log_warm(json.loads((Path(cfg.warm_model) / "warm_start.json").read_text())
                             if cfg.warm_start else {})
-        ends = start_subagents(cfg, scfg, ends)
+        ends = start_subagents(cfg, scfg, ends, started)
     except BaseException:
         if not cfg.keep_stack and started:
             from flywheel import stack
@@ -590,7 +595,7 @@ def run_traffic(cfg: DemoConfig, console: Any, traffic: Traffic) -> None:
 def stop_everything(cfg: DemoConfig, procs: Processes, scfg: Any, stack_started: list[str]) -> None:
     codes = procs.stop_all()
     log.info("demo: processes stopped: %s", codes)
-    if not cfg.keep_stack and cfg.subagent_model is not None:
+    if not cfg.keep_stack and FROZEN_PART in stack_started:
         from flywheel import stack
 
         stack.stop_frozen_vllm(scfg, SUBAGENT_SERVED)

@@ -92,6 +92,8 @@ class DemoConfig:
                                                 "only): the model that does the spawned pieces, built by "
                                                 "swarm.subagent_model unless current and served by a server of its "
                                                 "own; none: the policy does its own pieces")
+    subagent_port: int = setting(8010, "port of the frozen sub-agents' server: apart from the tier's (vllm_port and "
+                                       "up), whatever its server count")
     scenario: Scenario = setting("tool_use", "tool_use (the default loop) or swarm (infra/demo/swarm.py: the policy "
                                              "decides to spawn sub-agents, summarise or prune; docs/swarm.md); set "
                                              "by the recipe")
