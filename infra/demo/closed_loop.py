@@ -157,12 +157,15 @@ def ensure_models(cfg: DemoConfig) -> dict[str, Any]:
     """The base model, then its warm start and the frozen sub-agents' model (each built unless current); returns
     the warm start's record."""
     ensure_base(cfg)
-    build, sub_build = warm_start_build(cfg), subagent_build(cfg)
-    warm = build() if build is not None else (
-        json.loads((Path(cfg.warm_model) / "warm_start.json").read_text()) if cfg.warm_start else {})
-    if sub_build is not None:
-        sub_build()
+    build = warm_start_build(cfg)
+    warm = build() if build is not None else recorded_warm(cfg)
+    ensure_subagents(cfg)
     return warm
+
+
+def recorded_warm(cfg: DemoConfig) -> dict[str, Any]:
+    """The record of the warm start on disk ({} with the warm start off)."""
+    return json.loads((Path(cfg.warm_model) / "warm_start.json").read_text()) if cfg.warm_start else {}
 
 
 def ensure_base(cfg: DemoConfig) -> None:
@@ -206,8 +209,8 @@ def ensure_stack(cfg: DemoConfig, topics: list[str], on_base: bool = False) -> t
     model's until `load_policy_v0` (the warm start is still being built)."""
     from flywheel import stack
 
-    # with load_policy_v0_weights the servers run on base_model and get policy-v0's weights by the reload below
-    # (same architecture and tokenizer): a stack shared with other runs is not restarted for another model dir
+    # with load_policy_v0_weights (or on_base) the servers run on base_model and get policy-v0's weights by a reload
+    # (load_policy_v0; same architecture and tokenizer): a shared stack is not restarted for another model dir
     served_dir = cfg.base_model if cfg.load_policy_v0_weights or on_base else policy_v0(cfg)
     # a full-weight learner publishes no adapter: its servers run without vLLM's LoRA layers
     scfg = stack.replace_config(stack.load_stack_config([]), base_model=served_dir, vllm_servers=cfg.vllm_servers,
@@ -465,20 +468,12 @@ def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[
 FROZEN_PART = "vllm-frozen"  # in the started parts when this run started the frozen sub-agents' server
 
 
-def subagent_build(cfg: DemoConfig) -> Callable[[], dict[str, Any]] | None:
-    """The build of the frozen sub-agents' model still to do (None: none configured, or the one on disk is current)."""
-    if cfg.subagent_model is None:
-        return None
-    from flywheel.demo import swarm, warm_start
+def ensure_subagents(cfg: DemoConfig) -> None:
+    """The frozen sub-agents' model, when the run has them (built unless current)."""
+    if cfg.subagent_model is not None:
+        from flywheel.demo import swarm
 
-    if warm_start.is_current(Path(cfg.subagent_model), Path(cfg.base_model), swarm.subagent_rule()):
-        return None
-
-    def go() -> dict[str, Any]:
-        log.info("demo: building the frozen sub-agents' model into %s", cfg.subagent_model)
-        return swarm.subagent_model(cfg.base_model, cfg.subagent_model)
-
-    return go
+        swarm.ensure_subagent_model(cfg.base_model, cfg.subagent_model)
 
 
 def start_subagents(cfg: DemoConfig, scfg: Any, ends: Endpoints, started: list[str]) -> Endpoints:
@@ -503,15 +498,14 @@ def models_and_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[dict[str, Any], An
     policy-v0's weights once it is built, the path a restored version takes. The swarm's frozen sub-agents (when
     configured) get their model built after policy-v0's and a server of their own once it is."""
     ensure_base(cfg)
-    warm_build, sub_build = warm_start_build(cfg), subagent_build(cfg)
+    warm_build = warm_start_build(cfg)
     result: dict[str, Any] = {}
 
     def build_all() -> None:
         try:
             if warm_build is not None:
                 result["warm"] = warm_build()
-            if sub_build is not None:
-                sub_build()
+            ensure_subagents(cfg)
         except BaseException as exc:  # re-raised in the caller's thread, below
             result["error"] = exc
 
@@ -522,12 +516,9 @@ def models_and_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[dict[str, Any], An
         builder.join()
         if "error" in result:
             raise result["error"]
+        warm = log_warm(result["warm"] if warm_build is not None else recorded_warm(cfg))
         if warm_build is not None:
-            warm = log_warm(result["warm"])
             load_policy_v0(cfg, scfg)
-        else:
-            warm = log_warm(json.loads((Path(cfg.warm_model) / "warm_start.json").read_text())
-                            if cfg.warm_start else {})
         ends = start_subagents(cfg, scfg, ends, started)
     except BaseException:
         if not cfg.keep_stack and started:

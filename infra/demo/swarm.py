@@ -42,6 +42,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from flywheel.demo import tasks
@@ -655,3 +656,13 @@ def subagent_model(base_dir: Any, out_dir: Any, settings: Any = None) -> dict[st
 
     log.info("swarm: the sub-agents' model, on one-lookup requests only")
     return warm_start.run(base_dir, out_dir, settings, demos=f"{__name__}:subagent_demos", rule=subagent_rule())
+
+
+def ensure_subagent_model(base_dir: Any, out_dir: Any) -> Path:
+    """out_dir, built by subagent_model from base_dir (600 pinned steps, ~5 minutes) unless the one there is current:
+    the demo's set-up and the pre-flight both take it from here."""
+    from flywheel.demo import warm_start
+
+    if not warm_start.is_current(Path(out_dir), Path(base_dir), subagent_rule()):
+        subagent_model(base_dir, out_dir)
+    return Path(out_dir)

@@ -102,8 +102,7 @@ class Lockstep:
     """One batched model call per round for many sessions, each in its own thread: `ask` blocks until every live
     session has asked (or finished); `drive` then samples the round's dialogues in session order."""
 
-    def __init__(self, sample: Callable[[list[list[tasks.Message]]], list[str]], sessions: int,
-                 subagent_sample: Sampler | None = None) -> None:
+    def __init__(self, sample: Sampler, sessions: int, subagent_sample: Sampler | None = None) -> None:
         self.samplers = {"policy": sample, "subagent": subagent_sample or sample}
         self.live = sessions
         self.cv = threading.Condition()
@@ -229,20 +228,9 @@ def _load(model_dir: Path, cfg: SwarmPreflightConfig) -> Sampler:
     return sample
 
 
-def ensure_subagent_model(cfg: SwarmPreflightConfig) -> Path | None:
-    """The frozen sub-agents' model, built (600 pinned steps, ~5 minutes) unless the one on disk is current."""
-    if not cfg.frozen_subagents:
-        return None
-    from flywheel.demo import warm_start
-
-    if not warm_start.is_current(Path(cfg.subagent_model), Path(cfg.base_model), swarm.subagent_rule()):
-        swarm.subagent_model(cfg.base_model, cfg.subagent_model)
-    return Path(cfg.subagent_model)
-
-
 def run(cfg: SwarmPreflightConfig) -> dict[str, Any]:
     """The three modes on the same requests; per part count and mode the summary, and whether it passed."""
-    subagents = ensure_subagent_model(cfg)
+    subagents = swarm.ensure_subagent_model(cfg.base_model, cfg.subagent_model) if cfg.frozen_subagents else None
     sample = _load(Path(cfg.model), cfg)
     subagent_sample = _load(subagents, cfg) if subagents is not None else None
     reqs = requests(cfg)
