@@ -586,13 +586,11 @@ def run_traffic(cfg: DemoConfig, console: Any, traffic: Traffic) -> None:
 def stop_everything(cfg: DemoConfig, procs: Processes, scfg: Any, stack_started: list[str]) -> None:
     codes = procs.stop_all()
     log.info("demo: processes stopped: %s", codes)
-    if not cfg.keep_stack and FROZEN_PART in stack_started:
-        from flywheel import stack
-
-        stack.stop_frozen_vllm(scfg, SUBAGENT_SERVED)
     if not cfg.keep_stack and stack_started:
         from flywheel import stack
 
+        if FROZEN_PART in stack_started:  # not a stack part: its own server, started by start_subagents
+            stack.stop_frozen_vllm(scfg, SUBAGENT_SERVED)
         stack.down(scfg, stack_started)
         log.info("demo: stopped the stack parts it started: %s", ", ".join(stack_started))
 
