@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -52,21 +53,19 @@ RULE = "fixed-steps/pinned-numerics/three-generations"
 # Environment the build runs under. Set before torch loads (MKL and oneDNN read theirs once, at first use), hence
 # a child process when the caller's environment differs. avx2 is the level every x86-64 CPU of the last decade
 # has: machines with avx512 or AMX then run the same kernels as those without.
-# MKL_CBWR=AVX2 rather than COMPATIBLE: both are reproducible across CPUs that have the branch; COMPATIBLE (no SIMD)
-# made a step 3.6x slower here, AVX2 1.6x (0.75 s against 0.48 s unpinned on an avx512 machine).
-# Two threads: MKL's strict CNR mode (the STRICT above) makes its gemm bitwise the same for any thread count, and a
-# 600-step build on two threads gave the same weights hash as on one (f6385bc6581e), 1.8x faster. Pinned all the
-# same (a build records its thread count): the other kernels' splits are not promised thread-independent.
+# MKL_CBWR=COMPATIBLE: MKL honours its other branches (AVX2, AVX512) on Intel CPUs only; elsewhere it falls back to
+# AUTO without a word (Intel's MKL guide, "Specifying Code Branches"). The AVX2 pin gave hash f6385bc6581e on two
+# Intel machines, and on an AMD EPYC ran as `CNR:AUTO,STRICT` (MKL_VERBOSE): other weights, held-out loss 0.153
+# against 0.125, and country's lookups right under some name on 40% of first calls, outside the band, so `make demo`
+# failed there. COMPATIBLE (SSE2, no approximate reciprocals) is the branch Intel promises the same on Intel and
+# compatible CPUs; it doubles the build (541 s against 276 s for 600 steps on two threads, AMD EPYC). `_mkl_branch`
+# reads the branch MKL runs and the build refuses any other, so a silent fallback cannot come back.
+# STRICT: MKL's strict CNR mode (bitwise the same for a fixed thread count). Two threads, pinned: under COMPATIBLE
+# one thread and two give different weights (a 100-step build: f2ddee88ca8c against 50a667fbabd7).
 THREADS = 2
-PINS = {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS), "MKL_CBWR": "AVX2,STRICT",
+PINS = {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS), "MKL_CBWR": "COMPATIBLE,STRICT",
         "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
-# The documented band of the base (README, What the demo measures), per tool: the probability of production's name
-# at the call's name slot (headroom for the drift, and no name unreachable), and for the lookups the share of first
-# calls right under some generation's name (the skill is there; only the name is not). Set before the first pinned
-# build at [0.8, 1] for the lookups and [0.15, 1] for add/mul; that build (deterministic) gave lookups 0.73-0.92 and
-# add/mul 0.02-0.06, so the lookups' floor is 0.6 and add/mul are recorded, not banded: their digit copy does not
-# form in 600 steps over five tools, and the demo's lift does not rest on them. Fixed before any demo run.
 BAND = {"production_name": (0.15, 0.55), "lookup_call_any_name": (0.6, 1.0)}
 
 
@@ -419,8 +418,8 @@ def train(model: Any, tok: Any, s: WarmStartSettings, demos: Demos | None = None
 
 
 def is_current(out_dir: Path, base_dir: Path, rule: str = RULE, settings: WarmStartSettings | None = None) -> bool:
-    """out_dir holds a warm start built by `rule` from the weights now in base_dir (and with these settings, when
-    given: a setting the record predates counts as its default)."""
+    """out_dir holds a warm start built by `rule` under today's PINS from the weights now in base_dir (and with these
+    settings, when given: a setting the record predates counts as its default)."""
     try:
         record = json.loads((Path(out_dir) / "warm_start.json").read_text())
     except (OSError, ValueError):
@@ -430,6 +429,7 @@ def is_current(out_dir: Path, base_dir: Path, rule: str = RULE, settings: WarmSt
         if any(held.get(k, default[k]) != v for k, v in asdict(settings).items()):
             return False
     return (record.get("rule") == rule and (Path(out_dir) / "model.safetensors").is_file()
+            and record.get("pins", {}).get("env") == PINS  # a build under other pins is another machine's weights
             and record.get("base_sha256") == file_sha256(Path(base_dir) / "model.safetensors"))
 
 
@@ -437,15 +437,34 @@ def pins_in_effect() -> bool:
     return all(os.environ.get(k) == v for k, v in PINS.items())
 
 
+class PinNotHonoured(RuntimeError):
+    """A library ran another code path than the one pinned (MKL falls back to AUTO without a word)."""
+
+
+def mkl_branch(env: dict[str, str] | None = None) -> str | None:
+    """The CNR branch MKL runs a gemm under in a process with `env` (this one's by default), as MKL_VERBOSE reports
+    it ("COMPATIBLE,STRICT", "AUTO,STRICT", "OFF"); None when torch does not use MKL (then MKL_CBWR pins nothing).
+    A child process: MKL reads MKL_VERBOSE and MKL_CBWR once, at its first call."""
+    code = "import torch; a = torch.ones(16, 16); a @ a"
+    done = subprocess.run([sys.executable, "-c", code], env={**(env or os.environ), "MKL_VERBOSE": "1"},
+                          capture_output=True, text=True, timeout=120)
+    found = re.search(r"\bCNR:(\S+)", done.stdout)
+    return found.group(1) if found else None
+
+
 def _pin_torch() -> dict[str, Any]:
     """In-process pins (the environment's are read by the libraries themselves); what is pinned, for the record."""
     import torch
 
+    branch = mkl_branch()
+    if branch is not None and branch != PINS["MKL_CBWR"]:
+        raise PinNotHonoured(f"MKL runs its gemm under CNR branch {branch}, not the pinned {PINS['MKL_CBWR']}: the "
+                             "build would not be the same as other machines' (warm_start.PINS says why)")
     torch.set_num_threads(THREADS)
     torch.use_deterministic_algorithms(True)
     return {"env": {k: os.environ.get(k) for k in PINS}, "torch_threads": torch.get_num_threads(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_branch": branch}
 
 
 def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings | None = None,
@@ -467,6 +486,8 @@ def run(base_dir: str | Path, out_dir: str | Path, settings: WarmStartSettings |
                               env={**os.environ, **PINS})
         if done.returncode == 3:
             raise WarmStartOutOfBand(json.loads(Path(f"{out_dir}.rejected.json").read_text())["band_breaches"])
+        if done.returncode == 4:
+            raise PinNotHonoured(f"warm start: a library did not run the pinned code path ({PINS}; its log is above)")
         if done.returncode != 0:
             raise RuntimeError(f"warm start: the build process exited {done.returncode} (its log is above)")
         return json.loads((Path(out_dir) / "warm_start.json").read_text())
@@ -576,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     except WarmStartOutOfBand as exc:
         log.error("%s", exc)
         return 3
+    except PinNotHonoured as exc:
+        log.error("warm start: %s", exc)
+        return 4
     return 0
 
 

@@ -33,6 +33,7 @@ def test_two_builds_on_one_machine_give_bit_identical_weights(built: tuple[dict,
     # what was pinned is recorded, and the build really ran under it (a child process, since this one is not pinned)
     assert a["pins"]["env"] == warm_start.PINS and a["pins"]["torch_threads"] == warm_start.THREADS
     assert a["pins"]["deterministic_algorithms"] is True
+    assert a["pins"]["mkl_branch"] in (None, warm_start.PINS["MKL_CBWR"]), "MKL ran another branch than the pinned"
     assert a["steps"] == SHORT.max_steps and [h["step"] for h in a["history"]] == [6, 12]
     # the check can fail: another seed is another model
     other = warm_start.run(BASE, tmp_path / "c", WarmStartSettings(**{**SHORT.__dict__, "seed": 1}))
@@ -130,3 +131,31 @@ def test_a_tokenizer_that_splits_tool_names_gives_success_figures_without_naming
     assert not warm_start.names_are_tokens(Splitting())
     assert warm_start.band_breaches({"weather": {"production_name": None, "first_call_any_name": 1.0}}) == [
         "weather: no p(production name): its names are not single tokens of this tokenizer"]
+
+
+def test_mkl_reports_the_branch_it_runs_and_falls_back_silently_from_one_it_lacks() -> None:
+    import os
+
+    pinned = warm_start.mkl_branch({**os.environ, **warm_start.PINS})
+    if pinned is None:
+        pytest.skip("this torch does not use MKL: MKL_CBWR pins nothing here")
+    assert pinned == warm_start.PINS["MKL_CBWR"], "COMPATIBLE is the branch MKL honours on every x86-64 CPU"
+    # what the AVX2 pin did on an AMD CPU: a branch MKL does not offer here runs as AUTO, with no warning
+    assert warm_start.mkl_branch({**os.environ, "MKL_CBWR": "AVX512_E9,STRICT"}) == "AUTO"
+
+
+def test_a_build_refuses_a_pin_mkl_did_not_honour(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warm_start, "mkl_branch", lambda env=None: "AUTO,STRICT")
+    with pytest.raises(warm_start.PinNotHonoured, match="AUTO,STRICT"):
+        warm_start._pin_torch()
+
+
+def test_a_build_under_other_pins_is_not_current(built: tuple[dict, Path], tmp_path: Path) -> None:
+    record, out = built
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    env = {**record["pins"]["env"], "MKL_CBWR": "AVX2,STRICT"}  # the pin before COMPATIBLE
+    (other / "warm_start.json").write_text(json.dumps({**record, "pins": {**record["pins"], "env": env}}))
+    assert warm_start.is_current(out, BASE, settings=SHORT)
+    assert not warm_start.is_current(other, BASE, settings=SHORT), "another machine's weights served as this one's"
