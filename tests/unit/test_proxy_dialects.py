@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from flywheel.ingest.sdk import SessionLogger
 from flywheel.ingest.spool import Spool
 from flywheel.serving import dialects
 from flywheel.serving.proxy import CaptureProxy, ProxyConfig, make_app, static_route
+from tests.unit.test_sdk import dead_address
 
 SECRET = "sk-ant-test-secret-0123456789"
 
@@ -160,12 +160,6 @@ def _upstream(seen: list[dict[str, Any]]) -> Any:
     return app
 
 
-def _dead_bootstrap() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
-
-
 def _all(spool_dir: Path) -> list[dict[str, Any]]:
     spool = Spool(spool_dir)
     events = [wire.decode(r) for r in spool.peek(10_000)]
@@ -190,7 +184,7 @@ def test_the_anthropic_client_gets_messages_and_streams_and_each_call_is_logged(
 
     async def scenario() -> list[Any]:
         async with TestServer(_upstream(seen)) as upstream:
-            logger = SessionLogger(_dead_bootstrap(), name="m", spool_dir=tmp_path / "spool", linger_s=0.01)
+            logger = SessionLogger(dead_address(), name="m", spool_dir=tmp_path / "spool", linger_s=0.01)
             proxy = CaptureProxy(ProxyConfig(upstream=str(upstream.make_url("")).rstrip("/"), heartbeat_s=0),
                                  logger, static_route("policy-v3", 3))
             async with TestServer(make_app(proxy)) as server:
@@ -243,8 +237,8 @@ def _posted_to_a_dead_upstream(tmp_path: Path, route: str, bodies: list[bytes],
     from aiohttp.test_utils import TestClient, TestServer
 
     async def scenario() -> list[tuple[int, dict[str, Any]]]:
-        logger = SessionLogger(_dead_bootstrap(), name="b", spool_dir=tmp_path / "spool")
-        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{_dead_bootstrap()}", heartbeat_s=0), logger,
+        logger = SessionLogger(dead_address(), name="b", spool_dir=tmp_path / "spool")
+        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{dead_address()}", heartbeat_s=0), logger,
                              static_route("policy-v0", 0))
         out = []
         async with TestClient(TestServer(make_app(proxy))) as client:
@@ -325,7 +319,7 @@ def test_the_openai_client_gets_responses_streams_and_follow_ups_in_one_session(
     async def scenario() -> dict[str, Any]:
         out: dict[str, Any] = {}
         async with TestServer(_upstream(seen)) as upstream:
-            logger = SessionLogger(_dead_bootstrap(), name="r", spool_dir=tmp_path / "spool", linger_s=0.01)
+            logger = SessionLogger(dead_address(), name="r", spool_dir=tmp_path / "spool", linger_s=0.01)
             proxy = CaptureProxy(ProxyConfig(upstream=str(upstream.make_url("")).rstrip("/"), heartbeat_s=0),
                                  logger, static_route("policy-v3", 3))
             async with TestServer(make_app(proxy)) as server:

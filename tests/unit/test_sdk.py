@@ -22,9 +22,14 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
+def dead_address() -> str:
+    """host:port of a port nothing listens on: a broker that is down (the SDK and proxy tests' Kafka)."""
+    return f"127.0.0.1:{_closed_port()}"
+
+
 @pytest.fixture
 def dead_bootstrap() -> str:
-    return f"127.0.0.1:{_closed_port()}"
+    return dead_address()
 
 
 def _spooled(directory: Path) -> list[dict]:

@@ -12,7 +12,6 @@ import asyncio
 import http.server
 import json
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from flywheel.ingest.sdk import (
     wrap_openai,
 )
 from flywheel.ingest.spool import Spool
+from tests.unit.test_sdk import dead_address
 
 
 @pytest.fixture(autouse=True)
@@ -191,12 +191,6 @@ def test_the_short_import_path_is_lazy_and_pulls_in_nothing_heavy() -> None:
 # ---------------------------------------------------------------------------------------------
 # Helpers: a dead broker (events spill to a spool in tmp_path) and the spool's records
 # ---------------------------------------------------------------------------------------------
-def _dead_bootstrap() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
-
-
 def _spooled(directory: Path) -> list[dict[str, Any]]:
     if not directory.exists():
         return []
@@ -207,7 +201,7 @@ def _spooled(directory: Path) -> list[dict[str, Any]]:
 
 
 def _spilling(tmp_path: Path, name: str = "t", **kw: Any) -> SessionLogger:
-    return SessionLogger(_dead_bootstrap(), name=name, spool_dir=tmp_path / name, linger_s=0.01, **kw)
+    return SessionLogger(dead_address(), name=name, spool_dir=tmp_path / name, linger_s=0.01, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +386,7 @@ def test_enabled_0_is_a_no_op_that_sends_nothing(value: str, tmp_path: Path, mon
     monkeypatch.setenv(sdk.ENABLED_ENV, value)
     with caplog.at_level(logging.WARNING, logger="flywheel.ingest.sdk"):
         log = _spilling(tmp_path, name="ev")
-        reporter = OutcomeReporter(_dead_bootstrap(), name="oc", spool_dir=tmp_path / "oc")
+        reporter = OutcomeReporter(dead_address(), name="oc", spool_dir=tmp_path / "oc")
         with log.session(task_type="t") as s:
             s.tool_call("t", {})
             assert current_session() is s and s.headers() == {}
@@ -420,7 +414,7 @@ def test_sample_rate_keeps_whole_sessions_and_the_reporter_drops_the_same_ones(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(sdk.SAMPLE_RATE_ENV, "0.3")
     log = _spilling(tmp_path, name="ev")
-    reporter = OutcomeReporter(_dead_bootstrap(), name="oc", spool_dir=tmp_path / "oc", linger_s=0.01)
+    reporter = OutcomeReporter(dead_address(), name="oc", spool_dir=tmp_path / "oc", linger_s=0.01)
     assert log.sample_rate == reporter.sample_rate == 0.3
     ids = [f"sess-{i}" for i in range(2000)]  # sequential ids: a weak hash samples them off the rate
     for sid in ids:
@@ -458,7 +452,7 @@ def test_an_invalid_sample_rate_warns_once_and_logs_every_session(value: str, tm
     monkeypatch.setenv(sdk.SAMPLE_RATE_ENV, value)
     with caplog.at_level(logging.WARNING, logger="flywheel.ingest.sdk"):
         log = _spilling(tmp_path, name="a")
-        reporter = OutcomeReporter(_dead_bootstrap(), name="b", spool_dir=tmp_path / "b")
+        reporter = OutcomeReporter(dead_address(), name="b", spool_dir=tmp_path / "b")
     assert log.sample_rate == reporter.sample_rate == 1.0
     assert all(log.attach(f"s{i}").sampled for i in range(200))
     warned = [r.getMessage() for r in caplog.records if sdk.SAMPLE_RATE_ENV in r.getMessage()]
@@ -498,7 +492,7 @@ def test_a_logger_spills_under_the_state_directory_not_the_working_directory(
     monkeypatch.chdir(cwd)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     with caplog.at_level(logging.WARNING, logger="flywheel.ingest.sdk"):
-        log = SessionLogger(_dead_bootstrap(), name="agent", linger_s=0.01)
+        log = SessionLogger(dead_address(), name="agent", linger_s=0.01)
         log.attach("s").tool_call("t", {})
         log.close(timeout=5)
     spooled = _spooled(tmp_path / "state" / "flywheel" / "spool" / "agent@flywheel.events")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import array
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from flywheel.ingest import schema, wire
 from flywheel.ingest.sdk import SessionLogger
 from flywheel.ingest.spool import Spool
 from flywheel.serving.proxy import CaptureProxy, ProxyConfig, Routed, collect, static_route, strip
+from tests.unit.test_sdk import dead_address
 
 
 class _Headers(dict):
@@ -27,15 +27,9 @@ class _Request:
         self.headers = _Headers(headers)
 
 
-def _dead_bootstrap() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.fixture
 def proxy(tmp_path: Path) -> CaptureProxy:
-    logger = SessionLogger(_dead_bootstrap(), name="p", spool_dir=tmp_path / "spool", linger_s=0.01)
+    logger = SessionLogger(dead_address(), name="p", spool_dir=tmp_path / "spool", linger_s=0.01)
     proxy = CaptureProxy(ProxyConfig(idle_timeout_s=5.0), logger, static_route("policy-v4", 4))
     proxy.spool_dir = tmp_path / "spool"  # type: ignore[attr-defined]
     return proxy
@@ -154,7 +148,7 @@ def test_session_start_end_and_idle_timeout(proxy: CaptureProxy) -> None:
 
 
 def test_routed_server_and_model_come_from_the_route(tmp_path: Path) -> None:
-    logger = SessionLogger(_dead_bootstrap(), name="r", spool_dir=tmp_path / "spool")
+    logger = SessionLogger(dead_address(), name="r", spool_dir=tmp_path / "spool")
     proxy = CaptureProxy(ProxyConfig(), logger, lambda sid: Routed("policy-v9", 9, "http://other:8000"))
     call = proxy._begin(_Request({"X-Flywheel-Session-Id": "s"}), "chat", {"model": "agent"}, 0.0, proxy.route("s"))
     assert (call.model, call.policy_version) == ("policy-v9", 9)
@@ -169,8 +163,8 @@ def test_http_errors_are_clear_when_the_body_is_bad_or_vllm_is_down(tmp_path: Pa
     from flywheel.serving.proxy import make_app
 
     async def scenario() -> list[tuple[int, str]]:
-        logger = SessionLogger(_dead_bootstrap(), name="h", spool_dir=tmp_path / "spool")
-        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{_dead_bootstrap()}", heartbeat_s=0), logger, static_route("policy-v0", 0))
+        logger = SessionLogger(dead_address(), name="h", spool_dir=tmp_path / "spool")
+        proxy = CaptureProxy(ProxyConfig(upstream=f"http://{dead_address()}", heartbeat_s=0), logger, static_route("policy-v0", 0))
         async with TestClient(TestServer(make_app(proxy))) as client:
             out = []
             for body in (b"{not json", b"[1, 2]", json.dumps({"model": "m", "messages": []}).encode(),
@@ -190,7 +184,7 @@ def test_http_errors_are_clear_when_the_body_is_bad_or_vllm_is_down(tmp_path: Pa
 def test_stats_show_what_the_router_routes_by(tmp_path: Path) -> None:
     import asyncio
 
-    logger = SessionLogger(_dead_bootstrap(), name="m", spool_dir=tmp_path / "spool", linger_s=0.01)
+    logger = SessionLogger(dead_address(), name="m", spool_dir=tmp_path / "spool", linger_s=0.01)
     state = {"aliases": {"champion": 3}, "read_at": 1234.5}
     try:
         with_router = CaptureProxy(ProxyConfig(heartbeat_s=0), logger, static_route("policy-v3", 3), lambda: state)
@@ -204,7 +198,7 @@ def test_stats_show_what_the_router_routes_by(tmp_path: Path) -> None:
 def test_a_call_during_a_reload_is_logged_with_both_versions_and_an_unknown_version_is_not(tmp_path: Path) -> None:
     import asyncio
 
-    logger = SessionLogger(_dead_bootstrap(), name="v", spool_dir=tmp_path / "spool", linger_s=0.01)
+    logger = SessionLogger(dead_address(), name="v", spool_dir=tmp_path / "spool", linger_s=0.01)
     proxy = CaptureProxy(ProxyConfig(idle_timeout_s=5.0), logger, static_route("policy-v4", 4))
     proxy.spool_dir = tmp_path / "spool"  # type: ignore[attr-defined]
     held = iter([2, 3, 5, 5, None, 5])  # the server's version before and after each call

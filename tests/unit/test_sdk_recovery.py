@@ -25,6 +25,7 @@ import pytest
 
 from flywheel.ingest.sdk import OutcomeReporter, SessionLogger, _default_name
 from flywheel.ingest.spool import Spool
+from tests.unit.test_sdk import dead_address
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -162,12 +163,6 @@ def listening() -> Iterator[str]:
     server.close()
 
 
-def _dead_bootstrap() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
-
-
 def _logger(bootstrap: str, spool_dir: Path | None, **kw: Any) -> SessionLogger:
     options = {"name": "rec", "linger_s": 0.01, "retry_s": 0.1, "outage_after_s": 0.2, "inflight_wait_s": 0.3, **kw}
     if spool_dir is not None:
@@ -273,7 +268,7 @@ def test_the_outage_ends_while_the_agent_keeps_logging(fakes: _Fakes, listening:
 
 
 def test_orphaned_spools_are_adopted_in_order_and_removed(tmp_path: Path) -> None:
-    dead, spool_dir = _dead_bootstrap(), tmp_path / "spool"
+    dead, spool_dir = dead_address(), tmp_path / "spool"
     first = _logger(dead, spool_dir)
     for name in ("a0", "a1"):
         first.attach("s").tool_call(name, {})
@@ -310,7 +305,7 @@ time.sleep(60)
 def test_a_killed_agent_is_replayed_by_the_next_process_of_that_name(fakes: _Fakes, listening: str, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLYWHEEL_SPOOL_DIR", str(tmp_path / "var" / "spool"))  # the default layout, in tmp_path
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, _dead_bootstrap()], cwd=tmp_path, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, dead_address()], cwd=tmp_path, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "spooled", "the agent never spooled"
@@ -330,7 +325,7 @@ def test_a_killed_agent_is_replayed_by_the_next_process_of_that_name(fakes: _Fak
 def test_default_spool_is_stable_and_per_topic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLYWHEEL_SPOOL_DIR", str(tmp_path / "var" / "spool"))
     monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
-    dead = _dead_bootstrap()
+    dead = dead_address()
     log = SessionLogger(dead, name="same", linger_s=0.01)
     reporter = OutcomeReporter(dead, name="same", linger_s=0.01)
     log.attach("s").tool_call("t", {})
@@ -344,7 +339,7 @@ def test_default_spool_is_stable_and_per_topic(tmp_path: Path, monkeypatch: pyte
 
 
 def _spill_then_close(spool_dir: Path, n: int, name: str = "rec") -> None:
-    first = _logger(_dead_bootstrap(), spool_dir, name=name)
+    first = _logger(dead_address(), spool_dir, name=name)
     s = first.attach("s")
     for i in range(n):
         s.tool_call("t", {"i": i})
@@ -413,7 +408,7 @@ def _spool_records(directory: Path) -> list[bytes]:
 
 
 def test_flush_and_metrics_never_raise_while_the_spool_closes(tmp_path: Path) -> None:
-    log = _logger(_dead_bootstrap(), tmp_path / "spool")
+    log = _logger(dead_address(), tmp_path / "spool")
     log.attach("s").tool_call("t", {})
     log.close(timeout=2)
     pipe = log._pipe
@@ -464,7 +459,7 @@ def test_a_forked_child_does_not_keep_the_parents_spool_locked(tmp_path: Path) -
     from flywheel.ingest.spool import SpoolLocked
 
     spool_dir = tmp_path / "spool"
-    proc = subprocess.Popen([sys.executable, "-c", FORKING, _dead_bootstrap(), str(spool_dir)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", FORKING, dead_address(), str(spool_dir)], stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     child = 0
     try:
@@ -517,7 +512,7 @@ def test_a_long_replay_parks_the_hosts_queue_in_the_spool(fakes: _Fakes, listeni
 
 
 def test_adoption_refuses_another_loggers_or_topics_spool(tmp_path: Path) -> None:
-    dead = _dead_bootstrap()
+    dead = dead_address()
     for suffix, owner in (("1", {"name": "other", "topic": "flywheel.events"}),
                           ("2", {"name": "rec", "topic": "flywheel.outcomes"}), ("3", None)):
         sibling = Spool(tmp_path / f"spool-{suffix}", owner=owner)
@@ -541,7 +536,7 @@ def test_an_unmarked_sibling_is_adopted_only_under_the_default_name(tmp_path: Pa
         old.append([b'{"name":"old"}'])
         old.close()
     with caplog.at_level("INFO", logger="flywheel.ingest.sdk"):
-        log = SessionLogger(_dead_bootstrap(), name="rec", linger_s=0.01, retry_s=0.1)
+        log = SessionLogger(dead_address(), name="rec", linger_s=0.01, retry_s=0.1)
         log.attach("s").tool_call("new", {})
         log.close(timeout=2)
     assert log.metrics()["adopted"] == 1, log.metrics()
