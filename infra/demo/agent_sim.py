@@ -296,7 +296,12 @@ class AgentSim:
         cfg.handoff.parent.mkdir(parents=True, exist_ok=True)
 
     # ---------------------------------------------------------------- one model call
-    def _generate(self, session_id: str, agent_id: str, parent: str | None, task_type: str):
+    def _generate(self, session_id: str, agent_id: str, parent: str | None, task_type: str,
+                  last_ids: list[list[int] | None]):
+        """generate(messages) -> the reply's text; the reply's completion token ids go to last_ids[0] (the proxy
+        returns them when asked, return_token_ids), so a malformed call can say which token broke it."""
+        from flywheel.demo.swarm import reply_token_ids
+
         headers = {H_SESSION: session_id, H_AGENT: agent_id, H_TASK: task_type}
         if parent:
             headers[H_PARENT] = parent
@@ -304,10 +309,12 @@ class AgentSim:
         def generate(messages: list[tasks.Message]) -> str:
             resp = self.client.chat.completions.create(
                 model=self.cfg.model, messages=messages, max_tokens=self.cfg.max_tokens,
-                temperature=self.cfg.temperature, extra_headers=headers, timeout=self.cfg.request_timeout_s)
+                temperature=self.cfg.temperature, extra_headers=headers, timeout=self.cfg.request_timeout_s,
+                extra_body={"return_token_ids": True})
             self.counts.add("llm_calls")
             if self.ledger is not None:
                 self.ledger.note(session_id, agent_id, "llm_call")
+            last_ids[0] = reply_token_ids(resp.choices[0])
             return resp.choices[0].message.content or ""
 
         return generate
@@ -318,14 +325,20 @@ class AgentSim:
         Returns the answer and what the verifier needs to check the part's calls."""
         pending: dict[str, str] = {}
         calls: list[dict[str, Any]] = []
+        last_ids: list[list[int] | None] = [None]  # the latest reply's completion token ids (generate sets them)
 
         def on_turn(turn: tasks.TaskTurn) -> None:
             if turn.parsed.kind == "answer":
                 return
             malformed = turn.parsed.kind == "malformed_call"
             self.counts.add("malformed_calls" if malformed else "tool_calls")
+            # where the call broke (tasks.malformed_from): the penalty is charged from that token on. Without it the
+            # whole reply was pushed down, the well-formed `<tool_call>{"name": "add", ...}}</` before a stop token
+            # that came too early included (run 12's v1: 34 of its 288 calls so, all add/mul)
+            broke_at = (self.tokens.token_at(last_ids[0], turn.reply, tasks.malformed_from(turn.reply))
+                        if malformed and last_ids[0] else None)
             call_id = agent.tool_call(turn.parsed.tool or "unparsed", turn.parsed.arguments,
-                                      malformed=malformed or None)
+                                      malformed=malformed or None, malformed_token=broke_at)
             agent.tool_result(call_id, ok=bool(turn.tool_ok), output=turn.tool_output, name=turn.parsed.tool)
             pending[call_id] = turn.tool_output or ""
             if not malformed:
@@ -336,7 +349,7 @@ class AgentSim:
             removed_tokens = sum(self.tokens.count(str(m.get("content", ""))) for m in removed)
             agent.context_edit("summarize", removed_tokens, self.tokens.ids(note["content"]))
 
-        generate = self._generate(agent.session_id, agent.agent_id, agent.parent_agent_id, task_type)
+        generate = self._generate(agent.session_id, agent.agent_id, agent.parent_agent_id, task_type, last_ids)
         answer, _turns = tasks.solve_part(part, generate, self.cfg.max_turns, self.cfg.context_budget_chars,
                                           on_turn=on_turn, on_compact=on_compact)
         return answer, {"agent_id": agent.agent_id, "calls": calls}
