@@ -658,6 +658,17 @@ def subagent_model(base_dir: Any, out_dir: Any, settings: Any = None) -> dict[st
     return warm_start.run(base_dir, out_dir, settings, demos=f"{__name__}:subagent_demos", rule=subagent_rule())
 
 
+def ensure_warm_model(base_dir: Any, out_dir: Any) -> Path:
+    """out_dir, the swarm's policy-v0 built by warm_start_model from base_dir with the default settings (the swarm
+    recipe's) unless the one there is current. The pre-flight's CLI takes it from here: run on a fresh clone, it
+    stopped with transformers' "Repo id must be in the form ..." for the missing directory."""
+    from flywheel.demo import warm_start
+
+    if not warm_start.is_current(Path(out_dir), Path(base_dir), warm_rule(), warm_start.WarmStartSettings()):
+        warm_start_model(base_dir, out_dir)
+    return Path(out_dir)
+
+
 def ensure_subagent_model(base_dir: Any, out_dir: Any) -> Path:
     """out_dir, built by subagent_model from base_dir (600 pinned steps, ~5 minutes) unless the one there is current:
     the demo's set-up and the pre-flight both take it from here."""

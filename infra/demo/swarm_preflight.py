@@ -273,6 +273,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(SwarmPreflightConfig, argv, prog="flywheel swarm-preflight")
     setup_logging()
+    swarm.ensure_warm_model(cfg.base_model, cfg.model)  # the demo's set-up builds it too; a fresh clone has none
     result = run(cfg)
     print(table(result))
     print(json.dumps({"passed": result["passed"], "failed": result["failed"],

@@ -111,3 +111,17 @@ def test_frozen_sub_agents_do_the_spawned_pieces_with_their_own_model_and_the_po
     serial = swarm_preflight.run_mode("serial", reqs, policy, cfg, subagents)
     assert not any(r["success"] for r in serial) and subagents.batches == [], "serial: the policy alone, and it fails"
     assert all(len(swarm.request_pieces(text)) > 1 for text in policy.seen), "the policy saw only whole requests"
+
+
+def test_the_cli_builds_the_swarm_policy_unless_current(monkeypatch: Any, tmp_path: Any) -> None:
+    from flywheel.demo import warm_start
+
+    built: list[Any] = []
+    monkeypatch.setattr(swarm, "warm_start_model", lambda base, out: built.append(out))
+    monkeypatch.setattr(warm_start, "is_current", lambda out, base, rule, settings=None: rule == "current")
+    monkeypatch.setattr(swarm, "warm_rule", lambda: "stale")
+    assert swarm.ensure_warm_model(tmp_path / "base", tmp_path / "warm") == tmp_path / "warm"
+    assert built == [tmp_path / "warm"], "a fresh clone has no policy-v0: the pre-flight builds it"
+    monkeypatch.setattr(swarm, "warm_rule", lambda: "current")
+    swarm.ensure_warm_model(tmp_path / "base", tmp_path / "warm")
+    assert len(built) == 1, "a current one is reused"
