@@ -47,8 +47,8 @@ from flywheel.demo import tasks
 log = logging.getLogger(__name__)
 
 # The warm start's rule, recorded in warm_start.json: a model built under another rule is rebuilt rather than
-# silently served as the demo's base.
-RULE = "fixed-steps/pinned-numerics/three-generations"
+# silently served as the demo's base. joined-turns: the same loss as separate turns, other rounding, other weights.
+RULE = "fixed-steps/pinned-numerics/three-generations/joined-turns"
 
 # Environment the build runs under. Set before torch loads (MKL and oneDNN read theirs once, at first use), hence
 # a child process when the caller's environment differs. avx2 is the level every x86-64 CPU of the last decade
@@ -58,7 +58,8 @@ RULE = "fixed-steps/pinned-numerics/three-generations"
 # Intel machines, and on an AMD EPYC ran as `CNR:AUTO,STRICT` (MKL_VERBOSE): other weights, held-out loss 0.153
 # against 0.125, and country's lookups right under some name on 40% of first calls, outside the band, so `make demo`
 # failed there. COMPATIBLE (SSE2, no approximate reciprocals) is the branch Intel promises the same on Intel and
-# compatible CPUs; it doubles the build (541 s against 276 s for 600 steps on two threads, AMD EPYC). `mkl_branch`
+# compatible CPUs; its gemm is twice as slow (600 steps: 541 s against 276 s on two threads, AMD EPYC; 264 s since
+# join_turns trains a demonstration's two turns as one sequence). `mkl_branch`
 # reads the branch MKL runs and the build refuses any other, so a silent fallback cannot come back.
 # STRICT: MKL's strict CNR mode (bitwise the same for a fixed thread count). Two threads, pinned: under COMPATIBLE
 # one thread and two give different weights (a 100-step build: f2ddee88ca8c against 50a667fbabd7).
@@ -80,6 +81,7 @@ class WarmStartOutOfBand(RuntimeError):
 
 
 Example = tuple[list[int], list[int]]  # (prompt ids, completion ids)
+Sequence = tuple[list[int], list[int]]  # (token ids, labels: the token where the loss is taken, -100 elsewhere)
 
 
 @dataclass
@@ -96,7 +98,7 @@ class WarmStartSettings:
     # 48 measure each tool's success to about +-7 points (the demo measures the base on hundreds of sessions).
     eval_parts_per_tool: int = setting(48, "held-out parts per tool sampled at the end, as vLLM serves the model, "
                                            "for the record's success figures")
-    batch_size: int = setting(32, "examples a step (two per demonstration)")
+    batch_size: int = setting(32, "examples a step (two turns per demonstration, trained as one sequence)")
     lr: float = setting(3e-3, "peak learning rate, decayed linearly to 10% over max_steps (the tiny model: a "
                               "constant 2e-3 diverged after 350 steps)")
     max_new_tokens: int = setting(40, "tokens a sampled reply of the record's evaluation may have")
@@ -188,17 +190,37 @@ def _cpuinfo() -> dict[str, str]:
     return out
 
 
+def join_turns(examples: list[Example]) -> list[Sequence]:
+    """The examples as few sequences: an example whose prompt starts with an earlier sequence's tokens (a later turn
+    of the same dialogue) extends that sequence, with the loss on both turns' completions.
+
+    Exact, not an approximation: under causal attention a token's logits depend only on the tokens before it, and
+    the loss is the mean over the same labelled tokens. It saves the shared prefix's compute: a demonstration's call
+    turn is its answer turn's prefix, 40% of a step's tokens. A prompt that does not start with the tokens (the chat
+    template or BPE rendered the prefix otherwise) stays a sequence of its own.
+    """
+    out: list[Sequence] = []
+    for prompt, completion in examples:
+        for i, (ids, labels) in enumerate(out):
+            if prompt[: len(ids)] == ids:
+                out[i] = (prompt + completion, labels + [-100] * (len(prompt) - len(ids)) + completion)
+                break
+        else:
+            out.append((prompt + completion, [-100] * len(prompt) + completion))
+    return out
+
+
 def _batch(examples: list[Example], pad_id: int) -> tuple[Any, Any, Any]:
     import torch
 
-    width = max(len(p) + len(c) for p, c in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (p, c) in enumerate(examples):
-        seq = p + c
+    sequences = join_turns(examples)
+    width = max(len(seq) for seq, _ in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(sequences), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, (seq, lab) in enumerate(sequences):
         ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, len(p) : len(seq)] = torch.tensor(c)  # loss on the assistant's tokens only
+        labels[i, : len(seq)] = torch.tensor(lab)  # loss on the assistant's tokens only
         mask[i, : len(seq)] = 1
     return ids, labels, mask
 

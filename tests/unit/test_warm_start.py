@@ -159,3 +159,43 @@ def test_a_build_under_other_pins_is_not_current(built: tuple[dict, Path], tmp_p
     (other / "warm_start.json").write_text(json.dumps({**record, "pins": {**record["pins"], "env": env}}))
     assert warm_start.is_current(out, BASE, settings=SHORT)
     assert not warm_start.is_current(other, BASE, settings=SHORT), "another machine's weights served as this one's"
+
+
+def test_a_dialogues_turns_train_as_one_sequence_with_the_same_loss() -> None:
+    """join_turns puts a demonstration's call turn and answer turn in one sequence (the call turn is the answer
+    turn's prefix): half the rows, and the loss of the separate rows, since a token sees only the tokens before it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(BASE)
+    model = AutoModelForCausalLM.from_pretrained(BASE, torch_dtype=torch.float64).eval()
+    rng = random.Random(3)
+    parts = [tasks.make_part(rng, "train") for _ in range(6)]
+    examples = warm_start._examples(tok, parts, [i % len(tasks.GENERATIONS) for i in range(len(parts))])
+    sequences = warm_start.join_turns(examples)
+    assert len(examples) == 12 and len(sequences) == 6
+    for (p1, c1), (p3, c3), (ids, labels) in zip(examples[::2], examples[1::2], sequences):
+        assert ids == p3 + c3 and [t for t in labels if t != -100] == c1 + c3
+    unrelated = ([1, 2, 3], [4]), ([1, 2, 5, 6], [7])  # a prompt that does not start with the sequence: its own row
+    assert warm_start.join_turns(list(unrelated)) == [([1, 2, 3, 4], [-100, -100, -100, 4]),
+                                                      ([1, 2, 5, 6, 7], [-100] * 4 + [7])]
+
+    def loss(batch: tuple) -> float:
+        ids, labels, mask = batch
+        with torch.no_grad():
+            return float(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+
+    separate = [(p + c, [-100] * len(p) + c) for p, c in examples]
+    joined = warm_start._batch(examples, tok.pad_token_id)
+    assert joined[0].shape[0] == 6
+    assert loss(joined) == pytest.approx(loss(_padded(separate, tok.pad_token_id)), rel=1e-6)
+
+
+def _padded(sequences: list, pad_id: int) -> tuple:
+    import torch
+
+    width = max(len(s) for s, _ in sequences)
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s, _ in sequences])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s, _ in sequences])
+    return ids, labels, mask
