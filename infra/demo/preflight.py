@@ -42,7 +42,8 @@ class PreflightConfig:
         "production", "the tools of the sampled requests: production (the demo's traffic, tasks.PRODUCTION_MIX: "
                       "lookups 80%, add/mul 10% each) or uniform")
     lr: float = setting(4e-4, "the demo recipe's learner lr")
-    probe_parts: int = setting(24, "parts per tool the naming probability is measured on")
+    probe_parts: int = setting(24, "sampled parts per add/mul tool the naming probability is measured on (a "
+                                   "lookup's is measured on every prompt of the split)")
     probe_split: Literal["heldout", "train", "both"] = setting(
         "heldout", "the prompts it is measured on: heldout (none the warm start or this loop trained on), train "
                    "(production's own, about 80% of its traffic) or both (one run: the probe reads the model and "
@@ -90,6 +91,22 @@ def _token_logprobs(model: Any, ids: Any, attention: Any) -> Any:
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
 
 
+def probe_parts(per_tool: int, split: str, seed: int = 30_000) -> list[tasks.Part]:
+    """What p(production name) is measured on: every prompt of the split for a lookup, per_tool sampled ones for
+    add/mul (400 prompts each, too many to run every step).
+
+    A lookup's prompts are a closed set (19 train, 5 held out), so the probe takes its exact mean. It drew 24 with
+    replacement until session 34, where one warm start's probe held "weather in quito" four times among 24 (its
+    share of the train split is one in 19): after 20 steps that prompt alone called timezone (p(weather) 0.02), and
+    the draw put weather at 0.81 against 0.91 over the split's 19 prompts (docs/experiments.md, session 34)."""
+    from flywheel.demo import warm_start
+
+    lookups = [tasks.Part(tool, args, tasks.prompt_text(tool, args, phrasing))
+               for tool, args, phrasing in tasks.task_space()
+               if tool in tasks.LOOKUPS and tasks.split_of(tool, args, phrasing) == split]
+    return lookups + [p for p in warm_start.heldout_parts(per_tool, seed, split) if p.tool not in tasks.LOOKUPS]
+
+
 def run(cfg: PreflightConfig) -> dict[str, Any]:
     """Train on-policy for cfg.steps steps: p(production name) per tool after each step, and whether all reached it."""
     import torch
@@ -104,7 +121,7 @@ def run(cfg: PreflightConfig) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     splits = ["heldout", "train"] if cfg.probe_split == "both" else [cfg.probe_split]
-    probes = {split: warm_start.heldout_parts(cfg.probe_parts, seed=30_000, split=split) for split in splits}
+    probes = {split: probe_parts(cfg.probe_parts, split) for split in splits}
 
     def measure() -> dict[str, Any]:
         by_split = {split: _production(warm_start.naming_probabilities(model, tok, probe))

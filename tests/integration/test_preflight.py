@@ -7,7 +7,8 @@ traffic): lookups 0.95-0.97 in each of seeds 0, 1, 2 (reached by step 10-15), ad
 prompts no one trained on (held out): lookups 0.63-0.96, add/mul 0.23-0.92. Add/mul get few rewarded rows because
 the warm start does not copy their digits. This test holds the project to what it does: on production's prompts
 every lookup at 0.9 or more; on held-out ones every lookup at least 0.55 and 0.2 above its start; sampled first
-calls right at least three times the first step's.
+calls right at least 25 points above the first step's. A lookup's p is its mean over every prompt of the split
+(preflight.probe_parts).
 
 The warm start is the demo's own (var/models/tiny-warm, the fixed 600-step pinned build, about 6 minutes on two
 threads; reused when it is current), so this test is the demo's promise, not a smaller stand-in's."""
@@ -51,4 +52,7 @@ def test_every_tool_reaches_production_names_within_20_on_policy_steps(
     assert all(reached[tool] >= 0.9 for tool in tasks.LOOKUPS), reached
     early = result["history"][1]["reward"]
     late = sum(h["reward"] for h in result["history"][-5:]) / 5
-    assert late >= 3 * early, f"sampled first calls right: {early:.2f} at step 1, {late:.2f} over the last five steps"
+    # the +25 points issue 38's acceptance asks of the demo, in first calls. Until session 34 this was "three times
+    # step 1's", a ratio that rests on the base's level: a base whose first calls start at 25% (lookups are 80% of
+    # the mix and add/mul stay near 0) would need 75% of a ~80% ceiling; that base gave 0.70, +45 points
+    assert late >= early + 0.25, f"sampled first calls right: {early:.2f} at step 1, {late:.2f} over the last five steps"

@@ -38,3 +38,20 @@ def test_one_run_on_both_prompt_sets_measures_what_a_run_per_set_does() -> None:
             assert [h.get(key) for h in both["history"]] == [h.get(key) for h in alone["history"]]
         assert both["reached_at_by_split"][split] == alone["reached_at"]
     assert both["history"][-1]["production_name"] == both["history"][-1]["by_split"]["heldout"]
+
+
+def test_a_lookups_probe_is_every_prompt_of_its_split_once() -> None:
+    """A lookup's prompts are a closed set, so the probe takes its exact mean: no prompt weighted twice by a draw."""
+    from flywheel.demo import tasks
+
+    for split in ("train", "heldout"):
+        parts = preflight.probe_parts(6, split)
+        for tool in tasks.LOOKUPS:
+            texts = [p.text for p in parts if p.tool == tool]
+            want = [tasks.prompt_text(t, a, ph) for t, a, ph in tasks.task_space()
+                    if t == tool and tasks.split_of(t, a, ph) == split]
+            assert sorted(texts) == sorted(want) and len(set(texts)) == len(texts) > 0
+        for tool in tasks.ARITHMETIC:
+            sampled = [p for p in parts if p.tool == tool]
+            assert len(sampled) == 6 and all(tasks.split_of(p.tool, p.args, tasks.phrasing_of(p)) == split
+                                             for p in sampled)
