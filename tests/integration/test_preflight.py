@@ -10,7 +10,7 @@ every lookup at 0.9 or more; on held-out ones every lookup at least 0.55 and 0.2
 calls right at least 25 points above the first step's. A lookup's p is its mean over every prompt of the split
 (preflight.probe_parts).
 
-The warm start is the demo's own (var/models/tiny-warm, the fixed 600-step pinned build, about 6 minutes on two
+The warm start is the demo's own (var/models/tiny-warm, the fixed 600-step pinned build, about 4.5 minutes on two
 threads; reused when it is current), so this test is the demo's promise, not a smaller stand-in's."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flywheel.demo.model_init import ModelInitConfig
 from flywheel.demo.model_init import run as model_init
 
 ROOT = Path(__file__).resolve().parents[2]
-# the warm start it needs takes about 6 minutes on two pinned threads when a fresh checkout has none (built in the
+# the warm start it needs takes about 4.5 minutes on two pinned threads when a fresh checkout has none (built in the
 # background from the session's start: conftest.BackgroundBuild); a busy machine can double that
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -126,7 +126,8 @@ def test_the_learner_and_gate_carry_the_demos_measured_defaults(tmp_path: Path) 
     assert (learner.mode, learner.lr, learner.batch_size, learner.min_batch, learner.micro_batch) == \
         ("full", 4e-4, 64, 64, 32), learner
     assert (learner.cpu_threads, learner.newest_first, learner.loss_agg, learner.kl_coef, learner.baseline) == \
-        (1, True, "sequence", 0.0, "batch"), learner
+        (1, True, "sequence", 0.1, "batch"), learner
+    assert learner.kl_rows == "all", "the KL holds the rows positive-only skips (add/mul's calls) too"
     assert (learner.positive_only, learner.max_staleness_steps, learner.epochs, learner.loss) == (True, 60, 1, "tis"), learner
     assert (learner.publish_every_steps, learner.publish_wait_for_gate, learner.publish_every_s, learner.publish_supersede_s) == \
         (20, True, 0.0, 420.0), learner

@@ -512,8 +512,8 @@ def test_the_swarm_recipe_and_flags_reach_each_sub_command() -> None:
     assert (learner.shaping_anneal_start_step, learner.shaping_anneal_end_step) == (0, 7)
     assert (learner.kl_coef, learner.kl_target, learner.opening_share, learner.kl_rows) == (0.1, 0.1, 0.5, "trained")
     default_learner = learner_of(plan.DemoConfig())
-    assert (default_learner.kl_coef, default_learner.kl_target, default_learner.opening_share) == (0.0, 0.0, 0.0), \
-        "the default demo's learner is unchanged"
+    assert (default_learner.kl_coef, default_learner.kl_target, default_learner.opening_share,
+            default_learner.kl_rows) == (0.1, 0.0, 0.0, "all"), "the default demo's learner is the tool-use recipe's"
     assert default_learner.shaping_anneal_end_step == 0, "the default demo does not anneal"
     default = gate_of(plan.DemoConfig())
     assert (default.outcome_kind, default.margin) == ("task_success", 0.0), "the default demo's gate is unchanged"
