@@ -211,9 +211,13 @@ def join_turns(examples: list[Example]) -> list[Sequence]:
 
 
 def _batch(examples: list[Example], pad_id: int) -> tuple[Any, Any, Any]:
+    return _pad(join_turns(examples), pad_id)
+
+
+def _pad(sequences: list[Sequence], pad_id: int) -> tuple[Any, Any, Any]:
+    """(ids, labels, attention mask) of the sequences, right-padded to the longest."""
     import torch
 
-    sequences = join_turns(examples)
     width = max(len(seq) for seq, _ in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     labels = torch.full((len(sequences), width), -100, dtype=torch.long)

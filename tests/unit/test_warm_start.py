@@ -188,14 +188,5 @@ def test_a_dialogues_turns_train_as_one_sequence_with_the_same_loss() -> None:
     separate = [(p + c, [-100] * len(p) + c) for p, c in examples]
     joined = warm_start._batch(examples, tok.pad_token_id)
     assert joined[0].shape[0] == 6
-    assert loss(joined) == pytest.approx(loss(_padded(separate, tok.pad_token_id)), rel=1e-6)
+    assert loss(joined) == pytest.approx(loss(warm_start._pad(separate, tok.pad_token_id)), rel=1e-6)
 
-
-def _padded(sequences: list, pad_id: int) -> tuple:
-    import torch
-
-    width = max(len(s) for s, _ in sequences)
-    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s, _ in sequences])
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in sequences])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s, _ in sequences])
-    return ids, labels, mask
