@@ -113,6 +113,11 @@ class StackConfig:
     vllm_dtype: str = setting("float32", "weights dtype; float32 keeps learner and server logprobs within 1e-4")
     vllm_extra_args: list[str] = setting([], "extra vLLM server flags, comma-separated")
     vllm_timeout_s: float = setting(300.0, "how long to wait for vLLM to serve")
+    vllm_nice: int = setting(0, "the servers' scheduling niceness (0-19; every process and thread of each): on a "
+                                "machine they share with the learner, a positive value lets a learner step take a "
+                                "core when it has one to run, and the servers take the cores back while it waits. "
+                                "Applied to servers of ours already running too; a niceness is only ever raised "
+                                "(lowering needs privileges)")
     s3_host: str = setting("127.0.0.1", "address the S3-compatible server (S3Proxy) listens on")
     s3_port: int = setting(9000, "S3 port; clients use AWS_ENDPOINT_URL=http://<s3_host>:<s3_port>")
     s3_bucket: str = setting("flywheel", "bucket `up` creates; the lake root is then s3://<bucket>/lake")
@@ -130,6 +135,8 @@ class StackConfig:
         check_choices(self)
         if self.vllm_servers < 1:
             raise ConfigError(f"vllm_servers: must be >= 1, got {self.vllm_servers}")
+        if not 0 <= self.vllm_nice <= 19:
+            raise ConfigError(f"vllm_nice: must be within 0-19, got {self.vllm_nice}")
         ports = {"kafka_port": self.kafka_port, "kafka_controller_port": self.kafka_controller_port,
                  "mlflow_port": self.mlflow_port}
         if len(set(ports.values())) != len(ports):
@@ -869,10 +876,15 @@ def start_vllm(cfg: StackConfig, servers: list[int] | None = None) -> list[dict[
         for i in indices:  # spawn all first: the servers load their model at the same time
             records.append(_spawn(cfg, vllm_name(i), _vllm_command(cfg, base, cfg.vllm_ports[i]), _vllm_env(cfg, i),
                                   VLLM_MARKER, port=cfg.vllm_ports[i]))
+        # Popen returns once the child has exec'd: each server is a lone thread importing vLLM, which has forked
+        # no worker yet (they inherit the niceness); kept servers get it too. Again once all serve, for any thread
+        # made in between.
+        nice_vllm(cfg)
         for i, record in zip(indices, records):
             url = cfg.vllm_urls[i]
             _wait(f"vllm server {url}", functools.partial(_serves_name, cfg, url), cfg.vllm_timeout_s, record,
                   _log_path(cfg, vllm_name(i)))
+        nice_vllm(cfg)
     except BaseException:
         for i, record in zip(indices, records):
             _stop_record(record)
@@ -905,10 +917,35 @@ def _vllm_ready(cfg: StackConfig, i: int) -> bool:
     return False
 
 
+def nice_vllm(cfg: StackConfig) -> list[int]:
+    """Raise every running server of ours to cfg.vllm_nice; returns the process groups it changed."""
+    records = [_read_pid(cfg, vllm_name(i)) for i in range(cfg.vllm_servers)]
+    changed = [int(r["pid"]) for r in records if r is not None and _nice_group(int(r["pid"]), cfg.vllm_nice)]
+    if changed:
+        log.info("vllm: niceness %d on process groups %s", cfg.vllm_nice, changed)
+    return changed
+
+
+def _nice_group(pgid: int, nice: int) -> bool:
+    """Raise process group pgid to `nice`; True when it changed. A server is a process group of its own
+    (start_new_session), and setpriority on the group reaches every thread of every process in it (vLLM's engine
+    core and its OpenMP threads included); threads and processes made later inherit it from their makers."""
+    try:
+        # PRIO_PGRP reads the group's highest priority: the least nice of its threads
+        if os.getpriority(os.PRIO_PGRP, pgid) >= nice:
+            return False
+        os.setpriority(os.PRIO_PGRP, pgid, nice)
+        return True
+    except OSError as e:  # gone meanwhile
+        log.warning("process group %d: niceness %d not set: %s", pgid, nice, e)
+        return False
+
+
 def ensure_vllm(cfg: StackConfig) -> list[str]:
     """Start the servers that do not serve the base yet; ["vllm"] when it started any, else []."""
     todo = [i for i in range(cfg.vllm_servers) if not _vllm_ready(cfg, i)]
     if not todo:
+        nice_vllm(cfg)  # servers kept from an `up` with another niceness
         return []
     log.info("vllm: starting %d server(s) on ports %s (logs under %s)", len(todo), [cfg.vllm_ports[i] for i in todo],
              _log_path(cfg, "vllm").parent)
@@ -949,6 +986,7 @@ def _ensure_frozen_vllm(cfg: StackConfig, fcfg: StackConfig, served_name: str, m
     # beside the tier's servers (unbound, one thread each on this 2-core machine): the same, not a core of its own
     env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
     record = _spawn(fcfg, name, _vllm_command(fcfg, _vllm_base(fcfg), port), env, VLLM_MARKER, port=port)
+    _nice_group(int(record["pid"]), cfg.vllm_nice)  # serves beside the tier: the same priority
     try:
         _wait(f"vllm server {url}", functools.partial(_serves_name, fcfg, url), cfg.vllm_timeout_s, record,
               _log_path(cfg, name))

@@ -214,7 +214,7 @@ def ensure_stack(cfg: DemoConfig, topics: list[str], on_base: bool = False) -> t
     served_dir = cfg.base_model if cfg.load_policy_v0_weights or on_base else policy_v0(cfg)
     # a full-weight learner publishes no adapter: its servers run without vLLM's LoRA layers
     scfg = stack.replace_config(stack.load_stack_config([]), base_model=served_dir, vllm_servers=cfg.vllm_servers,
-                                vllm_lora=cfg.learner.mode == "lora")
+                                vllm_lora=cfg.learner.mode == "lora", vllm_nice=cfg.vllm_nice)
     started = stack.ensure_up(scfg)
     if not stack.vllm_serves_base(scfg):
         raise stack.StackError(f"vLLM at {scfg.vllm_urls} does not serve {served_dir} as {scfg.served_model_name}")

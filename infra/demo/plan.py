@@ -66,6 +66,10 @@ class DemoConfig:
                                       "rows were such)")
     vllm_servers: int = setting(3, "one vLLM server per live version: control, champion, challenger (full weights: a "
                               "new version goes only to a server no live version holds)")
+    vllm_nice: int = setting(10, "the servers' niceness (flywheel infra --vllm-nice): the learner is the loop's "
+                                 "bottleneck on shared cores; at 0 three servers left its step ~10x its time alone "
+                                 "(a step every 18 s in runs 15-17, 2.0 s alone); they take the cores back while it "
+                                 "waits")
     control_share: float = setting(0.2, "share of sessions always served by policy-v0, for the whole run: the "
                                         "concurrent baseline the final champion is measured against")
     challenger_share: float = setting(0.4, "share of sessions the challenger gets while there is one (the champion "

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,3 +166,34 @@ def test_creating_topics_retries_a_refused_connection_then_names_the_bootstrap(
     monkeypatch.setattr(stack, "_create_topics", lambda cfg: (_ for _ in ()).throw(KafkaConnectionError("refused")))
     with pytest.raises(stack.StackError, match="creating topics at 127.0.0.1:9092 failed"):
         stack.ensure_topics(_cfg(tmp_path), retry_s=0.0)
+
+
+def test_nice_reaches_every_thread_of_a_server_and_is_only_ever_raised(tmp_path: Path) -> None:
+    """A real process group (a server's shape: its own session, a second thread), reniced through its pid record."""
+    marker = f"flywheel-nice-test-{os.getpid()}"
+    code = "import sys, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, marker], start_new_session=True)
+    try:
+        cfg = _cfg(tmp_path, vllm_nice=10)
+        path = stack._pid_path(cfg, stack.vllm_name(0))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"pid": proc.pid, "marker": marker}))
+        tasks = Path(f"/proc/{proc.pid}/task")
+        for _ in range(100):  # the second thread starts after the interpreter does
+            if len(list(tasks.iterdir())) >= 2:
+                break
+            time.sleep(0.05)
+
+        def nices() -> set[int]:  # field 19 of /proc/<pid>/task/<tid>/stat, after the ")" that ends the name
+            return {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
+
+        assert len(list(tasks.iterdir())) >= 2 and nices() == {0}
+        assert stack.nice_vllm(cfg) == [proc.pid] and nices() == {10}, "every thread, the one made first included"
+        assert stack.nice_vllm(cfg) == [], "already there: nothing to do"
+        assert stack.nice_vllm(stack.replace_config(cfg, vllm_nice=5)) == [] and nices() == {10}, "never lowered"
+        assert stack.nice_vllm(stack.replace_config(cfg, vllm_nice=12)) == [proc.pid] and nices() == {12}
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(ConfigError, match="vllm_nice"):
+        _cfg(tmp_path, vllm_nice=20)
