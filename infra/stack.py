@@ -113,7 +113,8 @@ class StackConfig:
     vllm_dtype: str = setting("float32", "weights dtype; float32 keeps learner and server logprobs within 1e-4")
     vllm_extra_args: list[str] = setting([], "extra vLLM server flags, comma-separated")
     vllm_timeout_s: float = setting(300.0, "how long to wait for vLLM to serve")
-    vllm_nice: int = setting(0, "the servers' scheduling niceness (0-19; every process and thread of each): on a "
+    vllm_nice: int = setting(0, "the servers' scheduling niceness (0-19; every thread of each, and its session's "
+                                "scheduler autogroup): on a "
                                 "machine they share with the learner, a positive value lets a learner step take a "
                                 "core when it has one to run, and the servers take the cores back while it waits. "
                                 "Applied to servers of ours already running too; a niceness is only ever raised "
@@ -927,18 +928,33 @@ def nice_vllm(cfg: StackConfig) -> list[int]:
 
 
 def _nice_group(pgid: int, nice: int) -> bool:
-    """Raise process group pgid to `nice`; True when it changed. A server is a process group of its own
-    (start_new_session), and setpriority on the group reaches every thread of every process in it (vLLM's engine
-    core and its OpenMP threads included); threads and processes made later inherit it from their makers."""
+    """Raise the process group and session pgid to `nice`; True when it changed.
+
+    A server is a process group and a session of its own (start_new_session). Two settings, both needed:
+    - setpriority on the group reaches every thread of every process in it (vLLM's engine core and its OpenMP
+      threads included); threads and processes made later inherit it from their makers;
+    - with the kernel's autogroup scheduling (sched_autogroup_enabled, on by default) each session is a group that
+      competes with the others as one process of its own weight, whatever its threads' niceness: thread nice 10
+      alone left the demo's learner at 14% of a core beside three servers at 20-50% (run 18); the session's
+      autogroup niceness (/proc/<pid>/autogroup) is what weighs it against the learner's session."""
+    changed = False
     try:
         # PRIO_PGRP reads the group's highest priority: the least nice of its threads
-        if os.getpriority(os.PRIO_PGRP, pgid) >= nice:
-            return False
-        os.setpriority(os.PRIO_PGRP, pgid, nice)
-        return True
+        if os.getpriority(os.PRIO_PGRP, pgid) < nice:
+            os.setpriority(os.PRIO_PGRP, pgid, nice)
+            changed = True
+        autogroup = Path(f"/proc/{pgid}/autogroup")
+        if autogroup.exists() and autogroup_nice(pgid) < nice:  # "/autogroup-11 nice 0"
+            autogroup.write_text(str(nice))
+            changed = True
     except OSError as e:  # gone meanwhile
         log.warning("process group %d: niceness %d not set: %s", pgid, nice, e)
-        return False
+    return changed
+
+
+def autogroup_nice(pid: int) -> int:
+    """The niceness of pid's scheduler autogroup (its session's weight), from /proc/<pid>/autogroup."""
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
 
 
 def ensure_vllm(cfg: StackConfig) -> list[str]:

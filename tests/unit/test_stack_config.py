@@ -187,11 +187,15 @@ def test_nice_reaches_every_thread_of_a_server_and_is_only_ever_raised(tmp_path:
         def nices() -> set[int]:  # field 19 of /proc/<pid>/task/<tid>/stat, after the ")" that ends the name
             return {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
 
-        assert len(list(tasks.iterdir())) >= 2 and nices() == {0}
+        # the session's scheduler group weighs it against other sessions (absent on a kernel without autogroups)
+        group = (lambda: stack.autogroup_nice(proc.pid)) if Path(f"/proc/{proc.pid}/autogroup").exists() else None
+        assert len(list(tasks.iterdir())) >= 2 and nices() == {0} and (group is None or group() == 0)
         assert stack.nice_vllm(cfg) == [proc.pid] and nices() == {10}, "every thread, the one made first included"
+        assert group is None or group() == 10, "and the session's autogroup"
         assert stack.nice_vllm(cfg) == [], "already there: nothing to do"
         assert stack.nice_vllm(stack.replace_config(cfg, vllm_nice=5)) == [] and nices() == {10}, "never lowered"
         assert stack.nice_vllm(stack.replace_config(cfg, vllm_nice=12)) == [proc.pid] and nices() == {12}
+        assert group is None or group() == 12
     finally:
         proc.kill()
         proc.wait()
