@@ -123,7 +123,8 @@ def demo_config(args: argparse.Namespace, run_dir: Path, run_id: str) -> DemoCon
                      gate=dataclasses.replace(tuned.gate, min_sessions=5), gate_interval_s=5.0,
                      base_sessions=0, measure_s=0.0, live=False, run_id=run_id,
                      # two servers (champion and challenger), no control arm: the chaos run checks data, not lift
-                     vllm_servers=2, control_share=0.0, challenger_share=0.5)
+                     vllm_servers=2, control_share=0.0, challenger_share=0.5,
+                     vllm_nice=0)  # the servers as `flywheel infra up` leaves them: a niceness cannot be lowered again
     cfg.check()
     return cfg
 

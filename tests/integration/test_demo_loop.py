@@ -45,7 +45,8 @@ def test_short_loop_flows_through_every_stage_and_serves_a_new_version(
                                   publish_every_s=30.0)
     cfg = demo.DemoConfig(minutes=3.0, var_dir=tmp_path / "var", report_dir=tmp_path / "report", base_model=base_model_dir,
                           warm_start=False, concurrency=6, learner=learner, gate=dataclasses.replace(tuned.gate, min_sessions=5),
-                          vllm_servers=2, gate_interval_s=10.0, measure_s=40.0,
+                          # vllm_nice 0: the session's shared servers, which no test can make less nice again
+                          vllm_servers=2, vllm_nice=0, gate_interval_s=10.0, measure_s=40.0,
                           drain_s=15.0, keep_stack=True, live=False,
                           run_id=f"demo-test-{uuid.uuid4().hex[:8]}")  # unique: the MLflow store outlives a test run
     cfg.check()

@@ -55,6 +55,7 @@ def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewar
                               base_model=base_model_dir, warm_model=warm, subagent_model=subagents,
                               load_policy_v0_weights=True, concurrency=6,
                               learner=learner, gate=dataclasses.replace(tuned.gate, min_sessions=5), vllm_servers=2,
+                              vllm_nice=0,  # the session's shared servers: no test can make them less nice again
                               gate_interval_s=10.0, base_sessions=30, measure_s=40.0, drain_s=20.0,
                               keep_stack=True, live=False, run_id=f"swarm-test-{uuid.uuid4().hex[:8]}")
     cfg.check()
