@@ -117,7 +117,8 @@ class StackConfig:
                                 "scheduler autogroup): on a "
                                 "machine they share with the learner, a positive value lets a learner step take a "
                                 "core when it has one to run, and the servers take the cores back while it waits. "
-                                "Applied to servers of ours already running too; a niceness is only ever raised "
+                                "Set once they serve (starting at 10 beside a warm-start build, none served within "
+                                "300 s), and on servers of ours already running; a niceness is only ever raised "
                                 "(lowering needs privileges)")
     s3_host: str = setting("127.0.0.1", "address the S3-compatible server (S3Proxy) listens on")
     s3_port: int = setting(9000, "S3 port; clients use AWS_ENDPOINT_URL=http://<s3_host>:<s3_port>")
@@ -877,14 +878,12 @@ def start_vllm(cfg: StackConfig, servers: list[int] | None = None) -> list[dict[
         for i in indices:  # spawn all first: the servers load their model at the same time
             records.append(_spawn(cfg, vllm_name(i), _vllm_command(cfg, base, cfg.vllm_ports[i]), _vllm_env(cfg, i),
                                   VLLM_MARKER, port=cfg.vllm_ports[i]))
-        # Popen returns once the child has exec'd: each server is a lone thread importing vLLM, which has forked
-        # no worker yet (they inherit the niceness); kept servers get it too. Again once all serve, for any thread
-        # made in between.
-        nice_vllm(cfg)
         for i, record in zip(indices, records):
             url = cfg.vllm_urls[i]
             _wait(f"vllm server {url}", functools.partial(_serves_name, cfg, url), cfg.vllm_timeout_s, record,
                   _log_path(cfg, vllm_name(i)))
+        # once they serve, not before: starting at nice 10 beside the demo's warm-start build (two threads), no server
+        # served within 300 s (run 19); the niceness reaches the threads and workers they made meanwhile
         nice_vllm(cfg)
     except BaseException:
         for i, record in zip(indices, records):
@@ -1002,7 +1001,6 @@ def _ensure_frozen_vllm(cfg: StackConfig, fcfg: StackConfig, served_name: str, m
     # beside the tier's servers (unbound, one thread each on this 2-core machine): the same, not a core of its own
     env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
     record = _spawn(fcfg, name, _vllm_command(fcfg, _vllm_base(fcfg), port), env, VLLM_MARKER, port=port)
-    _nice_group(int(record["pid"]), cfg.vllm_nice)  # serves beside the tier: the same priority
     try:
         _wait(f"vllm server {url}", functools.partial(_serves_name, fcfg, url), cfg.vllm_timeout_s, record,
               _log_path(cfg, name))
@@ -1010,6 +1008,7 @@ def _ensure_frozen_vllm(cfg: StackConfig, fcfg: StackConfig, served_name: str, m
         _stop_record(record)
         _pid_path(cfg, name).unlink(missing_ok=True)
         raise
+    _nice_group(int(record["pid"]), cfg.vllm_nice)  # serves beside the tier: its priority, once it serves
     log.info("%s: serves %s as %s at %s", name, model_dir, served_name, url)
     return url, True
 
