@@ -162,6 +162,7 @@ for k in range(1, STEPS + 1):
     print(f"step {k} success {s:.2f} malformed {m:.3f} {time.time() - t0:.0f}s", flush=True)
 print("end", VARIANT, SEED, json.dumps(measure()), f"{time.time() - t0:.0f}s", flush=True)
 import collections
+
 print("examples", json.dumps(EXAMPLES[-40:]))
 ends = collections.Counter("cut-close" if e.rstrip().endswith("</") else "other" for e in EXAMPLES)
 print("kinds", dict(ends))
