@@ -18,6 +18,7 @@ LossAgg = Literal["token", "sequence"]
 Mode = Literal["lora", "full"]
 Baseline = Literal["batch", "running", "none"]
 KlRows = Literal["all", "trained"]
+KlEstimator = Literal["k3", "exact"]
 Shard = Literal["ddp", "fsdp2"]
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -77,6 +78,13 @@ class LearnerConfig:
                                     "after a step whose KL was above 1.5x the target the coefficient doubles, below "
                                     "target/1.5 it halves, within [kl_coef, kl_coef*1000]: kl_coef is the start and "
                                     "the floor. 0: the coefficient stays kl_coef")
+    kl_estimator: KlEstimator = setting("k3", "k3: exp(ref - new) - (ref - new) - 1 on each served token (unbiased "
+                                             "for KL(new || ref) only on tokens the current policy sampled); exact: "
+                                             "the full-vocabulary KL(new || ref) at each completion position, which "
+                                             "also sees mass the policy moved onto tokens the rows' server never "
+                                             "wrote (on rows policy-v0 served, k3 read the same for clean and "
+                                             "call-breaking versions: docs/experiments.md, session 35); holds a "
+                                             "[micro_batch, T, vocab] tensor")
     kl_rows: KlRows = setting("all", "rows the KL term is computed on: all (every row of the batch), or trained (only "
                                   "the rows with a nonzero advantage: under --positive-only a step then costs what it "
                                   "costs without KL, and the anchor holds back exactly the rows being moved)")

@@ -7,6 +7,7 @@ Shapes (named once, used throughout):
     logp_ref   [B, T]  base-model logprob (KL anchor), no grad
     logp_kl    [B, T]  learner logprob in logp_ref's terms (plain log-softmax) where logp_new is
                        taken under sampling settings (temperature, top-p); logp_new otherwise
+    kl_exact   [B, T]  the full-vocabulary KL(new || ref) at each position (kl_estimator exact), in place of k3
     mask       [B, T]  1.0 on trained completion tokens (loss_mask), 0.0 on padding/masked tokens
     adv        [B]     advantage of the row, broadcast over its tokens
 
@@ -15,7 +16,8 @@ so each token's gradient is weighted by the ratio pi_new / pi_old = exp(logp_new
 - "tis": truncated importance sampling, weight min(ratio, c) detached, times adv * grad logp_new
   (unbiased up to the truncation; bounded variance);
 - "ppo": the clipped surrogate -min(ratio * adv, clip(ratio, 1-eps, 1+eps) * adv).
-KL to the base model uses the k3 estimator exp(ref - new) - (ref - new) - 1 (>= 0, unbiased).
+KL to the base model uses the k3 estimator exp(ref - new) - (ref - new) - 1 (>= 0; unbiased for KL(new || ref) when
+the tokens were sampled by the current policy), or the exact per-position KL the caller computed over the vocabulary.
 
 Aggregation ("token" or "sequence"): "token" sums over tokens and divides by the token count of
 the GLOBAL batch (all micro-batches, all ranks); "sequence" first averages each row over its own
@@ -62,7 +64,8 @@ class LossStats:
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, *,
                 kind: str, tis_cap: float, ppo_eps: float, token_normalizer: float,
                 logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
-                agg: str = "token", logp_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
+                agg: str = "token", logp_kl: torch.Tensor | None = None,
+                kl_exact: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
     """Scalar loss of one micro-batch and its stats.
 
     token_normalizer: the GLOBAL batch's trained-token count (agg "token") or row count ("sequence").
@@ -87,7 +90,11 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tens
     else:
         raise ValueError(f"unknown loss kind {kind!r} (tis or ppo)")
     kl_tok = torch.zeros_like(logp_new)
-    if logp_ref is not None and kl_coef > 0:
+    if kl_exact is not None and kl_coef > 0:
+        assert kl_exact.shape == logp_new.shape, f"kl_exact {kl_exact.shape} vs {logp_new.shape}"
+        kl_tok = torch.clamp(kl_exact.masked_fill(mask == 0, 0.0), max=KL_CLAMP)  # the same cap as k3's
+        per_token = per_token + kl_coef * kl_tok
+    elif logp_ref is not None and kl_coef > 0:
         d = (logp_ref - (logp_new if logp_kl is None else logp_kl)).masked_fill(mask == 0, 0.0)  # [B, T]
         # k3 grows like exp(d): one sampled token the policy has moved far below the base (d ~ 10)
         # outweighed the whole batch (a demo step logged kl 297 and loss +115). Clamped as verl's

@@ -422,5 +422,20 @@ def token_logprobs_and_raw(module: torch.nn.Module, packed: Packed) -> tuple[tor
     return logp, (logp if packed.sampling is None else target_logprobs(picked, packed, processed=False))
 
 
+def reference_log_softmax(ref: torch.nn.Module, packed: Packed) -> torch.Tensor:
+    """[B, T, V] the reference model's plain log-softmax at the completion positions (kl_estimator exact)."""
+    return torch.log_softmax(completion_logits(ref, packed), dim=-1)
+
+
+def token_logprobs_and_exact_kl(module: torch.nn.Module, packed: Packed,
+                                ref_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T] processed logprobs, [B, T] KL(module || ref) over the whole vocabulary at each position) from one
+    forward; ref_full is reference_log_softmax's [B, T, V]. The KL compares the plain distributions (no sampling
+    truncation), as the k3 anchor does."""
+    picked = completion_logits(module, packed)
+    full = torch.log_softmax(picked, dim=-1)  # [B, T, V]
+    return target_logprobs(picked, packed), (full.exp() * (full - ref_full)).sum(dim=-1)
+
+
 def describe(policy: Policy) -> dict[str, Any]:
     return {"mode": policy.mode, "base_model": policy.base_model, "device": str(policy.device)}

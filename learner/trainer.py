@@ -25,7 +25,9 @@ from flywheel.learner.model import (
     Packed,
     Policy,
     pack,
+    reference_log_softmax,
     token_logprobs,
+    token_logprobs_and_exact_kl,
     token_logprobs_and_raw,
 )
 
@@ -63,7 +65,8 @@ class MicroBatch:
     episodes: list[Episode]
     packed: Packed
     adv: torch.Tensor  # [B]
-    logp_ref: torch.Tensor | None  # [B, T] base-model logprobs, plain log-softmax (KL term only)
+    logp_ref: torch.Tensor | None  # base-model plain log-softmax (KL term only): [B, T] of the served tokens (k3),
+    # or [B, T, V] over the vocabulary (kl_estimator exact)
     filler: bool = False  # a zero-weight pass: a sharded rank with fewer rows still joins every all-gather
 
 
@@ -217,7 +220,8 @@ class Trainer:
                 # the anchor compares the models themselves, not their truncated sampling
                 # distributions: a served token outside the base's top-p set would make it infinite
                 with torch.no_grad(), self.policy.reference() as ref:
-                    logp_ref = token_logprobs(ref, packed, processed=False)  # [B, T]
+                    logp_ref = (reference_log_softmax(ref, packed) if cfg.kl_estimator == "exact"  # [B, T, V]
+                                else token_logprobs(ref, packed, processed=False))  # [B, T]
             out.append(MicroBatch([e for e, _ in chunk], packed, adv, logp_ref,
                                   filler=j * cfg.micro_batch >= len(mine)))
         return out
@@ -236,7 +240,11 @@ class Trainer:
             with dist.no_sync(self.ddp) if accumulate else contextlib.nullcontext():
                 # logp under each row's sampling settings (the behaviour logprobs' terms); logp_raw,
                 # the plain log-softmax, is what the KL term compares with logp_ref
-                if mb.logp_ref is not None:
+                kl_exact = None
+                if mb.logp_ref is not None and cfg.kl_estimator == "exact":
+                    logp, kl_exact = token_logprobs_and_exact_kl(self.ddp, mb.packed, mb.logp_ref)  # [B, T] each
+                    logp_raw = None
+                elif mb.logp_ref is not None:
                     logp, logp_raw = token_logprobs_and_raw(self.ddp, mb.packed)  # [B, T] each
                 else:
                     logp, logp_raw = token_logprobs(self.ddp, mb.packed), None
@@ -244,7 +252,8 @@ class Trainer:
                 loss, s = policy_loss(logp, mb.packed.logp_old, mb.packed.mask, mb.adv, kind=cfg.loss,
                                       tis_cap=cfg.tis_cap, ppo_eps=cfg.ppo_eps,
                                       token_normalizer=normalizer / world.size,
-                                      logp_ref=mb.logp_ref, kl_coef=self.kl_coef, agg=cfg.loss_agg, logp_kl=logp_raw)
+                                      logp_ref=None if kl_exact is not None else mb.logp_ref, kl_coef=self.kl_coef,
+                                      agg=cfg.loss_agg, logp_kl=logp_raw, kl_exact=kl_exact)
                 if mb.filler:
                     loss = loss * 0.0  # [] a gradient of exactly 0: the row counts once, on the rank that owns it
                 loss.backward()

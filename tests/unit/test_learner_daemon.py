@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -128,7 +129,8 @@ def test_stale_episodes_never_reach_a_step(tmp_path: Path, model_dir: Path) -> N
 
 
 @pytest.mark.parametrize("variant", [dict(loss="ppo", kl_coef=0.1), dict(mode="full", lr=1e-4),
-                                     dict(mode="full", lr=1e-4, kl_coef=0.1)])
+                                     dict(mode="full", lr=1e-4, kl_coef=0.1),
+                                     dict(mode="full", lr=1e-4, kl_coef=0.1, kl_estimator="exact")])
 def test_ppo_with_kl_and_full_weights_train_and_write_servable_versions(tmp_path: Path, model_dir: Path,
                                                                         variant: dict) -> None:
     import torch
@@ -200,6 +202,35 @@ def test_rows_of_advantage_zero_are_skipped_without_changing_the_gradient(tmp_pa
     trained = Learner(_cfg(tmp_path / "kl-trained", model_dir, lake_root=str(tmp_path / "lake"), kl_coef=0.1,
                            kl_rows="trained"))
     assert len(trained.trainer.rows_to_run(plan)) == 5, "--kl-rows trained: the KL term on the trained rows only"
+
+
+def test_the_exact_kl_is_the_full_vocabulary_kl_zero_at_the_reference_and_trains(tmp_path: Path,
+                                                                                  model_dir: Path) -> None:
+    from flywheel.learner.daemon import Learner
+    from flywheel.learner.model import completion_logits, token_logprobs_and_exact_kl
+
+    write_episodes(tmp_path / "lake", random_rows(8, seed=6, vocab_size=512), seq=0)
+    learner = Learner(_cfg(tmp_path, model_dir, mode="full", lr=1e-3, warmup_steps=0, kl_coef=0.1,
+                           kl_estimator="exact", loss_agg="sequence"))
+    learner.stream.poll()  # type: ignore[union-attr]
+    batch, _ = learner.stream.take(8, learner.state.lags(), 4)  # type: ignore[union-attr]
+    plan = [(e, a) for e, a in zip(batch, [1.0, 0.0, 0.5, 0.0] * 2)]
+    mb = learner.trainer.micro_batches(plan)[0]
+    assert mb.logp_ref is not None and mb.logp_ref.dim() == 3, "the reference's whole distribution, [B, T, V]"
+    with torch.no_grad():
+        logp, kl = token_logprobs_and_exact_kl(learner.policy.module, mb.packed, mb.logp_ref)
+        assert float((kl * mb.packed.mask).abs().max()) < 1e-5, "the policy is still the reference"
+        # against a uniform reference the KL is log V minus the policy's entropy, position by position
+        full = torch.log_softmax(completion_logits(learner.policy.module, mb.packed), dim=-1)
+        vocab = full.shape[-1]
+        _, kl_uniform = token_logprobs_and_exact_kl(learner.policy.module, mb.packed,
+                                                    torch.full_like(full, -math.log(vocab)))
+        entropy = -(full.exp() * full).sum(-1)
+        assert torch.allclose(kl_uniform, math.log(vocab) - entropy, atol=1e-4)
+    first = learner.train_step(plan)
+    second = learner.train_step(plan)
+    assert first.kl == pytest.approx(0.0, abs=1e-5) and second.kl > 0, (first.kl, second.kl)
+    assert learner.trainer.rows_to_run(plan) == plan, "a KL term gives every row a gradient, exact or not"
 
 
 def test_adaptive_kl_doubles_above_the_target_halves_below_and_stays_in_its_range() -> None:

@@ -83,6 +83,18 @@ def test_kl_of_a_token_far_below_the_reference_is_capped() -> None:
     assert x.grad[0, 1] < 0, "below the cap the KL still pulls logp up towards the reference"
 
 
+def test_an_exact_kl_given_per_position_replaces_k3_capped_alike() -> None:
+    logp = -torch.rand(2, 3) - 1
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    kl = torch.tensor([[0.2, 12.0, 5.0], [0.0, 0.1, 0.3]], requires_grad=True)  # [B, T]; position (0, 2) is padding
+    loss, s = policy_loss(logp, logp, mask, torch.zeros(2), kind="tis", tis_cap=2, ppo_eps=0.2, token_normalizer=5,
+                          logp_ref=None, kl_coef=0.5, kl_exact=kl)
+    loss.backward()
+    assert s.kl_sum == pytest.approx(0.2 + KL_CLAMP + 0.0 + 0.1 + 0.3, rel=1e-6), "masked out, and capped at KL_CLAMP"
+    assert loss.item() == pytest.approx(0.5 * s.kl_sum / 5, rel=1e-6)
+    assert kl.grad is not None and kl.grad[0, 1] == 0 and kl.grad[0, 2] == 0 and kl.grad[1, 0] == pytest.approx(0.1)
+
+
 def test_micro_batches_sum_to_the_full_batch_gradient() -> None:
     torch.manual_seed(1)
     logp_new, logp_old = -torch.rand(6, 4) * 3, -torch.rand(6, 4) * 3
