@@ -11,7 +11,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from bench.fixtures import models as synthetic
 from flywheel.serving import publisher
@@ -28,7 +28,8 @@ def _chat(url: str, session: str) -> None:
     urllib.request.urlopen(request, timeout=60).read()
 
 
-def _llm_calls(kafka_bootstrap: str, topic: str, want: int, timeout_s: float = 30.0) -> dict[str, dict]:
+def _llm_calls(kafka_bootstrap: str, topic: str, want: int, timeout_s: float = 30.0,
+               need: Collection[str] = ()) -> dict[str, dict]:
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=500, client_id="tests")
@@ -37,13 +38,27 @@ def _llm_calls(kafka_bootstrap: str, topic: str, want: int, timeout_s: float = 3
     consumer.seek_to_beginning(tp)
     calls: dict[str, dict] = {}
     deadline = time.time() + timeout_s
-    while time.time() < deadline and len(calls) < want:
+    while time.time() < deadline and (len(calls) < want or not set(need) <= calls.keys()):
         for message in consumer:
             event = json.loads(message.value)
             if event["type"] == "llm_call":
                 calls[event["session_id"]] = event
     consumer.close()
     return calls
+
+
+def _await_router_read_after(url: str, moment: float, timeout_s: float = 60.0) -> None:
+    """Send warm-up requests (each may start a background alias read) until the router routes from a read that began
+    after `moment`."""
+    deadline = time.time() + timeout_s
+    snapshot: dict = {}
+    while time.time() < deadline:
+        _chat(url, f"warm-up-{uuid.uuid4().hex[:8]}")
+        snapshot = json.loads(urllib.request.urlopen(f"{url}/stats", timeout=10).read())["router"]
+        if (snapshot.get("read_at") or 0.0) > moment:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the proxy's router read no aliases after the promotion within {timeout_s:.0f} s: {snapshot}")
 
 
 def test_proxy_logs_challenger_and_champion_versions_and_follows_a_promotion(
@@ -83,14 +98,15 @@ def test_proxy_logs_challenger_and_champion_versions_and_follows_a_promotion(
             assert (got["policy_version"], got["arm"]) == (want, arm(s)), (s, got["policy_version"], got["arm"], want)
             assert got["model"] == f"policy-v{want}", got["model"]
 
+        promoted_at = time.time()
         registry.make_champion(challenger)  # promotion: every new session now goes to the new champion
-        time.sleep(2.5)  # alias_refresh_s=1, refreshed in the background on the next request
-        _chat(url, "warm-up")
-        time.sleep(0.5)
+        # alias_refresh_s=1, re-read in the background on a request: wait until the router's read began after the
+        # promotion (GET /stats), not for a fixed time a busy machine's MLflow query can outlast
+        _await_router_read_after(url, promoted_at)
         later = [f"t-{uuid.uuid4().hex}" for _ in range(6)]
         for s in later:
             _chat(url, s)
-        calls = _llm_calls(kafka_bootstrap, topic, len(sessions) + len(later) + 1)
+        calls = _llm_calls(kafka_bootstrap, topic, len(sessions) + len(later) + 1, need=later)
         assert {calls[s]["policy_version"] for s in later if arm(s) != "control"} == {challenger}, \
             {s: calls[s]["policy_version"] for s in later}
         assert all(calls[s]["policy_version"] == 0 for s in later if arm(s) == "control"), "the control arm moved"
