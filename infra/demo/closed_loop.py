@@ -3,10 +3,11 @@
 What it does, in order (each step logged):
 1. set-up: the tiny base model (`flywheel model init`) and its warm-started copy
    (`infra.warm_start`), unless they exist;
-2. the stack (`infra.stack`), started beside a warm start still to build: Kafka, MLflow, and one
+2. the stack (`infra.stack`): Kafka and MLflow started beside a warm start still to build, and one
    vLLM server per live version (control, champion, challenger), each serving the WARM-STARTED
-   model as policy-v0 (servers started during the build come up on the base and are reloaded
-   with policy-v0's weights; a vLLM this stack started on another model is restarted);
+   model as policy-v0: started after the build on a machine without cores for both
+   (`servers_beside_build`), else beside it on the base and reloaded with policy-v0's weights;
+   a vLLM this stack started on another model is restarted;
 3. this run's own topics, consumer group, lake, registered model and policy folder (named by
    the run id), so a demo never reads another run's data;
 4. the loop as separate processes, each the ordinary `flywheel` sub-command: capture proxy
@@ -204,9 +205,11 @@ def warm_start_build(cfg: DemoConfig) -> Callable[[], dict[str, Any]] | None:
     return go
 
 
-def ensure_stack(cfg: DemoConfig, topics: list[str], on_base: bool = False) -> tuple[Any, list[str]]:
+def ensure_stack(cfg: DemoConfig, topics: list[str], on_base: bool = False,
+                 with_vllm: bool = True) -> tuple[Any, list[str]]:
     """The stack up with this run's topics, every vLLM server on policy-v0's weights, or (on_base) on the base
-    model's until `load_policy_v0` (the warm start is still being built)."""
+    model's until `load_policy_v0` (the warm start is still being built); without_vllm, Kafka and MLflow only (the
+    servers come with a later call)."""
     from flywheel import stack
 
     # with load_policy_v0_weights (or on_base) the servers run on base_model and get policy-v0's weights by a reload
@@ -215,11 +218,11 @@ def ensure_stack(cfg: DemoConfig, topics: list[str], on_base: bool = False) -> t
     # a full-weight learner publishes no adapter: its servers run without vLLM's LoRA layers
     scfg = stack.replace_config(stack.load_stack_config([]), base_model=served_dir, vllm_servers=cfg.vllm_servers,
                                 vllm_lora=cfg.learner.mode == "lora", vllm_nice=cfg.vllm_nice)
-    started = stack.ensure_up(scfg)
-    if not stack.vllm_serves_base(scfg):
+    started = stack.ensure_up(scfg, None if with_vllm else [p for p in scfg.parts if p != "vllm"])
+    if with_vllm and not stack.vllm_serves_base(scfg):
         raise stack.StackError(f"vLLM at {scfg.vllm_urls} does not serve {served_dir} as {scfg.served_model_name}")
     stack.ensure_topics(stack.replace_config(scfg, kafka_topics=topics))
-    if not on_base:
+    if with_vllm and not on_base:
         load_policy_v0(cfg, scfg)
     return scfg, started
 
@@ -453,12 +456,13 @@ def log_warm(warm: dict[str, Any]) -> dict[str, Any]:
     return warm
 
 
-def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[Any, list[str], Endpoints]:
+def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False,
+                with_vllm: bool = True) -> tuple[Any, list[str], Endpoints]:
     """The stack with this run's topics; returns its config, the parts started here and where it all listens."""
-    scfg, started = ensure_stack(cfg, list(plan.topics.values()), on_base)
-    log.info("demo: stack up (started here: %s); vLLM serves %s%s", ", ".join(started) or "nothing",
-             cfg.base_model if on_base else policy_v0(cfg), " until the warm start is built" if on_base else
-             " as policy-v0")
+    scfg, started = ensure_stack(cfg, list(plan.topics.values()), on_base, with_vllm)
+    log.info("demo: stack up (started here: %s); %s", ", ".join(started) or "nothing",
+             "vLLM once the warm start is built" if not with_vllm else f"vLLM serves {cfg.base_model} until the "
+             "warm start is built" if on_base else f"vLLM serves {policy_v0(cfg)} as policy-v0")
     ends = Endpoints(kafka_bootstrap=scfg.kafka_bootstrap, vllm_url=scfg.vllm_url,
                      tracking_uri=scfg.mlflow_tracking_uri,
                      proxy_port=_free_port(), vllm_urls=scfg.vllm_urls)
@@ -489,13 +493,25 @@ def start_subagents(cfg: DemoConfig, scfg: Any, ends: Endpoints, started: list[s
     return dataclasses.replace(ends, subagent_url=url)
 
 
+def servers_beside_build(cfg: DemoConfig) -> bool:
+    """Whether the vLLM servers start while the warm start is built, or after it.
+
+    Beside it only where the build's pinned threads and the servers each have cores of their own. On two cores the
+    servers' start (~100-150 s of compiling on both cores) all but stopped the build: its first 100 steps took 225 s
+    against 55 s alone (run 25), and the build ended ~540 s in against ~315 s alone, so the traffic began ~2 minutes
+    later than with the servers started after it (~315 + ~100 s, docs/experiments.md)."""
+    from flywheel.demo import warm_start
+
+    return (os.cpu_count() or 1) >= warm_start.THREADS + cfg.vllm_servers
+
+
 def models_and_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[dict[str, Any], Any, list[str], Endpoints]:
     """The models and the stack; the builds still to do run beside the stack's start.
 
-    The warm start (~5.5 minutes, pinned numerics: the same weights whatever else runs) and the stack's start (~3.5:
-    a JVM, MLflow, three vLLM servers) came one after the other; side by side they take the cores the other leaves
-    waiting. The servers start on the base model (same architecture and tokenizer) and are reloaded with
-    policy-v0's weights once it is built, the path a restored version takes. The swarm's frozen sub-agents (when
+    The warm start (~5.5 minutes, pinned numerics: the same weights whatever else runs) runs beside Kafka's and
+    MLflow's start. The vLLM servers start beside it too where there are cores enough (`servers_beside_build`), on
+    the base model (same architecture and tokenizer), and are reloaded with policy-v0's weights once it is built, the
+    path a restored version takes; elsewhere they start after it, on policy-v0. The swarm's frozen sub-agents (when
     configured) get their model built after policy-v0's and a server of their own once it is."""
     ensure_base(cfg)
     warm_build = warm_start_build(cfg)
@@ -511,13 +527,17 @@ def models_and_stack(cfg: DemoConfig, plan: RunPlan) -> tuple[dict[str, Any], An
 
     builder = threading.Thread(target=build_all, name="warm-start", daemon=True)
     builder.start()
-    scfg, started, ends = start_stack(cfg, plan, on_base=warm_build is not None)
+    beside = warm_build is None or servers_beside_build(cfg)
+    scfg, started, ends = start_stack(cfg, plan, on_base=warm_build is not None, with_vllm=beside)
     try:
         builder.join()
         if "error" in result:
             raise result["error"]
         warm = log_warm(result["warm"] if warm_build is not None else recorded_warm(cfg))
-        if warm_build is not None:
+        if not beside:
+            scfg, more, ends = start_stack(cfg, plan)
+            started += more
+        elif warm_build is not None:
             load_policy_v0(cfg, scfg)
         ends = start_subagents(cfg, scfg, ends, started)
     except BaseException:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import calendar
 import dataclasses
+import os
 import re
 import time
 from pathlib import Path
@@ -285,9 +286,14 @@ def _stack_fakes(monkeypatch: pytest.MonkeyPatch, build: Any) -> list[str]:
 
     events: list[str] = []
 
-    def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[Any, list[str], Endpoints]:
+    def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False,
+                    with_vllm: bool = True) -> tuple[Any, list[str], Endpoints]:
+        if not with_vllm:
+            events.append("kafka and mlflow up")
+            return object(), ["kafka", "mlflow"], ENDS
+        up_already = "kafka and mlflow up" in events  # ensure_up starts only what is not healthy
         events.append(f"stack up on_base={on_base}")
-        return object(), ["kafka", "vllm"], ENDS
+        return object(), ["vllm"] if up_already else ["kafka", "mlflow", "vllm"], ENDS
 
     monkeypatch.setattr(closed_loop, "ensure_base", lambda cfg: events.append("base"))
     monkeypatch.setattr(closed_loop, "warm_start_build", lambda cfg: build)
@@ -299,10 +305,12 @@ def _stack_fakes(monkeypatch: pytest.MonkeyPatch, build: Any) -> list[str]:
     return events
 
 
-def test_a_warm_start_to_build_runs_beside_the_stacks_start_and_policy_v0_is_loaded_after_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stack comes up on the base while the warm start trains (not after it), and the servers get policy-v0's
-    weights only once the build has finished."""
+@pytest.mark.parametrize("beside", [True, False], ids=["cores-for-both", "two-cores"])
+def test_a_warm_start_to_build_runs_beside_the_stacks_start_and_policy_v0_is_served_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, beside: bool) -> None:
+    """The stack comes up while the warm start trains (not after it). With cores for both, the servers start then too,
+    on the base, and get policy-v0's weights once the build has finished; without, Kafka and MLflow start beside the
+    build and the servers after it, on policy-v0 (loaded by ensure_stack, inside the fake start_stack here)."""
     import threading
 
     from flywheel.demo import closed_loop
@@ -318,18 +326,35 @@ def test_a_warm_start_to_build_runs_beside_the_stacks_start_and_policy_v0_is_loa
     recorded = _stack_fakes(monkeypatch, build)
     original = closed_loop.start_stack
 
-    def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False) -> tuple[Any, list[str], Endpoints]:
-        out = original(cfg, plan, on_base)
+    def start_stack(cfg: DemoConfig, plan: RunPlan, on_base: bool = False,
+                    with_vllm: bool = True) -> tuple[Any, list[str], Endpoints]:
+        out = original(cfg, plan, on_base, with_vllm)
         stack_is_up.set()
         return out
 
     monkeypatch.setattr(closed_loop, "start_stack", start_stack)
+    monkeypatch.setattr(closed_loop, "servers_beside_build", lambda cfg: beside)
     cfg, run = _plan(tmp_path)
     warm, _, started, ends = closed_loop.models_and_stack(cfg, run)
-    assert warm["steps"] == 600 and started == ["kafka", "vllm"] and ends == ENDS
+    assert warm["steps"] == 600 and ends == ENDS
     order = [e for e in recorded if e != "base"]
-    assert order == ["stack up on_base=True", "policy-v0 loaded"], order
+    if beside:
+        assert started == ["kafka", "mlflow", "vllm"] and order == ["stack up on_base=True", "policy-v0 loaded"], order
+    else:
+        assert order == ["kafka and mlflow up", "stack up on_base=False"], order
+        assert started == ["kafka", "mlflow", "vllm"], started
     assert events == ["warm built"]
+
+
+def test_the_servers_start_beside_the_build_only_where_each_has_cores_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.demo import closed_loop, warm_start
+
+    cfg, _ = _plan(tmp_path)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert not closed_loop.servers_beside_build(cfg)
+    monkeypatch.setattr(os, "cpu_count", lambda: warm_start.THREADS + cfg.vllm_servers)
+    assert closed_loop.servers_beside_build(cfg)
 
 
 def test_a_warm_start_already_built_serves_policy_v0_directly_and_a_failed_build_stops_the_stack(
@@ -348,10 +373,13 @@ def test_a_warm_start_already_built_serves_policy_v0_directly_and_a_failed_build
     def broken() -> dict[str, Any]:
         raise RuntimeError("warm start out of its band")
 
-    events = _stack_fakes(monkeypatch, broken)
-    with pytest.raises(RuntimeError, match="out of its band"):
-        closed_loop.models_and_stack(cfg, run)
-    assert events == ["base", "stack up on_base=True", "down ['kafka', 'vllm']"], events
+    for beside, first, parts in ((True, "stack up on_base=True", "['kafka', 'mlflow', 'vllm']"),
+                                 (False, "kafka and mlflow up", "['kafka', 'mlflow']")):
+        events = _stack_fakes(monkeypatch, broken)
+        monkeypatch.setattr(closed_loop, "servers_beside_build", lambda cfg, beside=beside: beside)
+        with pytest.raises(RuntimeError, match="out of its band"):
+            closed_loop.models_and_stack(cfg, run)
+        assert events == ["base", first, f"down {parts}"], events
 
 
 def test_the_final_window_stops_the_learner_and_the_gate_together_and_waits_for_the_learners_stopped_heartbeat(
