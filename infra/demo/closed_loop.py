@@ -208,8 +208,8 @@ def warm_start_build(cfg: DemoConfig) -> Callable[[], dict[str, Any]] | None:
 def ensure_stack(cfg: DemoConfig, topics: list[str], on_base: bool = False,
                  with_vllm: bool = True) -> tuple[Any, list[str]]:
     """The stack up with this run's topics, every vLLM server on policy-v0's weights, or (on_base) on the base
-    model's until `load_policy_v0` (the warm start is still being built); without_vllm, Kafka and MLflow only (the
-    servers come with a later call)."""
+    model's until `load_policy_v0` (the warm start is still being built); with_vllm False, Kafka and MLflow only
+    (the servers come with a later call)."""
     from flywheel import stack
 
     # with load_policy_v0_weights (or on_base) the servers run on base_model and get policy-v0's weights by a reload
