@@ -65,9 +65,12 @@ class MicroBatch:
     episodes: list[Episode]
     packed: Packed
     adv: torch.Tensor  # [B]
-    logp_ref: torch.Tensor | None  # base-model plain log-softmax (KL term only): [B, T] of the served tokens (k3),
-    # or [B, T, V] over the vocabulary (kl_estimator exact)
+    logp_ref: torch.Tensor | None  # [B, T] the base model's plain logprobs of the served tokens (k3's KL term only)
     filler: bool = False  # a zero-weight pass: a sharded rank with fewer rows still joins every all-gather
+    # kl_estimator exact: the reference's [B, T, V] log-softmax is computed in the pass that uses it, one micro-batch
+    # at a time. Kept for a whole step it was [rows, T, vocab]: ~16 MB on the tiny model, tens of GB for a real
+    # vocabulary (64 rows of 1,000 tokens at 49,152: 12.6 GB). With epochs > 1 each pass recomputes it (no grad).
+    exact_ref: bool = False
 
 
 @dataclass
@@ -216,15 +219,21 @@ class Trainer:
             packed = pack([e for e, _ in chunk], device)
             adv = torch.tensor([a for _, a in chunk], dtype=torch.float32, device=device)  # [B]
             logp_ref = None
-            if cfg.kl_coef > 0:
+            exact = cfg.kl_coef > 0 and cfg.kl_estimator == "exact"
+            if cfg.kl_coef > 0 and not exact:
                 # the anchor compares the models themselves, not their truncated sampling
                 # distributions: a served token outside the base's top-p set would make it infinite
                 with torch.no_grad(), self.policy.reference() as ref:
-                    logp_ref = (reference_log_softmax(ref, packed) if cfg.kl_estimator == "exact"  # [B, T, V]
-                                else token_logprobs(ref, packed, processed=False))  # [B, T]
+                    logp_ref = token_logprobs(ref, packed, processed=False)  # [B, T]
             out.append(MicroBatch([e for e, _ in chunk], packed, adv, logp_ref,
-                                  filler=j * cfg.micro_batch >= len(mine)))
+                                  filler=j * cfg.micro_batch >= len(mine), exact_ref=exact))
         return out
+
+    def reference_full(self, mb: MicroBatch) -> torch.Tensor:
+        """[B, T, V] the reference's plain log-softmax at mb's completion positions (kl_estimator exact): plain, as
+        k3's anchor, so a served token outside the base's top-p set cannot make the KL infinite."""
+        with torch.no_grad(), self.policy.reference() as ref:
+            return reference_log_softmax(ref, mb.packed)
 
     def backward_pass(self, micro: list[MicroBatch], normalizer: float,
                       gap: BehaviourGap | None) -> tuple[LossStats, float]:
@@ -241,9 +250,9 @@ class Trainer:
                 # logp under each row's sampling settings (the behaviour logprobs' terms); logp_raw,
                 # the plain log-softmax, is what the KL term compares with logp_ref
                 kl_exact = None
-                if mb.logp_ref is not None and cfg.kl_estimator == "exact":
-                    logp, kl_exact = token_logprobs_and_exact_kl(self.ddp, mb.packed, mb.logp_ref)  # [B, T] each
-                    logp_raw = None
+                if mb.exact_ref:
+                    logp, kl_exact = token_logprobs_and_exact_kl(self.ddp, mb.packed, self.reference_full(mb))
+                    logp_raw = None  # logp, kl_exact: [B, T] each; the [B, T, V] reference is freed with this pass
                 elif mb.logp_ref is not None:
                     logp, logp_raw = token_logprobs_and_raw(self.ddp, mb.packed)  # [B, T] each
                 else:

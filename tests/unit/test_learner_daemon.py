@@ -216,9 +216,11 @@ def test_the_exact_kl_is_the_full_vocabulary_kl_zero_at_the_reference_and_trains
     batch, _ = learner.stream.take(8, learner.state.lags(), 4)  # type: ignore[union-attr]
     plan = [(e, a) for e, a in zip(batch, [1.0, 0.0, 0.5, 0.0] * 2)]
     mb = learner.trainer.micro_batches(plan)[0]
-    assert mb.logp_ref is not None and mb.logp_ref.dim() == 3, "the reference's whole distribution, [B, T, V]"
+    assert mb.exact_ref and mb.logp_ref is None, "the [B, T, V] reference is computed in the pass, not kept per step"
+    ref_full = learner.trainer.reference_full(mb)
+    assert ref_full.dim() == 3 and not ref_full.requires_grad, "the reference's whole distribution, [B, T, V]"
     with torch.no_grad():
-        logp, kl = token_logprobs_and_exact_kl(learner.policy.module, mb.packed, mb.logp_ref)
+        logp, kl = token_logprobs_and_exact_kl(learner.policy.module, mb.packed, ref_full)
         assert float((kl * mb.packed.mask).abs().max()) < 1e-5, "the policy is still the reference"
         # against a uniform reference the KL is log V minus the policy's entropy, position by position
         full = torch.log_softmax(completion_logits(learner.policy.module, mb.packed), dim=-1)
