@@ -511,7 +511,7 @@ def test_the_swarm_recipe_and_flags_reach_each_sub_command() -> None:
     learner = learner_of(cfg)
     assert (learner.shaping_anneal_start_step, learner.shaping_anneal_end_step) == (0, 7)
     assert (learner.kl_coef, learner.kl_target, learner.opening_share, learner.kl_rows, learner.kl_estimator) == \
-        (0.1, 0.0, 0.5, "all", "exact"), "the swarm's KL anchor is the tool-use recipe's (run sw2's rule)"
+        (1.0, 0.0, 0.5, "all", "exact"), "the tool-use recipe's KL anchor at ten times its coefficient (run sw3's rule)"
     default_learner = learner_of(plan.DemoConfig())
     assert (default_learner.kl_coef, default_learner.kl_target, default_learner.opening_share,
             default_learner.kl_rows) == (0.1, 0.0, 0.0, "all"), "the default demo's learner is the tool-use recipe's"
