@@ -83,11 +83,11 @@ class LearnerConfig:
                                              "the full-vocabulary KL(new || ref) at each completion position, which "
                                              "also sees mass the policy moved onto tokens the rows' server never "
                                              "wrote (on rows policy-v0 served, k3 read the same for clean and "
-                                             "call-breaking versions: docs/experiments.md, session 35). Memory: "
-                                             "a step holds the reference's [rows, T, vocab] float32 log-softmax for "
-                                             "all of its micro-batches at once (built with them, reused by every "
-                                             "epoch): ~16 MB for the demo's tiny model, tens of GB for a 150k "
-                                             "vocabulary at long sequences")
+                                             "call-breaking versions: docs/experiments.md, session 35). Memory and "
+                                             "time: the reference's [micro_batch, T, vocab] float32 log-softmax, one "
+                                             "micro-batch at a time, computed in each pass that uses it (one more "
+                                             "no-grad forward per epoch); size micro_batch for it on a real "
+                                             "vocabulary (32 rows of 1,000 tokens at 49,152: 6.3 GB)")
     kl_rows: KlRows = setting("all", "rows the KL term is computed on: all (every row of the batch), or trained (only "
                                   "the rows with a nonzero advantage: under --positive-only a step then costs what it "
                                   "costs without KL, and the anchor holds back exactly the rows being moved)")
