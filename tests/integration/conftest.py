@@ -129,7 +129,7 @@ def _idle_priority() -> None:
 
 def _background_builds(base: Path) -> dict[str, BackgroundBuild]:
     """Per test file, the build it needs, from the tiny base at `base`. The demo's warm start goes where `make demo`
-    reads it (reused when current); the swarm test's quick warm start into a scratch folder; the real model where
+    reads it (reused when current); the swarm tests' smaller warm starts into a scratch folder; the real model where
     `flywheel model fetch` puts it."""
     flywheel = str(Path(sys.executable).with_name("flywheel"))
     # <swarm_out>/warm: the policy-v0; <swarm_out>/subagent: the frozen sub-agents' model
@@ -164,11 +164,9 @@ def _background_builds(base: Path) -> dict[str, BackgroundBuild]:
     }
 
 
-# The swarm tests' builds (test_swarm_loop, test_swarm_preflight_builds): the demo's rule and action share (a fifth
-# of the draws) in 300 steps of 32 demonstrations, the sub-agents' in 300 of 16; about 6 + 2.5 minutes on two threads
-# against the demo's 12 + 4.5. Measured by the swarm pre-flight (session 39, docs/swarm.md "In the suite"): 300 steps
-# of 16 opened 15.6% of the multi-part sessions with a spawn (19.4% with the actions on half the draws), 600 of 16
-# 18.8%, 300 of 32 51.2%: the number of demonstrations a step, not the steps, forms the spawn.
+# The swarm tests' builds (test_swarm_loop, test_swarm_preflight_builds): the demo's rule and action share in 300 steps
+# of 32 demonstrations, the sub-agents' in 300 of 16. The smallest build measured that keeps the pre-flight's bar
+# (docs/swarm.md, "In the suite"; 16 a step opened under 20% of multi-part sessions with a spawn).
 SWARM_TEST_WARM = {"max_steps": 300, "eval_every": 300, "loss_parts": 8, "batch_size": 32}
 SWARM_TEST_SUBAGENTS = {"max_steps": 300, "eval_every": 300, "loss_parts": 8, "batch_size": 16}
 BUILDS_KEY = pytest.StashKey[dict[str, BackgroundBuild]]()
