@@ -164,10 +164,10 @@ def _background_builds(base: Path) -> dict[str, BackgroundBuild]:
     }
 
 
-# The swarm tests' builds (test_swarm_loop, test_swarm_preflight_builds): the demo's rule and action share in 300 steps
+# The swarm tests' builds (test_swarm_loop, test_swarm_preflight_builds): the demo's rule and action share in 150 steps
 # of 32 demonstrations, the sub-agents' in 300 of 16. The smallest build measured that keeps the pre-flight's bar
 # (docs/swarm.md, "In the suite"; 16 a step opened under 20% of multi-part sessions with a spawn).
-SWARM_TEST_WARM = {"max_steps": 300, "eval_every": 300, "loss_parts": 8, "batch_size": 32}
+SWARM_TEST_WARM = {"max_steps": 150, "eval_every": 150, "loss_parts": 8, "batch_size": 32}
 SWARM_TEST_SUBAGENTS = {"max_steps": 300, "eval_every": 300, "loss_parts": 8, "batch_size": 16}
 BUILDS_KEY = pytest.StashKey[dict[str, BackgroundBuild]]()
 
