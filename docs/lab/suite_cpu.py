@@ -12,9 +12,10 @@ process: vllm, kafka, mlflow, s3proxy, the pytest process itself, its other chil
     python3 docs/lab/suite_cpu.py report /tmp/samples.jsonl /tmp/tests.tlog
 
 The report: the span, the CPU used of what two cores give, CPU by kind, then per test (setup, call and teardown
-together) its wall seconds, CPU seconds, idle core-seconds (2 x wall - CPU) and build CPU. A process that lives under
-5 s between two samples is counted in its parent's children times only when the parent reaps it, so short tests'
-figures are rough; the minutes-long items are what it is for. Not part of the package and not tested; session 40's
+together) its wall seconds, CPU seconds, idle core-seconds (cores x wall - CPU) and build CPU. Only a process's own
+time is read (utime + stime, not its reaped children's), so a process that lives between two samples, and the last
+seconds of every process before it exits, are not counted: the figures are lower bounds, rough for short tests;
+the minutes-long items are what it is for. Not part of the package and not tested; session 40's
 figures in docs/CONTRIBUTING.md ("Where the suite's time goes") came from it.
 """
 
@@ -34,7 +35,8 @@ BUILDS = {"warm_start_model": "build-swarm", "model init --warm-start": "build-d
 
 
 def sample(out_path: str, every_s: float = 5.0) -> None:
-    """Append {"t", "p": {pid: [cpu ticks, (first sight) "comm | cmdline", ppid]}} lines until killed."""
+    """Append {"t", "cores", "p": {"pid:start": [cpu ticks, (first sight) "comm | cmdline", ppid]}} lines until
+    killed. A process is keyed by its pid and start time: pids are reused over a 40-minute run."""
     seen: set[str] = set()
     with open(out_path, "a") as out:
         while True:
@@ -45,20 +47,21 @@ def sample(out_path: str, every_s: float = 5.0) -> None:
                         stat = f.read()
                     fields = stat[stat.rindex(")") + 2:].split()
                     ticks = int(fields[11]) + int(fields[12])  # utime + stime
+                    key = f"{pid}:{fields[19]}"  # starttime
                     if ticks == 0:
                         continue
-                    if pid in seen:
-                        procs[pid] = [ticks]
+                    if key in seen:
+                        procs[key] = [ticks]
                         continue
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:  # whole: a build's needle is deep in its -c code
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
                     with open(f"/proc/{pid}/comm") as f:
                         comm = f.read().strip()
-                    procs[pid] = [ticks, f"{comm} | {cmd}", int(fields[1])]
-                    seen.add(pid)
+                    procs[key] = [ticks, f"{comm} | {cmd}", int(fields[1])]
+                    seen.add(key)
                 except (OSError, ValueError, IndexError):
                     continue  # gone between listdir and open
-            out.write(json.dumps({"t": time.time(), "p": procs}) + "\n")
+            out.write(json.dumps({"t": time.time(), "cores": os.cpu_count(), "p": procs}) + "\n")
             out.flush()
             time.sleep(every_s)
 
@@ -84,13 +87,16 @@ class Kinds:
     server's; the pytest process's other children are "test-child")."""
 
     def __init__(self, info: dict[str, tuple[str, int]]) -> None:
-        self.info, self.cache = info, {}
+        self.info = info  # "pid:start" -> (command, ppid)
+        self.by_pid = {key.split(":")[0]: key for key in info}  # a parent by its pid: the latest process of that pid
+        self.cache: dict[str, str] = {}
 
-    def __call__(self, pid: str, depth: int = 0) -> str:
-        if pid not in self.cache:
-            cmd, ppid = self.info.get(pid, ("", 0))
+    def __call__(self, key: str, depth: int = 0) -> str:
+        if key not in self.cache:
+            cmd, ppid = self.info.get(key, ("", 0))
             own = _own_kind(cmd)
-            parent = self(str(ppid), depth + 1) if str(ppid) in self.info and depth < 30 else "other"
+            parent_key = self.by_pid.get(str(ppid))
+            parent = self(parent_key, depth + 1) if parent_key and depth < 30 else "other"
             if own == "pytest":
                 kind = "pytest" if parent == "other" else parent  # a pytest under a build is the build's
             elif own is not None:
@@ -99,33 +105,43 @@ class Kinds:
                 kind = "test-child"
             else:
                 kind = parent
-            self.cache[pid] = kind
-        return self.cache[pid]
+            self.cache[key] = kind
+        return self.cache[key]
 
 
 def report(samples_path: str, tlog_path: str) -> None:
-    samples = [json.loads(line) for line in open(samples_path)]
-    info = {pid: (v[1], v[2]) for s in samples for pid, v in s["p"].items() if len(v) > 1}
+    samples = []
+    for line in open(samples_path):
+        try:
+            samples.append(json.loads(line))
+        except json.JSONDecodeError:  # the sampler killed mid-line
+            break
+    if len(samples) < 2:
+        raise SystemExit(f"{samples_path}: fewer than two samples")
+    info = {key: (v[1], v[2]) for s in samples for key, v in s["p"].items() if len(v) > 1}
     kind = Kinds(info)
-    starts = [(float(t), node) for t, what, node in (line.split(" ", 2) for line in open(tlog_path)) if what == "start"]
+    marks = [(float(t), what, node.strip()) for t, what, node in (line.split(" ", 2) for line in open(tlog_path))]
+    # a test's interval runs to the next test's start; after the last test's end, the session's own teardown
+    starts = [(t, node) for t, what, node in marks if what == "start"] + [(marks[-1][0], "(after the last test)")]
     times = [t for t, _ in starts]
+    cores = samples[-1].get("cores") or os.cpu_count() or 1
     wall: collections.Counter[str] = collections.Counter()
     cpu: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     total: collections.Counter[str] = collections.Counter()
     last: dict[str, int] = {}
     for i, s in enumerate(samples):
         j = bisect.bisect_right(times, s["t"]) - 1
-        node = starts[j][1].strip() if j >= 0 else "(before the first test)"
+        node = starts[j][1] if j >= 0 else "(before the first test)"
         if i:
             wall[node] += s["t"] - samples[i - 1]["t"]
-        for pid, v in s["p"].items():
-            delta = v[0] - last.get(pid, 0 if i else v[0])  # a pid first seen after the start: all its ticks
-            last[pid] = v[0]
+        for key, v in s["p"].items():
+            delta = v[0] - last.get(key, 0 if i else v[0])  # a process first seen after the start: all its ticks
+            last[key] = v[0]
             if delta > 0:
-                cpu[node][kind(pid)] += delta / HZ
-                total[kind(pid)] += delta / HZ
+                cpu[node][kind(key)] += delta / HZ
+                total[kind(key)] += delta / HZ
     span = samples[-1]["t"] - samples[0]["t"]
-    print(f"span {span:.0f} s; of {2 * span:.0f} core-s, {sum(total.values()):.0f} used")
+    print(f"span {span:.0f} s; of {cores * span:.0f} core-s ({cores} cores), {sum(total.values()):.0f} used")
     for k, v in total.most_common():
         print(f"  {k:16s} {v:7.0f}")
     print(f"\n{'test':90s} {'wall':>5s} {'cpu':>5s} {'idle':>5s} {'build':>5s}  top kinds")
@@ -133,7 +149,8 @@ def report(samples_path: str, tlog_path: str) -> None:
         c = cpu[node]
         build = sum(v for k, v in c.items() if k.startswith("build"))
         top = " ".join(f"{k}={v:.0f}" for k, v in c.most_common(4) if not k.startswith("build"))
-        print(f"{node[-90:]:90s} {w:5.0f} {sum(c.values()):5.0f} {2 * w - sum(c.values()):5.0f} {build:5.0f}  {top}")
+        used = sum(c.values())
+        print(f"{node[-90:]:90s} {w:5.0f} {used:5.0f} {cores * w - used:5.0f} {build:5.0f}  {top}")
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ transformers copy of the warm-started model, sampled as vLLM serves it (temperat
 It passes when, at every part count, forced spawn's session success beats forced serial's by at least `min_gap`
 and the unforced openings spawn within `spawn_band`: then splitting pays and the base does it sometimes, so RL on
 production's outcomes has something to sharpen. tests/integration/test_swarm_preflight_builds.py runs it on the suite's
-smaller builds of the same rules (300 steps of 32 demonstrations); on the demo's own builds (about 17 minutes of
+smaller builds of the same rules (150 steps of 32 demonstrations); on the demo's own builds (about 17 minutes of
 CPU) it runs by hand, and docs/swarm.md has each result.
 
     flywheel swarm-preflight [--model var/models/tiny-swarm-warm] [--subagent-model var/models/tiny-swarm-subagent]

@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 def test_model_spawns_and_summaries_flow_into_episodes_with_the_right_rows_rewarded(
         stack: stack_mod.StackConfig, base_model_dir: Path, tmp_path: Path, run_demo: Callable[[demo.DemoConfig], int],
         background_build: Callable[[str], Path]) -> None:
-    # built from the session's start in the background (conftest.BackgroundBuild: SWARM_TEST_WARM, half the draws)
+    # built from the session's start in the background (conftest.BackgroundBuild: SWARM_TEST_WARM)
     built = background_build("test_swarm_loop.py")
     warm, subagents = built / "warm", built / "subagent"
     assert json.loads((warm / "warm_start.json").read_text())["settings"]["max_steps"] == 150
