@@ -5,11 +5,8 @@ transformers copy of each model as vLLM serves it, through the swarm's own harne
 The models are the suite's swarm builds (conftest.BackgroundBuild, shared with test_swarm_loop): the demo's warm
 start rule and action share (a fifth of the draws) in 150 steps of 32 demonstrations where the demo takes 600, and
 the sub-agents' one-lookup rule in 300 steps of 16; about 6 minutes of two threads where the demo's two builds take
-about 17. Measured on this machine (sessions 39 and 40, the same quick sub-agents): 300 steps of 16 opened 15.6% of
-the multi-part sessions with a spawn, 600 of 16 18.8%, under the bar's 30%; 300 of 32 passed with 51.2% unforced,
-150 of 32 (the suite's since session 40, to cut the suite's CPU: issue 35) with 39.4% (forced spawn 63.7% / 35.0% of
-sessions against forced serial 0% / 0% for each). The demo's own builds are
-checked by hand (`flywheel swarm-preflight`, docs/swarm.md): 81.2% / 62.5% against 0% / 0%, 39.4% unforced.
+about 17. Which smaller builds keep the bar and which do not, and the demo's own builds checked by hand
+(`flywheel swarm-preflight`), are measured in docs/swarm.md, "In the suite".
 """
 
 from __future__ import annotations
