@@ -4,7 +4,7 @@ FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST := $(VENV)/bin/python -m pytest --durations=15  # the slowest tests, named at the end of every run
 DEMO_MINUTES ?=  # empty: the recipe's (infra/recipes/tool_use.toml: 15); `make demo DEMO_MINUTES=20` for longer
 
-.PHONY: setup demo test lint test-unit test-integration up down status model clean
+.PHONY: setup demo test test-fast lint test-unit test-integration up down status model clean
 
 setup:
 	@bash infra/setup.sh
@@ -19,6 +19,11 @@ demo: setup
 # the real Kafka, MLflow and vLLM themselves (once per session, through infra/) and stop what they started.
 test: model lint
 	@$(PYTEST) tests/unit tests/integration tests/gpu
+
+# The loop while you work, not what CI runs: every test but those marked slow (the closed-loop runs, the kill
+# loops and outages, the minutes-long bench small runs), so also fewer background builds.
+test-fast: model lint
+	@$(PYTEST) -m "not slow" tests/unit tests/integration tests/gpu
 
 lint: setup
 	@$(VENV)/bin/ruff check infra ingest learner serving rewards tests bench

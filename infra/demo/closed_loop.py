@@ -302,6 +302,8 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
 # the traffic phase
 # ---------------------------------------------------------------------------------------------
 SCAN_EVERY_S = 60.0  # between the live view's lake scans (Traffic.success_now)
+# while final_after_sessions waits for a new version's sessions: a 3-minute run's lake scans in a second or two
+EARLY_SCAN_EVERY_S = 15.0
 
 
 class Traffic:
@@ -335,7 +337,8 @@ class Traffic:
         three vLLM servers. Run inline every 20 s (runs 1-8), the scans ran back to back on one core, and each
         delayed the loop's checks, so the final window and the end of the traffic came up to 70 s late."""
         busy = self._scanning is not None and self._scanning.is_alive()
-        if not busy and time.time() - self._success_at >= SCAN_EVERY_S:
+        every = EARLY_SCAN_EVERY_S if self.waiting_for_new_version() else SCAN_EVERY_S
+        if not busy and time.time() - self._success_at >= every:
             self._success_at = time.time()
 
             def scan() -> None:
@@ -344,6 +347,16 @@ class Traffic:
             self._scanning = threading.Thread(target=scan, name="live-view-scan", daemon=True)
             self._scanning.start()
         return self._success
+
+    def waiting_for_new_version(self) -> bool:
+        return self.cfg.final_after_sessions > 0 and self.training and self.final_since is None
+
+    def new_version_served(self) -> bool:
+        """final_after_sessions > 0: a version the learner published has that many sessions with an outcome in the
+        lake (the last background scan's count, so it lags by up to EARLY_SCAN_EVERY_S and a scan)."""
+        if not self.waiting_for_new_version():
+            return False
+        return any(v > 0 and n >= self.cfg.final_after_sessions for v, (n, _) in self.success_now().items())
 
     def start_final_window(self) -> None:
         """Stop the learner and the gate, then clear the challenger alias: every session outside the control
@@ -404,7 +417,11 @@ class Traffic:
             if done >= cfg.base_sessions or self.elapsed() > traffic_s / 2:
                 log.info("demo: %d sessions served by policy-v0; starting the learner and the promotion gate", done)
                 self.start_training()
-        elif cfg.measure_s > 0 and self.final_since is None and self.elapsed() >= traffic_s - cfg.measure_s:
+        elif cfg.measure_s > 0 and self.final_since is None and (self.elapsed() >= traffic_s - cfg.measure_s
+                                                                  or self.new_version_served()):
+            if self.elapsed() < traffic_s - cfg.measure_s:
+                log.info("demo: a new version has %d sessions in the lake at %.0f s: the final window starts early "
+                         "(final_after_sessions)", cfg.final_after_sessions, self.elapsed())
             self.start_final_window()
         dead = [(n, rc) for n, rc in procs.dead() if n != "agent-sim"]
         if dead:

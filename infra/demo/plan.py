@@ -84,6 +84,10 @@ class DemoConfig:
     measure_s: float = setting(150.0, "the final window, the seconds of traffic at the end: the learner and the gate "
                                       "are stopped, the challenger alias is cleared, and the champion and the control "
                                       "serve the same sessions to be compared on")
+    final_after_sessions: int = setting(0, "0: the final window starts at minutes*60 - measure_s. n > 0: earlier, once "
+                                           "a new version has n sessions with an outcome in the lake, `minutes` kept "
+                                           "as the cap (the suite's short run: it asserts that the loop flows, not "
+                                           "what it learns, and waited ~90 s for the clock)")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
     keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop "
                                       "everything it started)")
@@ -118,6 +122,10 @@ class DemoConfig:
         if not 0 <= self.measure_s < self.minutes * 60:
             raise ConfigError(f"measure_s: must be >= 0 and shorter than the traffic ({self.minutes * 60:.0f} s), "
                               f"got {self.measure_s}")
+        if self.final_after_sessions < 0:
+            raise ConfigError(f"final_after_sessions: must be >= 0, got {self.final_after_sessions}")
+        if self.final_after_sessions and not self.measure_s:
+            raise ConfigError("final_after_sessions: starts the final window early, and measure_s is 0 (no window)")
         if self.vllm_servers < 2:
             raise ConfigError(f"vllm_servers: {self.vllm_servers}; full weights need a server per live version (the "
                               "control and the champion share policy-v0's server until a promotion, a challenger needs "

@@ -263,6 +263,41 @@ def test_the_live_views_lake_scan_never_holds_up_the_traffic_loop(tmp_path: Path
     assert traffic.success_now() == {1: (10, 7)} and len(scans) == 1, "the next scan waits SCAN_EVERY_S"
 
 
+def test_final_after_sessions_starts_the_final_window_once_a_new_version_has_its_sessions(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's short run ends its training on an event, not the clock: the final window starts once a version
+    the learner published has final_after_sessions sessions in the lake; policy-v0's sessions never count."""
+    from flywheel.demo import closed_loop
+
+    lake = {0: (40, 20), 1: (2, 1)}
+    monkeypatch.setattr(closed_loop, "success_by_version", lambda _root, _since: dict(lake))
+    monkeypatch.setattr(closed_loop, "EARLY_SCAN_EVERY_S", 0.0)
+    cfg, run = _plan(tmp_path)
+    traffic = closed_loop.Traffic(dataclasses.replace(cfg, final_after_sessions=3), run, ENDS,
+                                  closed_loop.Processes(tmp_path / "logs"), time.time())
+    assert not traffic.new_version_served(), "before the learner starts there is no new version to wait for"
+    traffic.training = True
+
+    def served() -> bool:
+        traffic.success_now()
+        assert traffic._scanning is not None
+        traffic._scanning.join(5)
+        return traffic.new_version_served()
+
+    assert not served(), "v1 has 2 sessions of 3; policy-v0's 40 do not count"
+    lake[1] = (3, 0)
+    assert served(), "v1 has its 3 sessions"
+    traffic.final_since = time.time()
+    assert not traffic.new_version_served(), "once the window began there is nothing to wait for"
+    off = closed_loop.Traffic(cfg, run, ENDS, closed_loop.Processes(tmp_path / "logs"), time.time())
+    off.training = True
+    assert cfg.final_after_sessions == 0 and not off.new_version_served(), "0 (the default): the clock decides"
+    with pytest.raises(ConfigError, match="final_after_sessions"):
+        dataclasses.replace(cfg, final_after_sessions=-1).check()
+    with pytest.raises(ConfigError, match="final_after_sessions"):
+        dataclasses.replace(cfg, final_after_sessions=3, measure_s=0.0).check()
+
+
 def test_the_smollm2_recipe_is_a_real_model_in_lora_mode_that_claims_no_learning(tmp_path: Path) -> None:
     cfg = from_recipe(DemoConfig, "smollm2")
     cfg.check()
