@@ -20,8 +20,8 @@ demo: setup
 test: model lint
 	@$(PYTEST) tests/unit tests/integration tests/gpu
 
-# The loop while you work, not what CI runs: every test but those marked slow (the closed-loop runs, the kill
-# loops and outages, the minutes-long bench small runs), so also fewer background builds.
+# The loop while you work, not what CI runs: every test but those marked slow (the closed-loop runs and their
+# pre-flights, the kill loops and outages, the chaos small run), so the demo's and the swarm's builds are skipped.
 test-fast: model lint
 	@$(PYTEST) -m "not slow" tests/unit tests/integration tests/gpu
 

@@ -20,7 +20,8 @@ What it does, in order (each step logged):
    the gate are stopped and the challenger alias is cleared, so the champion and the control arm
    serve the same sessions, none of which the gate saw; it starts when the proxy's router has
    re-read the aliases and lasts its full measure_s, so the traffic runs past N minutes by the
-   time stopping took (run_dir/final_window.json says since when);
+   time stopping took (run_dir/final_window.json says since when); with final_after_sessions (a
+   smoke run's setting, the suite's) it starts earlier, once a published version has that many sessions;
 7. after the final window (N minutes of traffic without one): the agent stops, the outcomes and the lake catch up, every
    process it started is stopped (SIGTERM, then SIGKILL), the stack parts it started are
    stopped, and the report is written to var/report/ (report.md, PNGs, summary.json).
@@ -302,14 +303,14 @@ def view(statuses: dict[str, dict[str, Any]], lake: dict[str, int], success: dic
 # the traffic phase
 # ---------------------------------------------------------------------------------------------
 SCAN_EVERY_S = 60.0  # between the live view's lake scans (Traffic.success_now)
-# while final_after_sessions waits for a new version's sessions: a 3-minute run's lake scans in a second or two
+# while final_after_sessions waits for a published version's sessions: a short run's lake takes a second or two to scan
 EARLY_SCAN_EVERY_S = 15.0
 
 
 class Traffic:
     """The traffic phase: the learner and the gate run (from the first session, or after policy-v0 served
-    base_sessions), and in the final window (measure_s seconds at the end) the champion is measured against
-    the control; tick() moves between these, render() draws them."""
+    base_sessions), and in the final window (measure_s seconds at the end, or from final_after_sessions' event on)
+    the champion is measured against the control; tick() moves between these, render() draws them."""
 
     def __init__(self, cfg: DemoConfig, plan: RunPlan, ends: Endpoints, procs: Processes, started_at: float) -> None:
         self.cfg, self.plan, self.ends, self.procs = cfg, plan, ends, procs
@@ -331,7 +332,8 @@ class Traffic:
         self.training = True
 
     def success_now(self) -> dict[int, tuple[int, int]]:
-        """The live view's success by version: the last scan's, refreshed in the background every SCAN_EVERY_S.
+        """The live view's success by version: the last scan's, refreshed in the background every SCAN_EVERY_S
+        (EARLY_SCAN_EVERY_S while final_after_sessions waits for a published version's sessions).
 
         A full lake scan takes 13 s on a quiet machine by the end of a run and about a minute beside the learner and
         three vLLM servers. Run inline every 20 s (runs 1-8), the scans ran back to back on one core, and each
@@ -351,14 +353,16 @@ class Traffic:
     def waiting_for_new_version(self) -> bool:
         return self.cfg.final_after_sessions > 0 and self.training and self.final_since is None
 
-    def new_version_served(self) -> bool:
-        """final_after_sessions > 0: a version the learner published has that many sessions with an outcome in the
-        lake (the last background scan's count, so it lags by up to EARLY_SCAN_EVERY_S and a scan)."""
+    def new_version_served(self) -> tuple[int, int] | None:
+        """final_after_sessions > 0: (version, sessions) of a version the learner published that has that many
+        sessions with an outcome in the lake (the last background scan's count, so it lags by up to
+        EARLY_SCAN_EVERY_S and a scan); None while there is none, or nothing to wait for."""
         if not self.waiting_for_new_version():
-            return False
-        return any(v > 0 and n >= self.cfg.final_after_sessions for v, (n, _) in self.success_now().items())
+            return None
+        ready = [(v, n) for v, (n, _) in self.success_now().items() if v > 0 and n >= self.cfg.final_after_sessions]
+        return max(ready) if ready else None
 
-    def start_final_window(self) -> None:
+    def start_final_window(self, early: tuple[int, int] | None = None) -> None:
         """Stop the learner and the gate, then clear the challenger alias: every session outside the control
         arm goes to the champion, so the two are compared on the same sessions, none of which the gate saw.
 
@@ -386,7 +390,9 @@ class Traffic:
         self.final_since = time.time()
         write_json(self.plan.run_dir / "final_window.json",
                    {"since": self.final_since, "champion": champion, "challenger_cleared_at": cleared_at,
-                    "router_confirmed": confirmed}, Durability.ADVISORY)
+                    "router_confirmed": confirmed,
+                    "early": None if early is None else {"version": early[0], "sessions": early[1]}},
+                   Durability.ADVISORY)
         log.info("demo: final window from %.0f (%.1f s after the clear): %s against the control %s", self.final_since,
                  self.final_since - cleared_at, version_name(champion), version_name(CONTROL_VERSION))
 
@@ -417,12 +423,15 @@ class Traffic:
             if done >= cfg.base_sessions or self.elapsed() > traffic_s / 2:
                 log.info("demo: %d sessions served by policy-v0; starting the learner and the promotion gate", done)
                 self.start_training()
-        elif cfg.measure_s > 0 and self.final_since is None and (self.elapsed() >= traffic_s - cfg.measure_s
-                                                                  or self.new_version_served()):
-            if self.elapsed() < traffic_s - cfg.measure_s:
-                log.info("demo: a new version has %d sessions in the lake at %.0f s: the final window starts early "
-                         "(final_after_sessions)", cfg.final_after_sessions, self.elapsed())
-            self.start_final_window()
+        elif cfg.measure_s > 0 and self.final_since is None:
+            early = self.new_version_served()
+            if early is not None and self.elapsed() < traffic_s - cfg.measure_s:
+                log.info("demo: %s has %d sessions with an outcome at %.0f s of traffic: the final window starts "
+                         "early (final_after_sessions %d)", version_name(early[0]), early[1], self.elapsed(),
+                         cfg.final_after_sessions)
+                self.start_final_window(early)
+            elif self.elapsed() >= traffic_s - cfg.measure_s:
+                self.start_final_window()
         dead = [(n, rc) for n, rc in procs.dead() if n != "agent-sim"]
         if dead:
             name, rc = dead[0]

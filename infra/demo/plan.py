@@ -84,10 +84,11 @@ class DemoConfig:
     measure_s: float = setting(150.0, "the final window, the seconds of traffic at the end: the learner and the gate "
                                       "are stopped, the challenger alias is cleared, and the champion and the control "
                                       "serve the same sessions to be compared on")
-    final_after_sessions: int = setting(0, "0: the final window starts at minutes*60 - measure_s. n > 0: earlier, once "
-                                           "a new version has n sessions with an outcome in the lake, `minutes` kept "
-                                           "as the cap (the suite's short run: it asserts that the loop flows, not "
-                                           "what it learns, and waited ~90 s for the clock)")
+    final_after_sessions: int = setting(0, "0: the final window starts at minutes*60 - measure_s. n > 0: as soon as a "
+                                           "version the learner published has n sessions with an outcome in the lake, "
+                                           "at minutes*60 - measure_s at the latest; the learner and the gate stop "
+                                           "then, so only a smoke run (learning_claim false) may set it, as the "
+                                           "suite's demo test does")
     drain_s: float = setting(25.0, "after traffic stops: seconds for outcomes, lake and episodes to catch up")
     keep_stack: bool = setting(False, "leave running the stack parts the demo started (default: stop "
                                       "everything it started)")
@@ -126,6 +127,9 @@ class DemoConfig:
             raise ConfigError(f"final_after_sessions: must be >= 0, got {self.final_after_sessions}")
         if self.final_after_sessions and not self.measure_s:
             raise ConfigError("final_after_sessions: starts the final window early, and measure_s is 0 (no window)")
+        if self.final_after_sessions and self.learning_claim:
+            raise ConfigError("final_after_sessions: stops the learner and the gate at the first published version's "
+                              "first sessions, which a run that claims learning cannot do; set learning_claim false")
         if self.vllm_servers < 2:
             raise ConfigError(f"vllm_servers: {self.vllm_servers}; full weights need a server per live version (the "
                               "control and the champion share policy-v0's server until a promotion, a challenger needs "

@@ -263,39 +263,88 @@ def test_the_live_views_lake_scan_never_holds_up_the_traffic_loop(tmp_path: Path
     assert traffic.success_now() == {1: (10, 7)} and len(scans) == 1, "the next scan waits SCAN_EVERY_S"
 
 
-def test_final_after_sessions_starts_the_final_window_once_a_new_version_has_its_sessions(
+def test_final_after_sessions_starts_the_final_window_once_a_published_version_has_its_sessions(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite's short run ends its training on an event, not the clock: the final window starts once a version
-    the learner published has final_after_sessions sessions in the lake; policy-v0's sessions never count."""
+    """The suite's short run ends its training on an event, not the clock: tick() starts the final window once a
+    version the learner published has final_after_sessions sessions in the lake; policy-v0's never count, and
+    nothing starts it before the learner runs."""
     from flywheel.demo import closed_loop
 
-    lake = {0: (40, 20), 1: (2, 1)}
-    monkeypatch.setattr(closed_loop, "success_by_version", lambda _root, _since: dict(lake))
+    class Agent:
+        def poll(self) -> None:
+            return None  # still running
+
+    class Procs:
+        procs = {"agent-sim": Agent()}
+
+        def dead(self) -> list[tuple[str, int]]:
+            return []
+
+    monkeypatch.setattr(closed_loop, "read_statuses", lambda _var: {"agent-sim": {"sessions": 0}})
+    cfg, run = _plan(tmp_path, final_after_sessions=3, learning_claim=False)
+    cfg.check()
+    traffic = closed_loop.Traffic(cfg, run, ENDS, Procs(), time.time())  # type: ignore[arg-type]
+    started: list[tuple[int, int] | None] = []
+
+    def start_final_window(early: tuple[int, int] | None = None) -> None:
+        started.append(early)
+        traffic.final_since = time.time()
+
+    monkeypatch.setattr(traffic, "start_training", lambda: setattr(traffic, "training", True))
+    monkeypatch.setattr(traffic, "start_final_window", start_final_window)
+    traffic._success_at = time.time()  # no background scan: the test sets what the last one found
+    traffic._success = {0: (40, 20), 1: (5, 1)}
+    assert traffic.new_version_served() is None, "before the learner starts there is nothing to wait for"
+    assert traffic.tick() and traffic.training and not started, "the first tick starts the learner, not the window"
+    traffic._success = {0: (40, 20), 1: (2, 1)}
+    assert traffic.tick() and not started, "v1 has 2 sessions of 3; policy-v0's 40 do not count"
+    traffic._success = {0: (40, 20), 1: (3, 0), 2: (4, 1)}
+    assert traffic.tick() and started == [(2, 4)], f"v1 and v2 have their sessions: {started}"
+    assert traffic.new_version_served() is None, "once the window began there is nothing to wait for"
+
+    off = closed_loop.Traffic(_plan(tmp_path)[0], run, ENDS, Procs(), time.time())  # type: ignore[arg-type]
+    off.training, off._success_at, off._success = True, time.time(), {1: (50, 10)}
+    assert off.new_version_served() is None, "final_after_sessions 0 (the default): the clock decides"
+
+
+def test_final_after_sessions_scans_the_lake_more_often_only_while_it_waits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.demo import closed_loop
+
+    scans: list[float] = []
+
+    def scan(_root: Path, _since: float) -> dict[int, tuple[int, int]]:
+        scans.append(time.time())
+        return {}
+
+    monkeypatch.setattr(closed_loop, "success_by_version", scan)
     monkeypatch.setattr(closed_loop, "EARLY_SCAN_EVERY_S", 0.0)
-    cfg, run = _plan(tmp_path)
-    traffic = closed_loop.Traffic(dataclasses.replace(cfg, final_after_sessions=3), run, ENDS,
-                                  closed_loop.Processes(tmp_path / "logs"), time.time())
-    assert not traffic.new_version_served(), "before the learner starts there is no new version to wait for"
+    cfg, run = _plan(tmp_path, final_after_sessions=3, learning_claim=False)
+    traffic = closed_loop.Traffic(cfg, run, ENDS, closed_loop.Processes(tmp_path / "logs"), time.time())
     traffic.training = True
 
-    def served() -> bool:
+    def look() -> None:
         traffic.success_now()
         assert traffic._scanning is not None
         traffic._scanning.join(5)
-        return traffic.new_version_served()
 
-    assert not served(), "v1 has 2 sessions of 3; policy-v0's 40 do not count"
-    lake[1] = (3, 0)
-    assert served(), "v1 has its 3 sessions"
+    look()
+    look()
+    assert len(scans) == 2, "waiting: EARLY_SCAN_EVERY_S (0 here) between scans"
     traffic.final_since = time.time()
-    assert not traffic.new_version_served(), "once the window began there is nothing to wait for"
-    off = closed_loop.Traffic(cfg, run, ENDS, closed_loop.Processes(tmp_path / "logs"), time.time())
-    off.training = True
-    assert cfg.final_after_sessions == 0 and not off.new_version_served(), "0 (the default): the clock decides"
-    with pytest.raises(ConfigError, match="final_after_sessions"):
+    look()
+    assert len(scans) == 2, "the window began: back to SCAN_EVERY_S"
+
+
+def test_final_after_sessions_is_for_a_smoke_run_with_a_final_window(tmp_path: Path) -> None:
+    cfg, _ = _plan(tmp_path, final_after_sessions=3, learning_claim=False)
+    cfg.check()
+    with pytest.raises(ConfigError, match="learning_claim"):
+        dataclasses.replace(cfg, learning_claim=True).check()
+    with pytest.raises(ConfigError, match="must be >= 0"):
         dataclasses.replace(cfg, final_after_sessions=-1).check()
-    with pytest.raises(ConfigError, match="final_after_sessions"):
-        dataclasses.replace(cfg, final_after_sessions=3, measure_s=0.0).check()
+    with pytest.raises(ConfigError, match="measure_s is 0"):
+        dataclasses.replace(cfg, measure_s=0.0).check()
 
 
 def test_the_smollm2_recipe_is_a_real_model_in_lora_mode_that_claims_no_learning(tmp_path: Path) -> None:
