@@ -643,8 +643,14 @@ def stop_everything(cfg: DemoConfig, procs: Processes, scfg: Any, stack_started:
 
 def final_since(plan: RunPlan) -> float | None:
     """When the final window began (None: the run had none, or ended before it)."""
+    window = final_window(plan)
+    return float(window["since"]) if window else None
+
+
+def final_window(plan: RunPlan) -> dict[str, Any]:
+    """run_dir/final_window.json ({} without one): since, champion, router_confirmed, early."""
     path = plan.run_dir / "final_window.json"
-    return float(json.loads(path.read_text())["since"]) if path.exists() else None
+    return dict(json.loads(path.read_text())) if path.exists() else {}
 
 
 def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, warm: dict[str, Any],
@@ -652,7 +658,7 @@ def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, wa
     """Write the report, show it, and print summary.json as the last line."""
     from flywheel.demo import report
 
-    context = {"run_id": plan.run_id, "minutes": cfg.minutes,
+    context = {"run_id": plan.run_id, "minutes": cfg.minutes, "final_early": final_window(plan).get("early"),
                "started": time.strftime("%H:%M:%S", time.gmtime(started_at)),
                "ended": time.strftime("%H:%M:%S", time.gmtime()), "total_s": round(time.time() - t_setup, 1),
                "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}

@@ -890,11 +890,19 @@ def _num(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
+def _early_text(early: dict[str, int] | None) -> str:
+    """final_window.json's "early" (final_after_sessions): the traffic ended before `minutes`."""
+    if not early:
+        return ""
+    return (f" at most: the final window started early, once policy-v{early['version']} had {early['sessions']} "
+            "sessions with an outcome (final_after_sessions)")
+
+
 def markdown(summary: dict[str, Any], images: list[str], context: dict[str, Any]) -> str:
     lines = ["# agent-flywheel demo report", "",
              f"Run: {context.get('started', '?')} to {context.get('ended', '?')} ({context.get('minutes', '?')} min of "
-             "traffic). Every number below is read from the lake (production sessions of the simulated agent) and the "
-             "MLflow registry.", ""]
+             f"traffic{_early_text(context.get('final_early'))}). Every number below is read from the lake (production "
+             "sessions of the simulated agent) and the MLflow registry.", ""]
     if context.get("learning_claim") is False:
         lines += [f"**A smoke run: this report makes no learning claim.** It shows that every stage ran on "
                   f"{context.get('base_model', 'this model')} (the learner took {summary.get('learner_steps')} steps); "
@@ -982,10 +990,12 @@ def run_report(run_dir: Path, out_dir: Path, tracking_uri: str) -> dict[str, Any
     cfg = resolve(DemoConfig, tomllib.loads(toml_path.read_text()), {}, {})
     plan = RunPlan(run_id=run_dir.name, var_dir=run_dir.parent.parent, traffic_s=cfg.minutes * 60.0)
     window = run_dir / "final_window.json"
-    final = float(json.loads(window.read_text())["since"]) if window.exists() else None
+    window_facts = json.loads(window.read_text()) if window.exists() else {}
+    final = float(window_facts["since"]) if window_facts else None
     warm_path = Path(cfg.warm_model) / "warm_start.json"
     warm = json.loads(warm_path.read_text()) if cfg.warm_start and warm_path.exists() else {}
     context = {"run_id": plan.run_id, "minutes": cfg.minutes, "regenerated": True,
+               "final_early": window_facts.get("early"),
                "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}
     summary = write_run_report(out_dir, cfg, plan, tracking_uri, context, final)
     if cfg.scenario == "swarm":

@@ -289,3 +289,7 @@ def test_a_smoke_run_says_first_that_it_makes_no_learning_claim(tmp_path: Path) 
     assert "this report makes no learning claim" in first and "smollm2-135m-instruct" in first, first
     assert "no learning claim" not in report.markdown(summary, [], {"learning_claim": True})
     assert "no learning claim" not in report.markdown(summary, [], {})
+    early = report.markdown(summary, [], {"learning_claim": False, "minutes": 3.0,
+                                          "final_early": {"version": 1, "sessions": 14}})
+    assert "(3.0 min of traffic at most: the final window started early, once policy-v1 had 14 sessions" in early
+    assert "started early" not in smoke, "a run whose final window came on the clock says nothing about it"
