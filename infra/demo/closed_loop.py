@@ -388,7 +388,7 @@ class Traffic:
         champion = registry.aliases().get(CHAMPION, 0)
         confirmed = wait_for_router(self.ends.proxy_port, cleared_at)
         self.final_since = time.time()
-        write_json(self.plan.run_dir / "final_window.json",
+        write_json(self.plan.final_window_path,
                    {"since": self.final_since, "champion": champion, "challenger_cleared_at": cleared_at,
                     "router_confirmed": confirmed,
                     "early": None if early is None else {"version": early[0], "sessions": early[1]}},
@@ -643,14 +643,8 @@ def stop_everything(cfg: DemoConfig, procs: Processes, scfg: Any, stack_started:
 
 def final_since(plan: RunPlan) -> float | None:
     """When the final window began (None: the run had none, or ended before it)."""
-    window = final_window(plan)
+    window = plan.final_window()
     return float(window["since"]) if window else None
-
-
-def final_window(plan: RunPlan) -> dict[str, Any]:
-    """run_dir/final_window.json ({} without one): since, champion, router_confirmed, early."""
-    path = plan.run_dir / "final_window.json"
-    return dict(json.loads(path.read_text())) if path.exists() else {}
 
 
 def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, warm: dict[str, Any],
@@ -658,7 +652,7 @@ def report_run(cfg: DemoConfig, plan: RunPlan, ends: Endpoints, console: Any, wa
     """Write the report, show it, and print summary.json as the last line."""
     from flywheel.demo import report
 
-    context = {"run_id": plan.run_id, "minutes": cfg.minutes, "final_early": final_window(plan).get("early"),
+    context = {"run_id": plan.run_id, "minutes": cfg.minutes, "final_early": plan.final_window().get("early"),
                "started": time.strftime("%H:%M:%S", time.gmtime(started_at)),
                "ended": time.strftime("%H:%M:%S", time.gmtime()), "total_s": round(time.time() - t_setup, 1),
                "warm_start": {k: warm.get(k) for k in ("steps", "final_success", "seconds")}}

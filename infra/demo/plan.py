@@ -9,10 +9,11 @@ each command is one the sub-command accepts and that it carries the demo's setti
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from flywheel.base import defaults
 from flywheel.base.config import ConfigError, check_choices, from_recipe, setting, to_flags
@@ -215,6 +216,16 @@ class RunPlan:
     def handoff(self) -> Path:
         """The agent's finished sessions, which the verifier (outcome-sim) judges."""
         return self.run_dir / "sessions.jsonl"
+
+    @property
+    def final_window_path(self) -> Path:
+        """Written when the final window starts: since, champion, challenger_cleared_at, router_confirmed, early."""
+        return self.run_dir / "final_window.json"
+
+    def final_window(self) -> dict[str, Any]:
+        """final_window.json's facts; {} when the run had no final window (or has not reached it)."""
+        path = self.final_window_path
+        return dict(json.loads(path.read_text())) if path.exists() else {}
 
     @property
     def topics(self) -> dict[str, str]:

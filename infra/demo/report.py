@@ -989,8 +989,7 @@ def run_report(run_dir: Path, out_dir: Path, tracking_uri: str) -> dict[str, Any
         raise FileNotFoundError(f"{toml_path}: not a demo run folder (the demo writes demo.toml there at start)")
     cfg = resolve(DemoConfig, tomllib.loads(toml_path.read_text()), {}, {})
     plan = RunPlan(run_id=run_dir.name, var_dir=run_dir.parent.parent, traffic_s=cfg.minutes * 60.0)
-    window = run_dir / "final_window.json"
-    window_facts = json.loads(window.read_text()) if window.exists() else {}
+    window_facts = plan.final_window()
     final = float(window_facts["since"]) if window_facts else None
     warm_path = Path(cfg.warm_model) / "warm_start.json"
     warm = json.loads(warm_path.read_text()) if cfg.warm_start and warm_path.exists() else {}
